@@ -1,0 +1,41 @@
+# The README's two commands: `make run` (the main job) and `make test` (the test suite).
+# Each creates or refreshes .venv itself: the pinned CPU torch first (a bare `torch` requirement
+# would pull a multi-GB CUDA build), then the package with its extras.
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= triton,dev
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.addnorm-installed
+ARGS ?= inspect
+
+.PHONY: run test lint format bench install clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[$(EXTRAS)]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/addnorm $(ARGS)
+
+# TRITON_INTERPRET=1 runs the Triton kernels on the CPU, so CI checks them without a GPU.
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff format --check src tests benchmarks
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format src tests benchmarks
+	$(VENV)/bin/ruff check --fix src tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_encoder_layer.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
