@@ -1,0 +1,15 @@
+"""Transformer layers, stacks and models built from AddNorm connections."""
+
+from .attention import MultiHeadAttention, causal_mask
+from .config import TransformerConfig
+from .feedforward import FeedForward
+from .init import INITS
+from .interop import UnsupportedModuleError, from_torch
+from .layers import DecoderLayer, EncoderLayer
+from .models import LanguageModel, PositionalEncoding, Transformer
+from .stacks import Decoder, Encoder
+
+__all__ = [
+    "INITS", "Decoder", "DecoderLayer", "Encoder", "EncoderLayer", "FeedForward", "LanguageModel",
+    "MultiHeadAttention", "PositionalEncoding", "Transformer", "TransformerConfig", "UnsupportedModuleError", "causal_mask", "from_torch",
+]

@@ -1,0 +1,45 @@
+"""Position-wise feed-forward networks: ReLU/GELU (Vaswani et al. 2017) and SwiGLU (Shazeer 2020)."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..registry import Registry
+
+ACTIVATIONS: Registry = Registry("activation")
+ACTIVATIONS.register("relu", F.relu)
+ACTIVATIONS.register("gelu", F.gelu)
+
+
+class FeedForward(nn.Module):
+    """FFN(x) = W2 D(act(W1 x + b1)) + b2; for ``swiglu``: W2 D(silu(W1a x) * W1b x) with W1 = [W1a; W1b].
+
+    ``w1`` is (d_ff, d) — (2 d_ff, d) for SwiGLU — and ``w2`` is (d, d_ff), as ``linear1``/``linear2``
+    of ``nn.TransformerEncoderLayer``.
+    """
+
+    def __init__(
+        self, d_model: int, d_ff: int, activation: str = "relu", dropout: float = 0.0, bias: bool = True,
+        device=None, dtype=None,
+    ) -> None:
+        super().__init__()
+        kw = {"device": device, "dtype": dtype}
+        self.activation = activation
+        self.gated = activation == "swiglu"
+        self._act = None if self.gated else ACTIVATIONS[activation]
+        self.w1 = nn.Linear(d_model, (2 if self.gated else 1) * d_ff, bias=bias, **kw)
+        self.w2 = nn.Linear(d_ff, d_model, bias=bias, **kw)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.w1(x)
+        if self.gated:
+            gate, value = hidden.chunk(2, dim=-1)
+            hidden = F.silu(gate) * value
+        else:
+            hidden = self._act(hidden)
+        return self.w2(self.dropout(hidden))
+
+    def extra_repr(self) -> str:
+        return f"activation={self.activation!r}"

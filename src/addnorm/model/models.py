@@ -1,0 +1,141 @@
+"""Whole models: the encoder-decoder Transformer and a decoder-only language model."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from .config import TransformerConfig
+from .stacks import Decoder, Encoder
+
+
+class PositionalEncoding(nn.Module):
+    """Adds position information: sinusoidal PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)
+    (Vaswani et al. 2017), a learned table, or nothing."""
+
+    def __init__(self, d_model: int, max_len: int, kind: str = "sinusoidal", device=None, dtype=None) -> None:
+        super().__init__()
+        self.kind, self.max_len = kind, max_len
+        self.table = None
+        if kind == "sinusoidal":
+            pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
+            freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+            pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+            pe[:, 0::2] = torch.sin(pos * freq)
+            pe[:, 1::2] = torch.cos(pos * freq)[:, : d_model // 2]
+            self.register_buffer("pe", pe.to(dtype or torch.get_default_dtype()).to(device), persistent=False)
+        elif kind == "learned":
+            self.table = nn.Embedding(max_len, d_model, device=device, dtype=dtype)
+            nn.init.normal_(self.table.weight, std=0.02)
+
+    def forward(self, x: Tensor) -> Tensor:  # x: (B, T, d)
+        t = x.shape[1]
+        if self.kind == "sinusoidal":
+            return x + self.pe[:t]
+        if self.kind == "learned":
+            return x + self.table.weight[:t]
+        return x
+
+
+class _Embedding(nn.Module):
+    """Token embedding scaled by sqrt(d_model) (Vaswani et al. 2017), entries ~ N(0, 1/d_model) so the
+    scaled vectors have unit variance, plus positions and dropout."""
+
+    def __init__(self, vocab: int, cfg: TransformerConfig, device=None, dtype=None) -> None:
+        super().__init__()
+        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0:
+            raise ValueError(f"vocab: expected a positive int, got {vocab!r}")
+        self.vocab, self.max_len = vocab, cfg.max_len
+        self.tokens = nn.Embedding(vocab, cfg.d_model, device=device, dtype=dtype)
+        nn.init.normal_(self.tokens.weight, std=cfg.d_model**-0.5)
+        self.scale = math.sqrt(cfg.d_model)
+        self.positions = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.positional, device, dtype)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, ids: Tensor, name: str) -> Tensor:
+        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.ndim != 2:
+            got = f"dtype {ids.dtype}, shape {tuple(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
+            raise ValueError(f"{name}: expected integer token ids of shape (batch, seq), got {got}")
+        if ids.shape[1] > self.max_len:
+            raise ValueError(f"{name}: sequence length {ids.shape[1]} exceeds max_len={self.max_len}")
+        return self.dropout(self.positions(self.tokens(ids) * self.scale))
+
+
+def _padding_mask(ids: Tensor, pad_id: int | None, given: Tensor | None) -> Tensor | None:
+    if given is not None or pad_id is None:
+        return given
+    return ids == pad_id
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder Transformer (Vaswani et al. 2017) for token ids in the batch-first layout.
+
+    ``forward(src (B, S), tgt (B, T)) -> logits (B, T, tgt_vocab)``; the decoder's self-attention is
+    causal; with ``pad_id`` the padding masks are derived from the ids.
+    """
+
+    def __init__(
+        self, cfg: TransformerConfig, src_vocab: int, tgt_vocab: int, *, pad_id: int | None = None,
+        device=None, dtype=None,
+    ) -> None:
+        super().__init__()
+        self.cfg, self.pad_id = cfg, pad_id
+        self.src_embed = _Embedding(src_vocab, cfg, device, dtype)
+        self.tgt_embed = _Embedding(tgt_vocab, cfg, device, dtype)
+        self.encoder = Encoder(cfg, device=device, dtype=dtype)
+        self.decoder = Decoder(cfg, device=device, dtype=dtype)
+        self.head = nn.Linear(cfg.d_model, tgt_vocab, device=device, dtype=dtype)
+
+    def encode(self, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Tensor:
+        """Encoder memory (B, S, d)."""
+        kpm = _padding_mask(src, self.pad_id, src_key_padding_mask)
+        return self.encoder.forward_batch_first(self.src_embed(src, "src"), None, kpm)
+
+    def decode(
+        self, tgt: Tensor, memory: Tensor, tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Next-token logits (B, T, tgt_vocab) given the memory."""
+        kpm = _padding_mask(tgt, self.pad_id, tgt_key_padding_mask)
+        x = self.decoder.forward_batch_first(
+            self.tgt_embed(tgt, "tgt"), memory, None, None, kpm, memory_key_padding_mask, tgt_is_causal=True
+        )
+        return self.head(x)
+
+    def forward(
+        self, src: Tensor, tgt: Tensor, src_key_padding_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        src_kpm = _padding_mask(src, self.pad_id, src_key_padding_mask)
+        memory = self.encode(src, src_kpm)
+        return self.decode(tgt, memory, tgt_key_padding_mask, src_kpm)
+
+
+class LanguageModel(nn.Module):
+    """Decoder-only language model: embeddings, a causal stack of self-attention layers, a final norm
+    where the placement needs one, and a linear head. ``forward(tokens (B, T)) -> logits (B, T, vocab)``."""
+
+    def __init__(
+        self, cfg: TransformerConfig, vocab: int, *, tie_embeddings: bool = False, device=None, dtype=None
+    ) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = _Embedding(vocab, cfg, device, dtype)
+        self.stack = Encoder(cfg, cfg.n_layers, device=device, dtype=dtype)
+        self.head = nn.Linear(cfg.d_model, vocab, bias=False, device=device, dtype=dtype)
+        if tie_embeddings:
+            self.head.weight = self.embed.tokens.weight
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.stack.layers
+
+    @property
+    def norm(self) -> nn.Module | None:
+        return self.stack.norm
+
+    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
+        x = self.stack.forward_batch_first(self.embed(tokens, "tokens"), None, key_padding_mask, is_causal=True)
+        return self.head(x)
