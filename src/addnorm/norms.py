@@ -96,8 +96,14 @@ class BatchNorm(_FeatureNorm):
         self._check(x)
         flat = x.reshape(-1, self.dim)  # (batch * time, dim)
         y = F.batch_norm(
-            flat, self.running_mean, self.running_var, self.weight, self.bias,
-            training=self.training, momentum=self.momentum, eps=self.eps,
+            flat,
+            self.running_mean,
+            self.running_var,
+            self.weight,
+            self.bias,
+            training=self.training,
+            momentum=self.momentum,
+            eps=self.eps,
         )
         return y.reshape(x.shape)
 

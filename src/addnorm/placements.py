@@ -80,7 +80,8 @@ register_placement(
     Placement(
         "pre",
         "y = x + D(F(N(x)))",
-        "Xiong et al. 2020, On Layer Normalization in the Transformer Architecture; GPT-2 (Radford et al. 2019)",
+        "Xiong et al. 2020, On Layer Normalization in the Transformer Architecture; "
+        "GPT-2 (Radford et al. 2019)",
         input_norm=True,
         description="Norm on the branch input; the residual stream is an identity path, so a stack "
         "needs a final norm. Trains without warmup; the stream grows with depth.",

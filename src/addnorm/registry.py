@@ -53,9 +53,7 @@ class Registry(Mapping[str, T], Generic[T]):
     def resolve(self, name: str) -> str:
         """The canonical key for ``name`` (or an alias of it); raises UnknownNameError."""
         if not isinstance(name, str):
-            raise TypeError(
-                f"{self.argument}: expected a {self.kind} name (str), got {type(name).__name__}"
-            )
+            raise TypeError(f"{self.argument}: expected a {self.kind} name (str), got {type(name).__name__}")
         key = normalise_name(name)
         key = self._aliases.get(key, key)
         if key not in self._entries:

@@ -10,6 +10,18 @@ from .models import LanguageModel, PositionalEncoding, Transformer
 from .stacks import Decoder, Encoder
 
 __all__ = [
-    "INITS", "Decoder", "DecoderLayer", "Encoder", "EncoderLayer", "FeedForward", "LanguageModel",
-    "MultiHeadAttention", "PositionalEncoding", "Transformer", "TransformerConfig", "UnsupportedModuleError", "causal_mask", "from_torch",
+    "INITS",
+    "Decoder",
+    "DecoderLayer",
+    "Encoder",
+    "EncoderLayer",
+    "FeedForward",
+    "LanguageModel",
+    "MultiHeadAttention",
+    "PositionalEncoding",
+    "Transformer",
+    "TransformerConfig",
+    "UnsupportedModuleError",
+    "causal_mask",
+    "from_torch",
 ]

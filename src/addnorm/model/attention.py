@@ -69,7 +69,9 @@ def merge_masks(
     elif is_causal:
         if tgt_len != src_len:
             raise ValueError(f"is_causal: needs equal target and source lengths, got {tgt_len} and {src_len}")
-        merged = causal_mask(tgt_len, device=key_padding_mask.device, dtype=dtype).view(1, 1, tgt_len, src_len)
+        merged = causal_mask(tgt_len, device=key_padding_mask.device, dtype=dtype).view(
+            1, 1, tgt_len, src_len
+        )
     if key_padding_mask is not None:
         _check_mask_dtype(key_padding_mask, k_name)
         if key_padding_mask.shape != (batch, src_len):
@@ -120,7 +122,7 @@ class MultiHeadAttention(nn.Module):
         else:
             if memory.ndim != 3 or memory.shape[0] != b or memory.shape[2] != d:
                 raise ValueError(
-                    f"memory: expected shape ({b}, S, {d}) in the batch-first layout, got {tuple(memory.shape)}"
+                    f"memory: expected shape ({b}, S, {d}) (batch first), got {tuple(memory.shape)}"
                 )
             src_len = memory.shape[1]
             w, bias = self.in_proj.weight, self.in_proj.bias
@@ -129,8 +131,15 @@ class MultiHeadAttention(nn.Module):
             q = q.view(b, tgt_len, h, hd).transpose(1, 2)
             k, v = kv.view(b, src_len, 2, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
         mask, causal = merge_masks(
-            attn_mask, key_padding_mask, batch=b, heads=h, tgt_len=tgt_len, src_len=src_len,
-            dtype=q.dtype, is_causal=is_causal, names=mask_names,
+            attn_mask,
+            key_padding_mask,
+            batch=b,
+            heads=h,
+            tgt_len=tgt_len,
+            src_len=src_len,
+            dtype=q.dtype,
+            is_causal=is_causal,
+            names=mask_names,
         )
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal

@@ -20,8 +20,14 @@ class FeedForward(nn.Module):
     """
 
     def __init__(
-        self, d_model: int, d_ff: int, activation: str = "relu", dropout: float = 0.0, bias: bool = True,
-        device=None, dtype=None,
+        self,
+        d_model: int,
+        d_ff: int,
+        activation: str = "relu",
+        dropout: float = 0.0,
+        bias: bool = True,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}

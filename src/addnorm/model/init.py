@@ -30,7 +30,7 @@ def init_torch(module: nn.Module, n_layers: int) -> None:
 
 @INITS.register("xavier")
 def init_xavier(module: nn.Module, n_layers: int) -> None:
-    """Xavier/Glorot-uniform on every weight matrix (Glorot & Bengio 2010; ``nn.Transformer``), zero biases."""
+    """Xavier-uniform on every weight matrix, zero biases (Glorot & Bengio 2010; ``nn.Transformer``)."""
     for m in module.modules():
         if isinstance(m, nn.Linear):
             nn.init.xavier_uniform_(m.weight)

@@ -120,7 +120,7 @@ def _convert_stack(module: nn.Module, stack_cls: type[nn.Module]) -> nn.Module:
         if _config(layer, len(layers), cfg.final_norm) != cfg:
             raise UnsupportedModuleError(f"layers[{i}]: every layer must have the same options as layers[0]")
     out = stack_cls(cfg)
-    for dst, src in zip(out.layers, layers):
+    for dst, src in zip(out.layers, layers, strict=True):
         _copy_layer(dst, src)
     if module.norm is not None:
         _copy_norm(out.norm, _check_norm(module.norm, "norm"))

@@ -44,8 +44,15 @@ def _unbatch_mask(mask: Tensor | None, unbatched: bool) -> Tensor | None:
 class _Layer(nn.Module):
     def _connection(self, cfg: TransformerConfig, placement: Placement | str, device, dtype) -> AddNorm:
         return AddNorm(
-            cfg.d_model, placement, cfg.norm, cfg.dropout, residual=cfg.residual, dropout_at=cfg.dropout_at,
-            device=device, dtype=dtype, **cfg.norm_kwargs(),
+            cfg.d_model,
+            placement,
+            cfg.norm,
+            cfg.dropout,
+            residual=cfg.residual,
+            dropout_at=cfg.dropout_at,
+            device=device,
+            dtype=dtype,
+            **cfg.norm_kwargs(),
         )
 
     def _attention(self, cfg: TransformerConfig, device, dtype) -> MultiHeadAttention:
@@ -75,8 +82,13 @@ class EncoderLayer(_Layer):
     """
 
     def __init__(
-        self, cfg: TransformerConfig, placement: Placement | str | None = None, *, n_layers: int | None = None,
-        device=None, dtype=None,
+        self,
+        cfg: TransformerConfig,
+        placement: Placement | str | None = None,
+        *,
+        n_layers: int | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -88,12 +100,18 @@ class EncoderLayer(_Layer):
         init_layer(self, cfg.init, n_layers or cfg.encoder_layers)
 
     def forward_batch_first(
-        self, x: Tensor, src_mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
+        self,
+        x: Tensor,
+        src_mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
     ) -> Tensor:
         def attend(h: Tensor) -> Tensor:
             return self.self_attn(
-                h, attn_mask=src_mask, key_padding_mask=src_key_padding_mask, is_causal=is_causal,
+                h,
+                attn_mask=src_mask,
+                key_padding_mask=src_key_padding_mask,
+                is_causal=is_causal,
                 mask_names=("src_mask", "src_key_padding_mask"),
             )
 
@@ -101,7 +119,10 @@ class EncoderLayer(_Layer):
         return self.ff_block(x, self.ff)
 
     def forward(
-        self, src: Tensor, src_mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
+        self,
+        src: Tensor,
+        src_mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
     ) -> Tensor:
         check_input(src, "src", self.cfg.d_model)
@@ -117,8 +138,13 @@ class DecoderLayer(_Layer):
     """
 
     def __init__(
-        self, cfg: TransformerConfig, placement: Placement | str | None = None, *, n_layers: int | None = None,
-        device=None, dtype=None,
+        self,
+        cfg: TransformerConfig,
+        placement: Placement | str | None = None,
+        *,
+        n_layers: int | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         self.cfg = cfg
@@ -132,20 +158,33 @@ class DecoderLayer(_Layer):
         init_layer(self, cfg.init, n_layers or cfg.decoder_layers)
 
     def forward_batch_first(
-        self, x: Tensor, memory: Tensor, tgt_mask: Tensor | None = None, memory_mask: Tensor | None = None,
-        tgt_key_padding_mask: Tensor | None = None, memory_key_padding_mask: Tensor | None = None,
-        tgt_is_causal: bool = False, memory_is_causal: bool = False,
+        self,
+        x: Tensor,
+        memory: Tensor,
+        tgt_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        tgt_is_causal: bool = False,
+        memory_is_causal: bool = False,
     ) -> Tensor:
         def self_attend(h: Tensor) -> Tensor:
             return self.self_attn(
-                h, attn_mask=tgt_mask, key_padding_mask=tgt_key_padding_mask, is_causal=tgt_is_causal,
+                h,
+                attn_mask=tgt_mask,
+                key_padding_mask=tgt_key_padding_mask,
+                is_causal=tgt_is_causal,
                 mask_names=("tgt_mask", "tgt_key_padding_mask"),
             )
 
         def cross_attend(h: Tensor) -> Tensor:
             return self.cross_attn(
-                h, memory, attn_mask=memory_mask, key_padding_mask=memory_key_padding_mask,
-                is_causal=memory_is_causal, mask_names=("memory_mask", "memory_key_padding_mask"),
+                h,
+                memory,
+                attn_mask=memory_mask,
+                key_padding_mask=memory_key_padding_mask,
+                is_causal=memory_is_causal,
+                mask_names=("memory_mask", "memory_key_padding_mask"),
             )
 
         x = self.self_attn_block(x, self_attend)
@@ -153,9 +192,15 @@ class DecoderLayer(_Layer):
         return self.ff_block(x, self.ff)
 
     def forward(
-        self, tgt: Tensor, memory: Tensor, tgt_mask: Tensor | None = None, memory_mask: Tensor | None = None,
-        tgt_key_padding_mask: Tensor | None = None, memory_key_padding_mask: Tensor | None = None,
-        tgt_is_causal: bool = False, memory_is_causal: bool = False,
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        tgt_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        tgt_is_causal: bool = False,
+        memory_is_causal: bool = False,
     ) -> Tensor:
         d = self.cfg.d_model
         check_input(tgt, "tgt", d)
@@ -163,7 +208,13 @@ class DecoderLayer(_Layer):
         x, unbatched = to_batch_first(tgt, self.cfg.batch_first)
         mem, _ = to_batch_first(memory, self.cfg.batch_first)
         y = self.forward_batch_first(
-            x, mem, tgt_mask, memory_mask, _unbatch_mask(tgt_key_padding_mask, unbatched),
-            _unbatch_mask(memory_key_padding_mask, unbatched), tgt_is_causal, memory_is_causal,
+            x,
+            mem,
+            tgt_mask,
+            memory_mask,
+            _unbatch_mask(tgt_key_padding_mask, unbatched),
+            _unbatch_mask(memory_key_padding_mask, unbatched),
+            tgt_is_causal,
+            memory_is_causal,
         )
         return from_batch_first(y, self.cfg.batch_first, unbatched)

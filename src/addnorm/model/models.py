@@ -21,7 +21,9 @@ class PositionalEncoding(nn.Module):
         self.table = None
         if kind == "sinusoidal":
             pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
-            freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+            freq = torch.exp(
+                torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model)
+            )
             pe = torch.zeros(max_len, d_model, dtype=torch.float64)
             pe[:, 0::2] = torch.sin(pos * freq)
             pe[:, 1::2] = torch.cos(pos * freq)[:, : d_model // 2]
@@ -56,7 +58,11 @@ class _Embedding(nn.Module):
 
     def forward(self, ids: Tensor, name: str) -> Tensor:
         if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.ndim != 2:
-            got = f"dtype {ids.dtype}, shape {tuple(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
+            got = (
+                f"dtype {ids.dtype}, shape {tuple(ids.shape)}"
+                if isinstance(ids, Tensor)
+                else type(ids).__name__
+            )
             raise ValueError(f"{name}: expected integer token ids of shape (batch, seq), got {got}")
         if ids.shape[1] > self.max_len:
             raise ValueError(f"{name}: sequence length {ids.shape[1]} exceeds max_len={self.max_len}")
@@ -77,8 +83,14 @@ class Transformer(nn.Module):
     """
 
     def __init__(
-        self, cfg: TransformerConfig, src_vocab: int, tgt_vocab: int, *, pad_id: int | None = None,
-        device=None, dtype=None,
+        self,
+        cfg: TransformerConfig,
+        src_vocab: int,
+        tgt_vocab: int,
+        *,
+        pad_id: int | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
         super().__init__()
         self.cfg, self.pad_id = cfg, pad_id
@@ -94,7 +106,10 @@ class Transformer(nn.Module):
         return self.encoder.forward_batch_first(self.src_embed(src, "src"), None, kpm)
 
     def decode(
-        self, tgt: Tensor, memory: Tensor, tgt_key_padding_mask: Tensor | None = None,
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        tgt_key_padding_mask: Tensor | None = None,
         memory_key_padding_mask: Tensor | None = None,
     ) -> Tensor:
         """Next-token logits (B, T, tgt_vocab) given the memory."""
@@ -105,7 +120,10 @@ class Transformer(nn.Module):
         return self.head(x)
 
     def forward(
-        self, src: Tensor, tgt: Tensor, src_key_padding_mask: Tensor | None = None,
+        self,
+        src: Tensor,
+        tgt: Tensor,
+        src_key_padding_mask: Tensor | None = None,
         tgt_key_padding_mask: Tensor | None = None,
     ) -> Tensor:
         src_kpm = _padding_mask(src, self.pad_id, src_key_padding_mask)
@@ -137,5 +155,7 @@ class LanguageModel(nn.Module):
         return self.stack.norm
 
     def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        x = self.stack.forward_batch_first(self.embed(tokens, "tokens"), None, key_padding_mask, is_causal=True)
+        x = self.stack.forward_batch_first(
+            self.embed(tokens, "tokens"), None, key_padding_mask, is_causal=True
+        )
         return self.head(x)

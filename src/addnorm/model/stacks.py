@@ -47,11 +47,18 @@ class Encoder(_Stack):
 
     layer_cls = EncoderLayer
 
-    def __init__(self, cfg: TransformerConfig, n_layers: int | None = None, *, device=None, dtype=None) -> None:
-        super().__init__(cfg, cfg.encoder_layers if n_layers is None else n_layers, device=device, dtype=dtype)
+    def __init__(
+        self, cfg: TransformerConfig, n_layers: int | None = None, *, device=None, dtype=None
+    ) -> None:
+        super().__init__(
+            cfg, cfg.encoder_layers if n_layers is None else n_layers, device=device, dtype=dtype
+        )
 
     def forward_batch_first(
-        self, x: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
+        self,
+        x: Tensor,
+        mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
     ) -> Tensor:
         for layer in self.layers:
@@ -59,7 +66,10 @@ class Encoder(_Stack):
         return self._finish(x)
 
     def forward(
-        self, src: Tensor, mask: Tensor | None = None, src_key_padding_mask: Tensor | None = None,
+        self,
+        src: Tensor,
+        mask: Tensor | None = None,
+        src_key_padding_mask: Tensor | None = None,
         is_causal: bool | None = None,
     ) -> Tensor:
         check_input(src, "src", self.cfg.d_model)
@@ -73,25 +83,47 @@ class Decoder(_Stack):
 
     layer_cls = DecoderLayer
 
-    def __init__(self, cfg: TransformerConfig, n_layers: int | None = None, *, device=None, dtype=None) -> None:
-        super().__init__(cfg, cfg.decoder_layers if n_layers is None else n_layers, device=device, dtype=dtype)
+    def __init__(
+        self, cfg: TransformerConfig, n_layers: int | None = None, *, device=None, dtype=None
+    ) -> None:
+        super().__init__(
+            cfg, cfg.decoder_layers if n_layers is None else n_layers, device=device, dtype=dtype
+        )
 
     def forward_batch_first(
-        self, x: Tensor, memory: Tensor, tgt_mask: Tensor | None = None, memory_mask: Tensor | None = None,
-        tgt_key_padding_mask: Tensor | None = None, memory_key_padding_mask: Tensor | None = None,
-        tgt_is_causal: bool = False, memory_is_causal: bool = False,
+        self,
+        x: Tensor,
+        memory: Tensor,
+        tgt_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        tgt_is_causal: bool = False,
+        memory_is_causal: bool = False,
     ) -> Tensor:
         for layer in self.layers:
             x = layer.forward_batch_first(
-                x, memory, tgt_mask, memory_mask, tgt_key_padding_mask, memory_key_padding_mask,
-                tgt_is_causal, memory_is_causal,
+                x,
+                memory,
+                tgt_mask,
+                memory_mask,
+                tgt_key_padding_mask,
+                memory_key_padding_mask,
+                tgt_is_causal,
+                memory_is_causal,
             )
         return self._finish(x)
 
     def forward(
-        self, tgt: Tensor, memory: Tensor, tgt_mask: Tensor | None = None, memory_mask: Tensor | None = None,
-        tgt_key_padding_mask: Tensor | None = None, memory_key_padding_mask: Tensor | None = None,
-        tgt_is_causal: bool | None = None, memory_is_causal: bool = False,
+        self,
+        tgt: Tensor,
+        memory: Tensor,
+        tgt_mask: Tensor | None = None,
+        memory_mask: Tensor | None = None,
+        tgt_key_padding_mask: Tensor | None = None,
+        memory_key_padding_mask: Tensor | None = None,
+        tgt_is_causal: bool | None = None,
+        memory_is_causal: bool = False,
     ) -> Tensor:
         d = self.cfg.d_model
         check_input(tgt, "tgt", d)
@@ -99,7 +131,13 @@ class Decoder(_Stack):
         x, unbatched = to_batch_first(tgt, self.cfg.batch_first)
         mem, _ = to_batch_first(memory, self.cfg.batch_first)
         y = self.forward_batch_first(
-            x, mem, tgt_mask, memory_mask, _unbatch_mask(tgt_key_padding_mask, unbatched),
-            _unbatch_mask(memory_key_padding_mask, unbatched), bool(tgt_is_causal), memory_is_causal,
+            x,
+            mem,
+            tgt_mask,
+            memory_mask,
+            _unbatch_mask(tgt_key_padding_mask, unbatched),
+            _unbatch_mask(memory_key_padding_mask, unbatched),
+            bool(tgt_is_causal),
+            memory_is_causal,
         )
         return from_batch_first(y, self.cfg.batch_first, unbatched)
