@@ -7,10 +7,12 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..norms import NORMS
 from ..placements import Placement, get_placement
+from .feedforward import GATED_ACTIVATIONS
+from .feedforward import ACTIVATIONS as _POINTWISE
+from .init import INITS
 
-ACTIVATIONS = ("relu", "gelu", "swiglu")
+ACTIVATIONS = (*_POINTWISE, *GATED_ACTIVATIONS)
 FINAL_NORM_CHOICES = ("auto", True, False)
-INITS = ("torch", "xavier", "gpt2")
 POSITIONALS = ("sinusoidal", "learned", "none")
 
 
@@ -91,8 +93,7 @@ class TransformerConfig:
             raise ValueError(f"norm_eps: expected a positive float, got {self.norm_eps!r}")
         if self.final_norm not in FINAL_NORM_CHOICES:
             raise ValueError(f"final_norm: expected one of 'auto', True, False, got {self.final_norm!r}")
-        if self.init not in INITS:
-            raise ValueError(f"init: expected one of {INITS}, got {self.init!r}")
+        self.init = INITS.resolve(self.init)
         if self.positional not in POSITIONALS:
             raise ValueError(f"positional: expected one of {POSITIONALS}, got {self.positional!r}")
         if isinstance(self.placement, (str, Placement)):

@@ -10,6 +10,7 @@ from ..registry import Registry
 ACTIVATIONS: Registry = Registry("activation")
 ACTIVATIONS.register("relu", F.relu)
 ACTIVATIONS.register("gelu", F.gelu)
+GATED_ACTIVATIONS = ("swiglu",)
 
 
 class FeedForward(nn.Module):
@@ -32,7 +33,7 @@ class FeedForward(nn.Module):
         super().__init__()
         kw = {"device": device, "dtype": dtype}
         self.activation = activation
-        self.gated = activation == "swiglu"
+        self.gated = activation in GATED_ACTIVATIONS
         self._act = None if self.gated else ACTIVATIONS[activation]
         self.w1 = nn.Linear(d_model, (2 if self.gated else 1) * d_ff, bias=bias, **kw)
         self.w2 = nn.Linear(d_ff, d_model, bias=bias, **kw)
