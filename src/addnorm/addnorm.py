@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
+import torch
 from torch import Tensor, nn
 
 from .norms import NORMS, build_norm
@@ -11,6 +13,14 @@ from .placements import Placement, get_placement
 
 DROPOUT_SITES = ("branch", "after_add")
 _NORM_ATTRS = ("norm", "norm2", "norm3")
+LAYERSCALE_INIT = 0.1
+NGPT_ALPHA_INIT = 0.05
+
+
+def layerscale_init(n_layers: int) -> float:
+    """CaiT's LayerScale initial value by depth (Touvron et al. 2021): 0.1 up to 18 layers, 1e-5 up
+    to 24, 1e-6 beyond."""
+    return 0.1 if n_layers <= 18 else 1e-5 if n_layers <= 24 else 1e-6
 
 
 def _check_same_shape(x: Tensor, fx: object, what: str = "sublayer") -> Tensor:
@@ -29,22 +39,27 @@ class AddNorm(nn.Module):
 
     ``conn(x, sublayer)`` computes, for placement slots N1/N2/N3 (see :mod:`addnorm.placements`)::
 
-        h = N1(x);  f = D(N2(F(h)));  s = alpha * (x or h) + f;  y = N3(s)
+        h = N1(x);  f = g * D(N2(F(h)));  s = alpha * (x or h) + f;  y = N3(s)
 
     e.g. ``post``: N(x + D(F(x))) (Vaswani et al. 2017), ``pre``: x + D(F(N(x))) (Xiong et al. 2020).
+    g is 1, ReZero's scalar (init 0) or LayerScale's vector; Admin replaces alpha by a vector omega;
+    nGPT uses s = h + a * (f - h) with a per-feature step a (init 0.05).
 
     Args:
         d_model: feature size of x.
         placement: a name from ``addnorm.PLACEMENTS`` or a :class:`Placement`.
         norm: a name from ``addnorm.NORMS``; ``"none"`` is the no-normalization ablation.
         dropout: dropout rate D.
-        eps, bias: passed to the norms (``bias=None`` takes the norm's default).
+        eps, bias, norm_options: passed to the norms (``bias=None`` takes the norm's default).
         residual: ``False`` removes the add (the no-residual ablation): s = f.
         dropout_at: ``"branch"`` (on F's output before the add, as the original Transformer) or
             ``"after_add"`` (on the sum).
+        alpha: the residual scale; ``None`` takes the placement's (DeepNorm's depends on depth).
+        gate_init: initial gate value (ReZero 0, LayerScale 0.1 by default).
 
-    ``conn.placement = "post"`` switches placement at run time between placements whose norms have
-    the same parameters (same number of norms); otherwise it raises ``ValueError``.
+    ``conn.placement = "post"`` switches placement at run time between placements whose parameters
+    are the same (same number of norms, same gate); otherwise it raises ``ValueError``.
+    ``conn.branch`` is an identity module applied to N2(F(h)): hook it to observe the branch.
     """
 
     def __init__(
@@ -58,6 +73,9 @@ class AddNorm(nn.Module):
         bias: bool | None = None,
         residual: bool = True,
         dropout_at: str = "branch",
+        alpha: float | None = None,
+        gate_init: float | None = None,
+        norm_options: dict | None = None,
         device=None,
         dtype=None,
     ) -> None:
@@ -68,14 +86,34 @@ class AddNorm(nn.Module):
             raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout!r}")
         if dropout_at not in DROPOUT_SITES:
             raise ValueError(f"dropout_at: expected one of {DROPOUT_SITES}, got {dropout_at!r}")
+        p = get_placement(placement)
         self.d_model = d_model
-        self.norm_name = NORMS.resolve(norm)
+        self.norm_name = NORMS.resolve(p.norm or norm)
         self.residual = bool(residual)
         self.dropout_at = dropout_at
         self.dropout = nn.Dropout(dropout)
-        self._placement = get_placement(placement)
-        for attr in _NORM_ATTRS[: len(self._placement.norm_slots)]:
-            self.add_module(attr, build_norm(norm, d_model, eps=eps, bias=bias, device=device, dtype=dtype))
+        self.alpha = float(p.alpha if alpha is None else alpha)
+        self._placement = p
+        kw = {"device": device, "dtype": dtype}
+        for attr in _NORM_ATTRS[: len(p.norm_slots)]:
+            norm_module = build_norm(
+                self.norm_name, d_model, eps=eps, bias=bias, **kw, **(norm_options or {})
+            )
+            self.add_module(attr, norm_module)
+        self.gate: nn.Parameter | None = None
+        if p.gate == "rezero":
+            self.gate = nn.Parameter(torch.full((1,), 0.0 if gate_init is None else gate_init, **kw))
+        elif p.gate == "layerscale":
+            self.gate = nn.Parameter(
+                torch.full((d_model,), LAYERSCALE_INIT if gate_init is None else gate_init, **kw)
+            )
+        elif p.gate == "ngpt":
+            # nGPT's eigen learning rate: stored at scale 1/sqrt(d), used as alpha_init / scale * stored
+            self.gate_scale = 1.0 / math.sqrt(d_model)
+            self.gate_init_value = NGPT_ALPHA_INIT if gate_init is None else gate_init
+            self.gate = nn.Parameter(torch.full((d_model,), self.gate_scale, **kw))
+        self.omega = nn.Parameter(torch.ones(d_model, **kw)) if p.omega else None
+        self.branch = nn.Identity()
 
     # --- placement ------------------------------------------------------------------------------
     @property
@@ -85,12 +123,15 @@ class AddNorm(nn.Module):
     @placement.setter
     def placement(self, value: str | Placement) -> None:
         new = get_placement(value)
-        if len(new.norm_slots) != len(self._placement.norm_slots):
+        old = self._placement
+        if (
+            new.parameter_signature != old.parameter_signature
+            or (new.norm or self.norm_name) != self.norm_name
+        ):
             raise ValueError(
-                f"placement: cannot switch from {self._placement.name!r} "
-                f"({len(self._placement.norm_slots)} norm(s)) to {new.name!r} "
-                f"({len(new.norm_slots)} norm(s)) at run time: they need different parameters; "
-                "build a new AddNorm instead"
+                f"placement: cannot switch from {old.name!r} ({len(old.norm_slots)} norm(s), gate "
+                f"{old.gate!r}) to {new.name!r} ({len(new.norm_slots)} norm(s), gate {new.gate!r}) at run "
+                "time: they need different parameters; build a new AddNorm instead"
             )
         self._placement = new
 
@@ -110,8 +151,24 @@ class AddNorm(nn.Module):
     def output_norm(self) -> nn.Module | None:
         return self._slot("output_norm")
 
+    @property
+    def gate_value(self) -> Tensor | None:
+        """The gate as applied: ReZero's scalar, LayerScale's vector, nGPT's step alpha."""
+        if self.gate is None or self._placement.gate != "ngpt":
+            return self.gate
+        return self.gate * (self.gate_init_value / self.gate_scale)
+
     # --- forward --------------------------------------------------------------------------------
-    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+    def forward(
+        self,
+        x: Tensor,
+        sublayer: Callable[[Tensor], Tensor],
+        *,
+        extra_residual: Tensor | None = None,
+        return_branch: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """y for input x; ``extra_residual`` is added to the sum (B2T's bottom-to-top input);
+        ``return_branch=True`` also returns the branch f as added (ResiDual's second stream)."""
         if not isinstance(x, Tensor):
             raise TypeError(f"x: expected a Tensor, got {type(x).__name__}")
         if x.ndim == 0 or x.shape[-1] != self.d_model:
@@ -124,21 +181,35 @@ class AddNorm(nn.Module):
         f = _check_same_shape(h, sublayer(h))
         if n2 is not None:
             f = n2(f)
+        f = self.branch(f)
         if self.dropout_at == "branch":
             f = self.dropout(f)
-        if self.residual:
-            base = h if p.residual_from == "normed_input" else x
-            s = base + f if p.alpha == 1.0 else p.alpha * base + f
+        base = h if p.residual_from == "normed_input" else x
+        if p.gate == "ngpt":
+            s = base + self.gate_value * (f - base) if self.residual else f
         else:
-            s = f
+            if self.gate is not None:
+                f = self.gate * f
+            if self.residual:
+                if self.omega is not None:
+                    base = base * self.omega
+                elif self.alpha != 1.0:
+                    base = self.alpha * base
+                s = base + f
+            else:
+                s = f
+        if extra_residual is not None:
+            s = s + extra_residual
         if self.dropout_at == "after_add":
             s = self.dropout(s)
-        return n3(s) if n3 is not None else s
+        y = n3(s) if n3 is not None else s
+        return (y, f) if return_branch else y
 
     def extra_repr(self) -> str:
+        extra = f", alpha={self.alpha:g}" if self.alpha != 1.0 else ""
         return (
             f"{self.d_model}, placement={self._placement.name!r}, norm={self.norm_name!r}, "
-            f"residual={self.residual}, dropout_at={self.dropout_at!r}"
+            f"residual={self.residual}, dropout_at={self.dropout_at!r}{extra}"
         )
 
 
@@ -159,4 +230,3 @@ class SublayerConnection(AddNorm):
     @pre_norm.setter
     def pre_norm(self, value: bool) -> None:
         self.placement = "pre" if value else "post"
-

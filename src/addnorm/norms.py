@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -65,14 +67,67 @@ class RMSNorm(_FeatureNorm):
     """RMSNorm (Zhang & Sennrich, 2019): y = gamma * x / sqrt(mean(x^2) + eps) (+ beta if bias).
 
     No centring; with ``bias=False`` it is the function of ``torch.nn.RMSNorm`` for the same eps.
+    ``zero_centered=True`` stores w with gamma = 1 + w, w initialised to 0 (Gemma), so weight decay
+    pulls the gain toward 1 rather than 0.
     """
 
-    def __init__(self, dim, eps=1e-5, affine=True, bias=False, device=None, dtype=None):
+    def __init__(self, dim, eps=1e-5, affine=True, bias=False, device=None, dtype=None, zero_centered=False):
         super().__init__(dim, eps, affine, bias, device, dtype)
+        self.zero_centered = bool(zero_centered)
+        if self.zero_centered and self.weight is not None:
+            nn.init.zeros_(self.weight)
+
+    @property
+    def gain(self) -> Tensor | None:
+        """gamma: the weight, or 1 + weight when zero-centred."""
+        if self.weight is None or not self.zero_centered:
+            return self.weight
+        return 1.0 + self.weight
 
     def forward(self, x: Tensor) -> Tensor:
         self._check(x)
-        y = F.rms_norm(x, (self.dim,), self.weight, self.eps)
+        y = F.rms_norm(x, (self.dim,), self.gain, self.eps)
+        return y if self.bias is None else y + self.bias
+
+
+@NORMS.register("scalenorm", aliases=("scale_norm",))
+class ScaleNorm(_FeatureNorm):
+    """ScaleNorm (Nguyen & Salazar, 2019): y = g * x / max(||x||_2, eps), one scalar g initialised to
+    sqrt(dim). ``affine=False`` fixes g = sqrt(dim); ``bias`` adds a learned shift."""
+
+    def __init__(self, dim, eps=1e-5, affine=True, bias=False, device=None, dtype=None):
+        super().__init__(dim, eps, False, False, device, dtype)
+        self.affine = bool(affine)
+        kw = {"device": device, "dtype": dtype}
+        g = torch.full((1,), math.sqrt(dim), **kw)
+        self.weight = nn.Parameter(g) if affine else None
+        if not affine:
+            self.register_buffer("g", g)
+        self.bias = nn.Parameter(torch.zeros(dim, **kw)) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        g = self.weight if self.weight is not None else self.g
+        y = g * x / x.norm(dim=-1, keepdim=True).clamp_min(self.eps)
+        return y if self.bias is None else y + self.bias
+
+
+@NORMS.register("dyt", aliases=("dynamic_tanh", "dynamictanh"))
+class DyT(_FeatureNorm):
+    """Dynamic Tanh (Zhu et al., 2025, "Transformers without Normalization"):
+    y = gamma * tanh(alpha * x) + beta, one learned scalar alpha initialised to ``alpha0`` (0.5).
+    Element-wise, no statistics; ``eps`` is accepted for the common signature and unused."""
+
+    def __init__(self, dim, eps=1e-5, affine=True, bias=True, device=None, dtype=None, alpha0=0.5):
+        super().__init__(dim, eps, affine, bias, device, dtype)
+        self.alpha0 = float(alpha0)
+        self.alpha = nn.Parameter(torch.full((1,), self.alpha0, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        y = torch.tanh(self.alpha * x)
+        if self.weight is not None:
+            y = y * self.weight
         return y if self.bias is None else y + self.bias
 
 
@@ -108,6 +163,19 @@ class BatchNorm(_FeatureNorm):
         return y.reshape(x.shape)
 
 
+@NORMS.register("l2", aliases=("l2norm", "unit"))
+class L2Norm(_FeatureNorm):
+    """Projection onto the unit sphere: y = x / max(||x||_2, eps), no parameters (nGPT, Loshchilov et
+    al. 2024). Takes the common signature and ignores ``affine``/``bias``."""
+
+    def __init__(self, dim, eps=1e-5, affine=True, bias=False, device=None, dtype=None):
+        super().__init__(dim, eps, False, False, device, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        self._check(x)
+        return F.normalize(x, dim=-1, eps=self.eps)
+
+
 @NORMS.register("none", aliases=("identity",))
 class NoNorm(nn.Module):
     """No normalization (the "no norm" ablation): y = x. Takes the common signature and ignores it."""
@@ -129,10 +197,12 @@ def build_norm(
     bias: bool | None = None,
     device=None,
     dtype=None,
+    **options,
 ) -> nn.Module:
-    """Build a norm by registry name. ``bias=None`` takes the norm's default (LayerNorm yes, RMSNorm no)."""
+    """Build a norm by registry name. ``bias=None`` takes the norm's default (LayerNorm yes, RMSNorm no);
+    ``options`` are the norm's own (``zero_centered`` for RMSNorm, ``alpha0`` for DyT)."""
     cls = NORMS[name]
-    kwargs = {"eps": eps, "affine": affine, "device": device, "dtype": dtype}
+    kwargs = {"eps": eps, "affine": affine, "device": device, "dtype": dtype, **options}
     if bias is not None:
         kwargs["bias"] = bias
     return cls(dim, **kwargs)

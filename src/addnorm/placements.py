@@ -7,8 +7,14 @@ x = connection input, F = sublayer, N = norm, D = dropout on the branch. One con
     s = alpha * (h if residual_from == "normed_input" else x) + f
     y = N3(s) if output_norm else s
 
-``final_norm`` says whether a stack of such connections leaves the residual stream unnormalised and
-so needs one more norm after the last layer (it is ``not output_norm``).
+then ``gate`` scales f (ReZero's scalar, LayerScale's vector), ``omega`` replaces alpha by a
+per-feature vector (Admin), ``sublayer_norm`` puts a norm inside each sublayer (Sub-LN),
+``attention_norm`` normalises queries/keys(/values) inside attention, ``stream`` names designs that
+change the residual stream itself (B2T, ResiDual, nGPT) and ``layers`` names the per-layer placements
+that a stack expands this one into (Mix-LN); ``attention_connection`` gives the attention sublayer its
+own (placement, norm) (HybridNorm) and ``norm`` forces a norm (nGPT's unit L2 norm). ``init`` names the depth-aware initialisation
+(``addnorm.model.init``). ``final_norm`` says whether a stack of such connections leaves the residual
+stream unnormalised and so needs one more norm after the last layer (by default ``not output_norm``).
 """
 
 from __future__ import annotations
@@ -18,7 +24,9 @@ from dataclasses import dataclass, field
 from .registry import Registry
 
 RESIDUAL_SOURCES = ("input", "normed_input")
-GATES = ("none", "rezero", "layerscale")
+GATES = ("none", "rezero", "layerscale", "ngpt")
+STREAMS = ("standard", "b2t", "resi_dual", "ngpt")
+ATTENTION_NORMS = (None, "qk", "qkv")
 
 
 @dataclass(frozen=True)
@@ -34,7 +42,15 @@ class Placement:
     residual_from: str = "input"
     alpha: float = 1.0
     gate: str = "none"
+    omega: bool = False
+    sublayer_norm: bool = False
+    attention_norm: str | None = None
+    stream: str = "standard"
+    layers: tuple[str, str, float] | None = None
+    attention_connection: tuple[str, str] | None = None
+    norm: str | None = None
     init: str | None = None
+    needs_final_norm: bool | None = None
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -44,11 +60,22 @@ class Placement:
             raise ValueError("residual_from='normed_input' needs input_norm=True")
         if self.gate not in GATES:
             raise ValueError(f"gate: expected one of {GATES}, got {self.gate!r}")
+        if self.stream not in STREAMS:
+            raise ValueError(f"stream: expected one of {STREAMS}, got {self.stream!r}")
+        if self.attention_norm not in ATTENTION_NORMS:
+            raise ValueError(
+                f"attention_norm: expected one of {ATTENTION_NORMS}, got {self.attention_norm!r}"
+            )
 
     @property
     def final_norm(self) -> bool:
         """A stack of these layers needs a final norm when the stream leaves a layer unnormalised."""
-        return not self.output_norm
+        return (not self.output_norm) if self.needs_final_norm is None else self.needs_final_norm
+
+    @property
+    def parameter_signature(self) -> tuple:
+        """What a connection of this placement holds: placements with equal signatures can be switched."""
+        return (len(self.norm_slots), self.gate, self.omega)
 
     @property
     def norm_slots(self) -> tuple[str, ...]:
@@ -111,6 +138,158 @@ register_placement(
         "layer's input but not at its output; a stack needs a final norm.",
     ),
     aliases=("residual_after_norm",),
+)
+
+register_placement(
+    Placement(
+        "pre_post",
+        "y = N3(x + D(F(N1(x))))",
+        "x-transformers' pre_and_post_norm; Xie et al. 2023 (ResiDual) discuss it as Pre+Post-LN",
+        input_norm=True,
+        output_norm=True,
+        description="Norms on both sides: the branch sees a normalised input and the stream is "
+        "renormalised after every add, so no final norm.",
+    ),
+    aliases=("pre_and_post", "prepost"),
+)
+register_placement(
+    Placement(
+        "res_post",
+        "y = x + D(N(F(x)))",
+        "Liu et al. 2022, Swin Transformer V2 (res-post-norm); OLMo 2 (Team OLMo 2024)",
+        branch_norm=True,
+        description="The norm moves onto the branch output: the stream stays an identity path but "
+        "each layer adds a normalised update, which keeps activations from growing with depth.",
+    ),
+    aliases=("res_post_norm", "swinv2"),
+)
+register_placement(
+    Placement(
+        "deepnorm",
+        "y = N(alpha * x + D(F(x))), Xavier init with gain beta on FFN, V and output projections",
+        "Wang et al. 2022, DeepNet: Scaling Transformers to 1,000 Layers",
+        output_norm=True,
+        init="deepnorm",
+        description="Post-LN with the residual up-weighted by alpha > 1 and the branch weights "
+        "down-scaled by beta < 1, both set by depth, which bounds the model update and lets "
+        "Post-LN train at hundreds of layers.",
+    ),
+    aliases=("deepnet",),
+)
+register_placement(
+    Placement(
+        "admin",
+        "y = N(x * omega + D(F(x))), omega_i^2 = 1 + sum_{j<i} Var[F_j] from a profiling pass",
+        "Liu et al. 2020, Understanding the Difficulty of Training Transformers (Admin)",
+        output_norm=True,
+        omega=True,
+        init="admin",
+        description="Post-LN whose residual is rescaled per feature by omega, set by one profiling "
+        "forward pass so that no layer's update dominates (addnorm.admin_init).",
+    ),
+)
+register_placement(
+    Placement(
+        "rezero",
+        "y = x + a * D(F(x)), a = 0 at initialisation, no norm",
+        "Bachlechner et al. 2020, ReZero is All You Need",
+        gate="rezero",
+        needs_final_norm=False,
+        description="No normalization at all: one learned scalar per connection, zero at init, so "
+        "every layer starts as the identity.",
+    ),
+)
+register_placement(
+    Placement(
+        "layerscale",
+        "y = x + diag(l) * D(F(N(x))), l = 0.1 / 1e-5 / 1e-6 at init by depth",
+        "Touvron et al. 2021, Going deeper with Image Transformers (CaiT)",
+        input_norm=True,
+        gate="layerscale",
+        description="Pre-LN with a learned per-feature scale on the branch, small at init "
+        "(0.1 up to 18 layers, 1e-5 up to 24, 1e-6 beyond).",
+    ),
+    aliases=("layer_scale", "cait"),
+)
+register_placement(
+    Placement(
+        "sub_ln",
+        "y = x + D(F'(N(x))), F' with a norm inside (before the attention output and FFN W2 "
+        "projections), Xavier init with gain sqrt(log 2N)",
+        "Wang et al. 2022, Foundation Transformers (Magneto / Sub-LN)",
+        input_norm=True,
+        sublayer_norm=True,
+        init="sub_ln",
+        description="Pre-LN plus one more norm inside each sublayer, with a depth-aware init; "
+        "theory-derived for stable training across modalities.",
+    ),
+    aliases=("subln", "magneto"),
+)
+register_placement(
+    Placement(
+        "mix",
+        "post for the first ceil(f * L) layers, pre for the rest (f = 0.25)",
+        "Li et al. 2024, Mix-LN: Unleashing the Power of Deeper Layers by Combining Pre-LN and Post-LN",
+        input_norm=True,
+        layers=("post", "pre", 0.25),
+        description="Post-LN in the shallow layers (healthy gradients there), Pre-LN in the deep ones "
+        "(stable training); the fraction is TransformerConfig.mix_fraction.",
+    ),
+    aliases=("mix_ln",),
+)
+register_placement(
+    Placement(
+        "b2t",
+        "h = N(x + D(F1(x))); y = N(h + D(F2(h)) + x): the layer input skips to the last norm",
+        "Takase et al. 2023, B2T Connection: Serving Stability and Performance in Deep Transformers",
+        output_norm=True,
+        stream="b2t",
+        description="Post-LN with a bottom-to-top connection: each layer's input is added before "
+        "its last norm, an identity path that bypasses the layer's inner norms.",
+    ),
+    aliases=("bottom_to_top",),
+)
+register_placement(
+    Placement(
+        "resi_dual",
+        "xa = N(xa + D(F(xa))); xd = xd + D(F(xa)); output xa + N(xd)",
+        "Xie et al. 2023, ResiDual: Transformer with Dual Residual Connections",
+        output_norm=True,
+        stream="resi_dual",
+        needs_final_norm=True,
+        description="Two streams: a Post-LN stream and an unnormalised Pre-LN-like sum of every "
+        "branch; the stack's final norm applies to the second and the two are added.",
+    ),
+    aliases=("residual", "resiDual"),
+)
+register_placement(
+    Placement(
+        "hybridnorm",
+        "attention: y = x + D(Attn_QKVnorm(x)); FFN: y = N(x + D(FFN(x)))",
+        "Zhuo et al. 2025, HybridNorm: Towards Stable and Efficient Transformer Training",
+        output_norm=True,
+        attention_norm="qkv",
+        attention_connection=("pre", "none"),
+        description="Queries, keys and values are normalised inside attention (no norm on its "
+        "residual), while the FFN keeps Post-Norm.",
+    ),
+    aliases=("hybrid_norm",),
+)
+register_placement(
+    Placement(
+        "ngpt",
+        "h = Norm(h + alpha * (Norm(F(h)) - h)), Norm = unit L2 norm, alpha init 0.05",
+        "Loshchilov et al. 2024, nGPT: Normalized Transformer with Representation Learning on the "
+        "Hypersphere",
+        branch_norm=True,
+        output_norm=True,
+        gate="ngpt",
+        stream="ngpt",
+        norm="l2",
+        description="Hidden states live on the unit sphere: each layer moves them toward the "
+        "normalised sublayer output by a learned per-feature step alpha.",
+    ),
+    aliases=("normalized_transformer",),
 )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -89,19 +91,43 @@ class MultiHeadAttention(nn.Module):
 
     softmax(Q K^T / sqrt(d_head) + mask) V per head; Q, K, V from one packed ``in_proj`` (d, 3d) like
     ``nn.MultiheadAttention``'s ``in_proj_weight``, so weights convert one-to-one.
+
+    ``qkv_norm`` (a callable building a norm of a given size, or None) with ``normalize="qk"``
+    normalises queries and keys per head over the head dimension (QK-norm, Dehghani et al. 2023), with
+    ``"qkv"`` values too (HybridNorm, Zhuo et al. 2025); ``inner_norm`` is a norm applied to the
+    concatenated heads before ``out_proj`` (Sub-LN, Wang et al. 2022).
     """
 
     def __init__(
-        self, d_model: int, n_heads: int, dropout: float = 0.0, bias: bool = True, device=None, dtype=None
+        self,
+        d_model: int,
+        n_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        normalize: str | None = None,
+        qkv_norm: Callable[[int], nn.Module] | None = None,
+        inner_norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model: {d_model} is not divisible by n_heads={n_heads}")
+        if normalize not in (None, "qk", "qkv"):
+            raise ValueError(f"normalize: expected None, 'qk' or 'qkv', got {normalize!r}")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         self.dropout = float(dropout)
         kw = {"device": device, "dtype": dtype}
         self.in_proj = nn.Linear(d_model, 3 * d_model, bias=bias, **kw)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias, **kw)
+        self.normalize = normalize
+        if normalize is not None:
+            if qkv_norm is None:
+                raise ValueError("qkv_norm: a norm factory is needed when normalize is set")
+            self.q_norm, self.k_norm = qkv_norm(self.head_dim), qkv_norm(self.head_dim)
+            self.v_norm = qkv_norm(self.head_dim) if normalize == "qkv" else None
+        self.inner_norm = inner_norm
 
     def forward(
         self,
@@ -130,6 +156,10 @@ class MultiHeadAttention(nn.Module):
             kv = F.linear(memory, w[d:], None if bias is None else bias[d:])
             q = q.view(b, tgt_len, h, hd).transpose(1, 2)
             k, v = kv.view(b, src_len, 2, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
+        if self.normalize is not None:  # per head, over the head dimension
+            q, k = self.q_norm(q), self.k_norm(k)
+            if self.v_norm is not None:
+                v = self.v_norm(v)
         mask, causal = merge_masks(
             attn_mask,
             key_padding_mask,
@@ -144,7 +174,10 @@ class MultiHeadAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
         )
-        return self.out_proj(out.transpose(1, 2).reshape(b, tgt_len, d))  # (B, H, L, hd) -> (B, L, d)
+        out = out.transpose(1, 2).reshape(b, tgt_len, d)  # (B, H, L, hd) -> (B, L, d)
+        if self.inner_norm is not None:
+            out = self.inner_norm(out)
+        return self.out_proj(out)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, n_heads={self.n_heads}, dropout={self.dropout}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
@@ -42,6 +43,11 @@ class TransformerConfig:
     - ``max_len=4096`` positions, ``positional="sinusoidal"`` (also "learned", "none").
     - ``residual=True``; ``False`` removes every residual add (the ablation).
     - ``dropout_at="branch"`` (also ``"after_add"``).
+    - ``norm_options={}``: the norm's own options (``zero_centered`` for RMSNorm, ``alpha0`` for DyT).
+    - ``qk_norm=False``: normalise queries and keys per head before the dot product (Dehghani et al.
+      2023); placements may ask for it themselves (HybridNorm normalises values too).
+    - ``mix_fraction=None``: for ``placement="mix"``, the fraction of layers (from the bottom) that
+      use Post-LN; ``None`` takes Mix-LN's 0.25.
     """
 
     d_model: int = 512
@@ -66,7 +72,9 @@ class TransformerConfig:
     positional: str = "sinusoidal"
     residual: bool = True
     dropout_at: str = "branch"
-    extra: dict = field(default_factory=dict)
+    norm_options: dict = field(default_factory=dict)
+    qk_norm: bool = False
+    mix_fraction: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_heads", "d_ff", "n_layers", "max_len"):
@@ -96,6 +104,8 @@ class TransformerConfig:
         self.init = INITS.resolve(self.init)
         if self.positional not in POSITIONALS:
             raise ValueError(f"positional: expected one of {POSITIONALS}, got {self.positional!r}")
+        if self.mix_fraction is not None and not 0.0 <= float(self.mix_fraction) <= 1.0:
+            raise ValueError(f"mix_fraction: expected a fraction in [0, 1], got {self.mix_fraction!r}")
         if isinstance(self.placement, (str, Placement)):
             get_placement(self.placement)
         else:
@@ -137,7 +147,13 @@ class TransformerConfig:
     def placements_for(self, n_layers: int) -> list[Placement]:
         """One Placement per layer: a single placement repeated, or the per-layer list checked."""
         if isinstance(self.placement, (str, Placement)):
-            return [get_placement(self.placement)] * n_layers
+            p = get_placement(self.placement)
+            if p.layers is None:
+                return [p] * n_layers
+            bottom, top, fraction = p.layers  # Mix-LN: ``bottom`` for the first ceil(f * L) layers
+            fraction = fraction if self.mix_fraction is None else self.mix_fraction
+            n_bottom = min(n_layers, math.ceil(fraction * n_layers - 1e-9))
+            return [get_placement(bottom)] * n_bottom + [get_placement(top)] * (n_layers - n_bottom)
         placements = [get_placement(p) for p in self.placement]
         if len(placements) != n_layers:
             raise ValueError(

@@ -16,6 +16,7 @@ GATED_ACTIVATIONS = ("swiglu",)
 class FeedForward(nn.Module):
     """FFN(x) = W2 D(act(W1 x + b1)) + b2; for ``swiglu``: W2 D(silu(W1a x) * W1b x) with W1 = [W1a; W1b].
 
+    ``inner_norm`` (Sub-LN) normalises the hidden activations before W2.
     ``w1`` is (d_ff, d) — (2 d_ff, d) for SwiGLU — and ``w2`` is (d, d_ff), as ``linear1``/``linear2``
     of ``nn.TransformerEncoderLayer``.
     """
@@ -29,6 +30,8 @@ class FeedForward(nn.Module):
         bias: bool = True,
         device=None,
         dtype=None,
+        *,
+        inner_norm: nn.Module | None = None,
     ) -> None:
         super().__init__()
         kw = {"device": device, "dtype": dtype}
@@ -38,6 +41,7 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(d_model, (2 if self.gated else 1) * d_ff, bias=bias, **kw)
         self.w2 = nn.Linear(d_ff, d_model, bias=bias, **kw)
         self.dropout = nn.Dropout(dropout)
+        self.inner_norm = inner_norm  # Sub-LN: a norm on the hidden activations before W2
 
     def forward(self, x: Tensor) -> Tensor:
         hidden = self.w1(x)
@@ -46,6 +50,8 @@ class FeedForward(nn.Module):
             hidden = F.silu(gate) * value
         else:
             hidden = self._act(hidden)
+        if self.inner_norm is not None:
+            hidden = self.inner_norm(hidden)
         return self.w2(self.dropout(hidden))
 
     def extra_repr(self) -> str:

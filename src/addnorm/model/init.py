@@ -7,7 +7,9 @@ Every layer is built and initialised on its own, so no two layers start with clo
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from ..registry import Registry
@@ -58,3 +60,137 @@ def init_gpt2(module: nn.Module, n_layers: int) -> None:
 def init_layer(module: nn.Module, scheme: str, n_layers: int) -> None:
     """Initialise one layer's sublayers in place with the named scheme."""
     INITS[scheme](module, n_layers)
+
+
+# --- depth-aware constants and initialisations named by placements ---------------------------------
+
+
+@dataclass(frozen=True)
+class Depth:
+    """Where a layer sits: ``part`` ("encoder" or "decoder") of a model with ``n_encoder`` (N) encoder
+    and ``n_decoder`` (M) decoder layers; N = 0 is decoder-only, M = 0 encoder-only."""
+
+    part: str
+    n_encoder: int
+    n_decoder: int
+
+    @property
+    def architecture(self) -> str:
+        if self.n_encoder and self.n_decoder:
+            return "encoder_decoder"
+        return "encoder" if self.n_encoder else "decoder"
+
+    @property
+    def n_layers(self) -> int:
+        return self.n_encoder if self.part == "encoder" else self.n_decoder
+
+
+def deepnorm_constants(depth: Depth) -> tuple[float, float]:
+    """(alpha, beta) of DeepNet (Wang et al. 2022, Table 1) for N encoder and M decoder layers:
+    encoder-only alpha = (2N)^(1/4), beta = (8N)^(-1/4); decoder-only alpha = (2M)^(1/4),
+    beta = (8M)^(-1/4); encoder-decoder: encoder alpha = 0.81 (N^4 M)^(1/16), beta = 0.87 (N^4 M)^(-1/16),
+    decoder alpha = (3M)^(1/4), beta = (12M)^(-1/4)."""
+    n, m = depth.n_encoder, depth.n_decoder
+    if depth.architecture == "encoder":
+        return (2 * n) ** 0.25, (8 * n) ** -0.25
+    if depth.architecture == "decoder":
+        return (2 * m) ** 0.25, (8 * m) ** -0.25
+    if depth.part == "encoder":
+        return 0.81 * (n**4 * m) ** (1 / 16), 0.87 * (n**4 * m) ** (-1 / 16)
+    return (3 * m) ** 0.25, (12 * m) ** -0.25
+
+
+def sub_ln_gain(depth: Depth) -> float:
+    """Magneto's init gain (Wang et al. 2022, Foundation Transformers): sqrt(log 2N) for encoder- or
+    decoder-only; encoder-decoder: encoder sqrt(log(3M) log(2N) / 3), decoder sqrt(log 3M)."""
+    n, m = depth.n_encoder, depth.n_decoder
+    if depth.architecture != "encoder_decoder":
+        return math.sqrt(math.log(2 * depth.n_layers))
+    if depth.part == "encoder":
+        return math.sqrt(math.log(3 * m) * math.log(2 * n) / 3)
+    return math.sqrt(math.log(3 * m))
+
+
+def _xavier_normal_rows(weight: torch.Tensor, rows: slice, gain: float) -> None:
+    """Xavier-normal on a row block of a packed projection, as if it were its own matrix."""
+    block = weight[rows]
+    std = gain * math.sqrt(2.0 / (block.shape[0] + block.shape[1]))
+    with torch.no_grad():
+        block.normal_(0.0, std)
+
+
+def scaled_xavier_init(module: nn.Module, gain: float) -> None:
+    """Xavier-normal with ``gain`` on FFN matrices, value and output projections; gain 1 on queries and
+    keys (the DeepNet / Magneto recipe)."""
+    for m in module.modules():
+        if isinstance(m, MultiHeadAttention):
+            d = m.d_model
+            w = m.in_proj.weight
+            _xavier_normal_rows(w, slice(0, d), 1.0)  # queries, keys and values, each (d, d)
+            _xavier_normal_rows(w, slice(d, 2 * d), 1.0)
+            _xavier_normal_rows(w, slice(2 * d, 3 * d), gain)
+            nn.init.xavier_normal_(m.out_proj.weight, gain=gain)
+        elif isinstance(m, FeedForward):
+            nn.init.xavier_normal_(m.w1.weight, gain=gain)
+            nn.init.xavier_normal_(m.w2.weight, gain=gain)
+
+
+PLACEMENT_INITS: Registry = Registry("placement init")
+
+
+@PLACEMENT_INITS.register("deepnorm")
+def _init_deepnorm(module: nn.Module, depth: Depth) -> None:
+    scaled_xavier_init(module, deepnorm_constants(depth)[1])
+
+
+@PLACEMENT_INITS.register("sub_ln")
+def _init_sub_ln(module: nn.Module, depth: Depth) -> None:
+    scaled_xavier_init(module, sub_ln_gain(depth))
+
+
+@PLACEMENT_INITS.register("admin")
+def _init_admin(module: nn.Module, depth: Depth) -> None:
+    """Admin's omega is set later by a profiling pass on data (:func:`admin_init`)."""
+
+
+@torch.no_grad()
+def admin_init(model: nn.Module, *inputs, **kwargs) -> list[torch.Tensor]:
+    """Admin's profiling pass (Liu et al. 2020): run ``model(*inputs, **kwargs)`` once with every omega
+    at 1, record the output variance of each branch in execution order, and set, within each stack,
+    omega_i = sqrt(1 + sum_{j<i} Var[F_j]). Returns the omegas set (one per connection)."""
+    from ..addnorm import AddNorm
+
+    conns = [m for m in model.modules() if isinstance(m, AddNorm) and m.omega is not None]
+    if not conns:
+        raise ValueError("model: has no Admin connections (placement='admin') to initialise")
+    for c in conns:
+        c.omega.fill_(1.0)
+    stack_of = {}
+    for stack in model.modules():
+        if hasattr(stack, "layers") and isinstance(getattr(stack, "layers"), nn.ModuleList):
+            for m in stack.modules():
+                if isinstance(m, AddNorm):
+                    stack_of.setdefault(id(m), id(stack))
+    order: list[tuple[AddNorm, float]] = []
+    handles = [
+        c.branch.register_forward_hook(lambda mod, inp, out, c=c: order.append((c, out.float().var().item())))
+        for c in conns
+    ]
+    was_training = model.training
+    try:
+        model.eval()
+        model(*inputs, **kwargs)
+    finally:
+        model.train(was_training)
+        for h in handles:
+            h.remove()
+    totals: dict[int, float] = {}
+    done = set()
+    for conn, var in order:
+        if id(conn) in done:
+            continue
+        key = stack_of.get(id(conn), 0)
+        conn.omega.fill_(math.sqrt(1.0 + totals.get(key, 0.0)))
+        totals[key] = totals.get(key, 0.0) + var
+        done.add(id(conn))
+    return [c.omega.detach().clone() for c in conns]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..addnorm import AddNorm
-from ..placements import Placement
+from ..addnorm import AddNorm, layerscale_init
+from ..norms import build_norm
+from ..placements import Placement, get_placement
 from .attention import MultiHeadAttention
 from .config import TransformerConfig
 from .feedforward import FeedForward
-from .init import init_layer
+from .init import PLACEMENT_INITS, Depth, deepnorm_constants, init_layer
 
 
 def check_input(x: object, name: str, d_model: int) -> Tensor:
@@ -42,33 +43,109 @@ def _unbatch_mask(mask: Tensor | None, unbatched: bool) -> Tensor | None:
 
 
 class _Layer(nn.Module):
-    def _connection(self, cfg: TransformerConfig, placement: Placement | str, device, dtype) -> AddNorm:
+    """What encoder and decoder layers share: building sublayers for a placement at a given depth, and
+    running the residual stream through them (standard, B2T, ResiDual's two streams)."""
+
+    def _setup(self, cfg: TransformerConfig, placement, depth: Depth | None, device, dtype) -> Depth:
+        self.cfg = cfg
+        self._p = get_placement(placement if placement is not None else cfg.placements_for(1)[0])
+        if self._p.layers is not None:
+            raise ValueError(
+                f"placement: {self._p.name!r} assigns placements per layer; give it to a stack, not a layer"
+            )
+        self._kw = {"device": device, "dtype": dtype}
+        return depth
+
+    def _norm(self, size: int) -> nn.Module:
+        return build_norm(
+            self._p.norm or self.cfg.norm, size, **self.cfg.norm_kwargs(), **self._kw, **self.cfg.norm_options
+        )
+
+    def _connection(self, depth: Depth, attention: bool = False) -> AddNorm:
+        cfg, p = self.cfg, self._p
+        norm = cfg.norm
+        if attention and p.attention_connection is not None:
+            p, norm = p.attention_connection
+        placement = get_placement(p)
+        alpha = deepnorm_constants(depth)[0] if placement.init == "deepnorm" else None
+        gate_init = layerscale_init(depth.n_layers) if placement.gate == "layerscale" else None
         return AddNorm(
             cfg.d_model,
             placement,
-            cfg.norm,
+            norm,
             cfg.dropout,
             residual=cfg.residual,
             dropout_at=cfg.dropout_at,
-            device=device,
-            dtype=dtype,
+            alpha=alpha,
+            gate_init=gate_init,
+            norm_options=cfg.norm_options,
             **cfg.norm_kwargs(),
+            **self._kw,
         )
 
-    def _attention(self, cfg: TransformerConfig, device, dtype) -> MultiHeadAttention:
-        return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.attn_dropout, cfg.bias, device, dtype)
+    def _attention(self) -> MultiHeadAttention:
+        cfg, p = self.cfg, self._p
+        normalize = p.attention_norm or ("qk" if cfg.qk_norm else None)
+        return MultiHeadAttention(
+            cfg.d_model,
+            cfg.n_heads,
+            cfg.attn_dropout,
+            cfg.bias,
+            **self._kw,
+            normalize=normalize,
+            qkv_norm=self._norm,
+            inner_norm=self._norm(cfg.d_model) if p.sublayer_norm else None,
+        )
 
-    def _feedforward(self, cfg: TransformerConfig, device, dtype) -> FeedForward:
-        return FeedForward(cfg.d_model, cfg.d_ff, cfg.activation, cfg.act_dropout, cfg.bias, device, dtype)
+    def _feedforward(self) -> FeedForward:
+        cfg = self.cfg
+        inner = self._norm(cfg.d_ff) if self._p.sublayer_norm else None
+        return FeedForward(
+            cfg.d_model, cfg.d_ff, cfg.activation, cfg.act_dropout, cfg.bias, **self._kw, inner_norm=inner
+        )
+
+    def _initialise(self, depth: Depth) -> None:
+        init_layer(self, self.cfg.init, depth.n_layers)
+        if self._p.init is not None:
+            PLACEMENT_INITS[self._p.init](self, depth)
+
+    def _run(self, x, steps):
+        """Pass the stream through (connection, sublayer) steps.
+
+        ``x`` is a tensor, or for ResiDual the pair (xa, xd): xa = N(xa + f), xd = xd + f.
+        B2T adds the layer's input before the last connection's norm."""
+        if isinstance(x, tuple):
+            xa, xd = x
+            for block, fn in steps:
+                xa, f = block(xa, fn, return_branch=True)
+                xd = xd + f
+            return xa, xd
+        x0 = x
+        for i, (block, fn) in enumerate(steps):
+            last_b2t = self._p.stream == "b2t" and i == len(steps) - 1
+            x = block(x, fn, extra_residual=x0 if last_b2t else None)
+        return x
 
     @property
     def placement(self) -> Placement:
-        return self.ff_block.placement
+        return self._p
 
     @placement.setter
     def placement(self, value: Placement | str) -> None:
+        new = get_placement(value)
+        if (new.stream, new.sublayer_norm, new.attention_norm, new.attention_connection, new.init) != (
+            self._p.stream,
+            self._p.sublayer_norm,
+            self._p.attention_norm,
+            self._p.attention_connection,
+            self._p.init,
+        ):
+            raise ValueError(
+                f"placement: cannot switch a layer from {self._p.name!r} to {new.name!r} at run time"
+            )
         for block in self.blocks():
-            block.placement = value
+            block.placement = new
+        self._p = new
 
     def blocks(self) -> list[AddNorm]:
         return [m for m in self.children() if isinstance(m, AddNorm)]
@@ -86,18 +163,18 @@ class EncoderLayer(_Layer):
         cfg: TransformerConfig,
         placement: Placement | str | None = None,
         *,
-        n_layers: int | None = None,
+        depth: Depth | None = None,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
-        self.cfg = cfg
-        placement = placement if placement is not None else cfg.placements_for(1)[0]
-        self.self_attn = self._attention(cfg, device, dtype)
-        self.ff = self._feedforward(cfg, device, dtype)
-        self.self_attn_block = self._connection(cfg, placement, device, dtype)
-        self.ff_block = self._connection(cfg, placement, device, dtype)
-        init_layer(self, cfg.init, n_layers or cfg.encoder_layers)
+        depth = depth or Depth("encoder", cfg.encoder_layers, 0)
+        self._setup(cfg, placement, depth, device, dtype)
+        self.self_attn = self._attention()
+        self.ff = self._feedforward()
+        self.self_attn_block = self._connection(depth, attention=True)
+        self.ff_block = self._connection(depth)
+        self._initialise(depth)
 
     def forward_batch_first(
         self,
@@ -115,8 +192,7 @@ class EncoderLayer(_Layer):
                 mask_names=("src_mask", "src_key_padding_mask"),
             )
 
-        x = self.self_attn_block(x, attend)
-        return self.ff_block(x, self.ff)
+        return self._run(x, [(self.self_attn_block, attend), (self.ff_block, self.ff)])
 
     def forward(
         self,
@@ -142,20 +218,20 @@ class DecoderLayer(_Layer):
         cfg: TransformerConfig,
         placement: Placement | str | None = None,
         *,
-        n_layers: int | None = None,
+        depth: Depth | None = None,
         device=None,
         dtype=None,
     ) -> None:
         super().__init__()
-        self.cfg = cfg
-        placement = placement if placement is not None else cfg.placements_for(1)[0]
-        self.self_attn = self._attention(cfg, device, dtype)
-        self.cross_attn = self._attention(cfg, device, dtype)
-        self.ff = self._feedforward(cfg, device, dtype)
-        self.self_attn_block = self._connection(cfg, placement, device, dtype)
-        self.cross_attn_block = self._connection(cfg, placement, device, dtype)
-        self.ff_block = self._connection(cfg, placement, device, dtype)
-        init_layer(self, cfg.init, n_layers or cfg.decoder_layers)
+        depth = depth or Depth("decoder", cfg.encoder_layers, cfg.decoder_layers)
+        self._setup(cfg, placement, depth, device, dtype)
+        self.self_attn = self._attention()
+        self.cross_attn = self._attention()
+        self.ff = self._feedforward()
+        self.self_attn_block = self._connection(depth, attention=True)
+        self.cross_attn_block = self._connection(depth, attention=True)
+        self.ff_block = self._connection(depth)
+        self._initialise(depth)
 
     def forward_batch_first(
         self,
@@ -187,9 +263,8 @@ class DecoderLayer(_Layer):
                 mask_names=("memory_mask", "memory_key_padding_mask"),
             )
 
-        x = self.self_attn_block(x, self_attend)
-        x = self.cross_attn_block(x, cross_attend)
-        return self.ff_block(x, self.ff)
+        steps = [(self.self_attn_block, self_attend), (self.cross_attn_block, cross_attend)]
+        return self._run(x, [*steps, (self.ff_block, self.ff)])
 
     def forward(
         self,

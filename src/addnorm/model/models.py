@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .config import TransformerConfig
+from .init import Depth
 from .stacks import Decoder, Encoder
 
 
@@ -96,8 +97,9 @@ class Transformer(nn.Module):
         self.cfg, self.pad_id = cfg, pad_id
         self.src_embed = _Embedding(src_vocab, cfg, device, dtype)
         self.tgt_embed = _Embedding(tgt_vocab, cfg, device, dtype)
-        self.encoder = Encoder(cfg, device=device, dtype=dtype)
-        self.decoder = Decoder(cfg, device=device, dtype=dtype)
+        n, m = cfg.encoder_layers, cfg.decoder_layers
+        self.encoder = Encoder(cfg, depth=Depth("encoder", n, m), device=device, dtype=dtype)
+        self.decoder = Decoder(cfg, depth=Depth("decoder", n, m), device=device, dtype=dtype)
         self.head = nn.Linear(cfg.d_model, tgt_vocab, device=device, dtype=dtype)
 
     def encode(self, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Tensor:
@@ -141,7 +143,7 @@ class LanguageModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = _Embedding(vocab, cfg, device, dtype)
-        self.stack = Encoder(cfg, cfg.n_layers, device=device, dtype=dtype)
+        self.stack = Encoder(cfg, depth=Depth("decoder", 0, cfg.n_layers), device=device, dtype=dtype)
         self.head = nn.Linear(cfg.d_model, vocab, bias=False, device=device, dtype=dtype)
         if tie_embeddings:
             self.head.weight = self.embed.tokens.weight

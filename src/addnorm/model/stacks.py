@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..norms import build_norm
 from ..placements import Placement
 from .config import TransformerConfig
+from .init import Depth
 from .layers import DecoderLayer, EncoderLayer, _unbatch_mask, check_input, from_batch_first, to_batch_first
 
 
@@ -19,17 +21,31 @@ def needs_final_norm(cfg: TransformerConfig, placements: list[Placement]) -> boo
 
 
 class _Stack(nn.Module):
+    """Layers plus the final norm; runs the residual stream as its placements say (for ResiDual the
+    pair of streams, output xa + N(xd); for nGPT the input projected onto the unit sphere)."""
+
     layer_cls: type[nn.Module]
 
-    def __init__(self, cfg: TransformerConfig, n_layers: int, *, device=None, dtype=None) -> None:
+    def __init__(self, cfg: TransformerConfig, depth: Depth, *, device=None, dtype=None) -> None:
         super().__init__()
         self.cfg = cfg
-        placements = cfg.placements_for(n_layers)
+        self.depth = depth
+        placements = cfg.placements_for(depth.n_layers)
+        streams = {p.stream for p in placements}
+        if len(streams) > 1 and streams & {"resi_dual", "ngpt"}:
+            raise ValueError(
+                f"placement: {sorted(streams)} cannot be mixed in one stack; ResiDual and nGPT change the "
+                "residual stream of every layer"
+            )
+        self.stream = placements[0].stream if placements else "standard"
         self.layers = nn.ModuleList(
-            self.layer_cls(cfg, p, n_layers=n_layers, device=device, dtype=dtype) for p in placements
+            self.layer_cls(cfg, p, depth=depth, device=device, dtype=dtype) for p in placements
         )
+        norm_name = placements[-1].norm if placements and placements[-1].norm else cfg.norm
         self.norm = (
-            build_norm(cfg.norm, cfg.d_model, device=device, dtype=dtype, **cfg.norm_kwargs())
+            build_norm(
+                norm_name, cfg.d_model, device=device, dtype=dtype, **cfg.norm_kwargs(), **cfg.norm_options
+            )
             if needs_final_norm(cfg, placements)
             else None
         )
@@ -38,7 +54,17 @@ class _Stack(nn.Module):
     def placements(self) -> list[Placement]:
         return [layer.placement for layer in self.layers]
 
-    def _finish(self, x: Tensor) -> Tensor:
+    def _start(self, x: Tensor):
+        if self.stream == "resi_dual":
+            return (x, x)
+        if self.stream == "ngpt":
+            return F.normalize(x, dim=-1)
+        return x
+
+    def _finish(self, x) -> Tensor:
+        if isinstance(x, tuple):  # ResiDual: xa + N(xd)
+            xa, xd = x
+            return xa + (self.norm(xd) if self.norm is not None else xd)
         return self.norm(x) if self.norm is not None else x
 
 
@@ -48,11 +74,16 @@ class Encoder(_Stack):
     layer_cls = EncoderLayer
 
     def __init__(
-        self, cfg: TransformerConfig, n_layers: int | None = None, *, device=None, dtype=None
+        self,
+        cfg: TransformerConfig,
+        n_layers: int | None = None,
+        *,
+        depth: Depth | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
-        super().__init__(
-            cfg, cfg.encoder_layers if n_layers is None else n_layers, device=device, dtype=dtype
-        )
+        depth = depth or Depth("encoder", cfg.encoder_layers if n_layers is None else n_layers, 0)
+        super().__init__(cfg, depth, device=device, dtype=dtype)
 
     def forward_batch_first(
         self,
@@ -61,6 +92,7 @@ class Encoder(_Stack):
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
     ) -> Tensor:
+        x = self._start(x)
         for layer in self.layers:
             x = layer.forward_batch_first(x, mask, src_key_padding_mask, is_causal)
         return self._finish(x)
@@ -84,11 +116,18 @@ class Decoder(_Stack):
     layer_cls = DecoderLayer
 
     def __init__(
-        self, cfg: TransformerConfig, n_layers: int | None = None, *, device=None, dtype=None
+        self,
+        cfg: TransformerConfig,
+        n_layers: int | None = None,
+        *,
+        depth: Depth | None = None,
+        device=None,
+        dtype=None,
     ) -> None:
-        super().__init__(
-            cfg, cfg.decoder_layers if n_layers is None else n_layers, device=device, dtype=dtype
+        depth = depth or Depth(
+            "decoder", cfg.encoder_layers, cfg.decoder_layers if n_layers is None else n_layers
         )
+        super().__init__(cfg, depth, device=device, dtype=dtype)
 
     def forward_batch_first(
         self,
@@ -101,6 +140,7 @@ class Decoder(_Stack):
         tgt_is_causal: bool = False,
         memory_is_causal: bool = False,
     ) -> Tensor:
+        x = self._start(x)
         for layer in self.layers:
             x = layer.forward_batch_first(
                 x,
