@@ -12,9 +12,10 @@ per-feature vector (Admin), ``sublayer_norm`` puts a norm inside each sublayer (
 ``attention_norm`` normalises queries/keys(/values) inside attention, ``stream`` names designs that
 change the residual stream itself (B2T, ResiDual, nGPT) and ``layers`` names the per-layer placements
 that a stack expands this one into (Mix-LN); ``attention_connection`` gives the attention sublayer its
-own (placement, norm) (HybridNorm) and ``norm`` forces a norm (nGPT's unit L2 norm). ``init`` names the depth-aware initialisation
-(``addnorm.model.init``). ``final_norm`` says whether a stack of such connections leaves the residual
-stream unnormalised and so needs one more norm after the last layer (by default ``not output_norm``).
+own (placement, norm) (HybridNorm) and ``norm`` forces a norm (nGPT's unit L2 norm). ``init`` names
+the depth-aware initialisation (``addnorm.model.init``). ``final_norm`` says whether a stack of such
+connections leaves the residual stream unnormalised and so needs one more norm after the last layer
+(by default ``not output_norm``).
 """
 
 from __future__ import annotations
