@@ -10,9 +10,10 @@ from .model import (
     Transformer,
     TransformerConfig,
     UnsupportedModuleError,
+    admin_init,
     from_torch,
 )
-from .norms import NORMS, BatchNorm, LayerNorm, NoNorm, RMSNorm, build_norm
+from .norms import NORMS, BatchNorm, DyT, L2Norm, LayerNorm, NoNorm, RMSNorm, ScaleNorm, build_norm
 from .placements import PLACEMENTS, Placement, get_placement, register_placement
 from .registry import Registry, UnknownNameError
 
@@ -28,6 +29,9 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "BatchNorm",
+    "DyT",
+    "L2Norm",
+    "ScaleNorm",
     "LayerNorm",
     "NORMS",
     "NoNorm",
@@ -38,6 +42,7 @@ __all__ = [
     "SublayerConnection",
     "UnknownNameError",
     "UnsupportedModuleError",
+    "admin_init",
     "build_norm",
     "from_torch",
     "get_placement",

@@ -3,7 +3,7 @@
 from .attention import MultiHeadAttention, causal_mask
 from .config import TransformerConfig
 from .feedforward import FeedForward
-from .init import INITS
+from .init import INITS, PLACEMENT_INITS, Depth, admin_init, deepnorm_constants, sub_ln_gain
 from .interop import UnsupportedModuleError, from_torch
 from .layers import DecoderLayer, EncoderLayer
 from .models import LanguageModel, PositionalEncoding, Transformer
@@ -11,6 +11,11 @@ from .stacks import Decoder, Encoder
 
 __all__ = [
     "INITS",
+    "PLACEMENT_INITS",
+    "Depth",
+    "admin_init",
+    "deepnorm_constants",
+    "sub_ln_gain",
     "Decoder",
     "DecoderLayer",
     "Encoder",

@@ -8,8 +8,8 @@ from dataclasses import asdict, dataclass, field, replace
 
 from ..norms import NORMS
 from ..placements import Placement, get_placement
-from .feedforward import GATED_ACTIVATIONS
 from .feedforward import ACTIVATIONS as _POINTWISE
+from .feedforward import GATED_ACTIVATIONS
 from .init import INITS
 
 ACTIVATIONS = (*_POINTWISE, *GATED_ACTIVATIONS)

@@ -167,7 +167,7 @@ def admin_init(model: nn.Module, *inputs, **kwargs) -> list[torch.Tensor]:
         c.omega.fill_(1.0)
     stack_of = {}
     for stack in model.modules():
-        if hasattr(stack, "layers") and isinstance(getattr(stack, "layers"), nn.ModuleList):
+        if hasattr(stack, "layers") and isinstance(stack.layers, nn.ModuleList):
             for m in stack.modules():
                 if isinstance(m, AddNorm):
                     stack_of.setdefault(id(m), id(stack))

@@ -176,7 +176,7 @@ class EncoderLayer(_Layer):
         self.ff_block = self._connection(depth)
         self._initialise(depth)
 
-    def forward_batch_first(
+    def _forward(
         self,
         x: Tensor,
         src_mask: Tensor | None = None,
@@ -200,11 +200,18 @@ class EncoderLayer(_Layer):
         src_mask: Tensor | None = None,
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
+        *,
+        batch_first: bool | None = None,
     ) -> Tensor:
+        """Same arguments as ``nn.TransformerEncoderLayer.forward``; ``batch_first`` overrides the
+        config's layout for this call (stacks pass their batch-first activations)."""
+        if isinstance(src, tuple):  # ResiDual's (xa, xd) pair, batch-first, from a stack
+            return self._forward(src, src_mask, src_key_padding_mask, is_causal)
+        bf = self.cfg.batch_first if batch_first is None else batch_first
         check_input(src, "src", self.cfg.d_model)
-        x, unbatched = to_batch_first(src, self.cfg.batch_first)
-        y = self.forward_batch_first(x, src_mask, _unbatch_mask(src_key_padding_mask, unbatched), is_causal)
-        return from_batch_first(y, self.cfg.batch_first, unbatched)
+        x, unbatched = to_batch_first(src, bf)
+        y = self._forward(x, src_mask, _unbatch_mask(src_key_padding_mask, unbatched), is_causal)
+        return from_batch_first(y, bf, unbatched)
 
 
 class DecoderLayer(_Layer):
@@ -233,7 +240,7 @@ class DecoderLayer(_Layer):
         self.ff_block = self._connection(depth)
         self._initialise(depth)
 
-    def forward_batch_first(
+    def _forward(
         self,
         x: Tensor,
         memory: Tensor,
@@ -276,20 +283,35 @@ class DecoderLayer(_Layer):
         memory_key_padding_mask: Tensor | None = None,
         tgt_is_causal: bool = False,
         memory_is_causal: bool = False,
+        *,
+        batch_first: bool | None = None,
     ) -> Tensor:
+        """Same arguments as ``nn.TransformerDecoderLayer.forward``; ``batch_first`` overrides the
+        config's layout for this call (stacks pass their batch-first activations)."""
+        masks = (tgt_mask, memory_mask)
+        if isinstance(tgt, tuple):  # ResiDual's (xa, xd) pair, batch-first, from a stack
+            return self._forward(
+                tgt,
+                memory,
+                *masks,
+                tgt_key_padding_mask,
+                memory_key_padding_mask,
+                tgt_is_causal,
+                memory_is_causal,
+            )
+        bf = self.cfg.batch_first if batch_first is None else batch_first
         d = self.cfg.d_model
         check_input(tgt, "tgt", d)
         check_input(memory, "memory", d)
-        x, unbatched = to_batch_first(tgt, self.cfg.batch_first)
-        mem, _ = to_batch_first(memory, self.cfg.batch_first)
-        y = self.forward_batch_first(
+        x, unbatched = to_batch_first(tgt, bf)
+        mem, _ = to_batch_first(memory, bf)
+        y = self._forward(
             x,
             mem,
-            tgt_mask,
-            memory_mask,
+            *masks,
             _unbatch_mask(tgt_key_padding_mask, unbatched),
             _unbatch_mask(memory_key_padding_mask, unbatched),
             tgt_is_causal,
             memory_is_causal,
         )
-        return from_batch_first(y, self.cfg.batch_first, unbatched)
+        return from_batch_first(y, bf, unbatched)

@@ -105,7 +105,7 @@ class Transformer(nn.Module):
     def encode(self, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Tensor:
         """Encoder memory (B, S, d)."""
         kpm = _padding_mask(src, self.pad_id, src_key_padding_mask)
-        return self.encoder.forward_batch_first(self.src_embed(src, "src"), None, kpm)
+        return self.encoder(self.src_embed(src, "src"), None, kpm, batch_first=True)
 
     def decode(
         self,
@@ -116,8 +116,15 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """Next-token logits (B, T, tgt_vocab) given the memory."""
         kpm = _padding_mask(tgt, self.pad_id, tgt_key_padding_mask)
-        x = self.decoder.forward_batch_first(
-            self.tgt_embed(tgt, "tgt"), memory, None, None, kpm, memory_key_padding_mask, tgt_is_causal=True
+        x = self.decoder(
+            self.tgt_embed(tgt, "tgt"),
+            memory,
+            None,
+            None,
+            kpm,
+            memory_key_padding_mask,
+            tgt_is_causal=True,
+            batch_first=True,
         )
         return self.head(x)
 
@@ -157,7 +164,5 @@ class LanguageModel(nn.Module):
         return self.stack.norm
 
     def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        x = self.stack.forward_batch_first(
-            self.embed(tokens, "tokens"), None, key_padding_mask, is_causal=True
-        )
+        x = self.stack(self.embed(tokens, "tokens"), None, key_padding_mask, is_causal=True, batch_first=True)
         return self.head(x)

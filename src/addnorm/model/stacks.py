@@ -85,29 +85,25 @@ class Encoder(_Stack):
         depth = depth or Depth("encoder", cfg.encoder_layers if n_layers is None else n_layers, 0)
         super().__init__(cfg, depth, device=device, dtype=dtype)
 
-    def forward_batch_first(
-        self,
-        x: Tensor,
-        mask: Tensor | None = None,
-        src_key_padding_mask: Tensor | None = None,
-        is_causal: bool = False,
-    ) -> Tensor:
-        x = self._start(x)
-        for layer in self.layers:
-            x = layer.forward_batch_first(x, mask, src_key_padding_mask, is_causal)
-        return self._finish(x)
-
     def forward(
         self,
         src: Tensor,
         mask: Tensor | None = None,
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool | None = None,
+        *,
+        batch_first: bool | None = None,
     ) -> Tensor:
+        """Same arguments as ``nn.TransformerEncoder.forward``; ``batch_first`` overrides the config's
+        layout for this call."""
+        bf = self.cfg.batch_first if batch_first is None else batch_first
         check_input(src, "src", self.cfg.d_model)
-        x, unbatched = to_batch_first(src, self.cfg.batch_first)
-        y = self.forward_batch_first(x, mask, _unbatch_mask(src_key_padding_mask, unbatched), bool(is_causal))
-        return from_batch_first(y, self.cfg.batch_first, unbatched)
+        x, unbatched = to_batch_first(src, bf)
+        kpm = _unbatch_mask(src_key_padding_mask, unbatched)
+        x = self._start(x)
+        for layer in self.layers:
+            x = layer(x, mask, kpm, bool(is_causal), batch_first=True)
+        return from_batch_first(self._finish(x), bf, unbatched)
 
 
 class Decoder(_Stack):
@@ -129,31 +125,6 @@ class Decoder(_Stack):
         )
         super().__init__(cfg, depth, device=device, dtype=dtype)
 
-    def forward_batch_first(
-        self,
-        x: Tensor,
-        memory: Tensor,
-        tgt_mask: Tensor | None = None,
-        memory_mask: Tensor | None = None,
-        tgt_key_padding_mask: Tensor | None = None,
-        memory_key_padding_mask: Tensor | None = None,
-        tgt_is_causal: bool = False,
-        memory_is_causal: bool = False,
-    ) -> Tensor:
-        x = self._start(x)
-        for layer in self.layers:
-            x = layer.forward_batch_first(
-                x,
-                memory,
-                tgt_mask,
-                memory_mask,
-                tgt_key_padding_mask,
-                memory_key_padding_mask,
-                tgt_is_causal,
-                memory_is_causal,
-            )
-        return self._finish(x)
-
     def forward(
         self,
         tgt: Tensor,
@@ -164,20 +135,30 @@ class Decoder(_Stack):
         memory_key_padding_mask: Tensor | None = None,
         tgt_is_causal: bool | None = None,
         memory_is_causal: bool = False,
+        *,
+        batch_first: bool | None = None,
     ) -> Tensor:
+        """Same arguments as ``nn.TransformerDecoder.forward``; ``batch_first`` overrides the config's
+        layout for this call."""
+        bf = self.cfg.batch_first if batch_first is None else batch_first
         d = self.cfg.d_model
         check_input(tgt, "tgt", d)
         check_input(memory, "memory", d)
-        x, unbatched = to_batch_first(tgt, self.cfg.batch_first)
-        mem, _ = to_batch_first(memory, self.cfg.batch_first)
-        y = self.forward_batch_first(
-            x,
-            mem,
-            tgt_mask,
-            memory_mask,
-            _unbatch_mask(tgt_key_padding_mask, unbatched),
-            _unbatch_mask(memory_key_padding_mask, unbatched),
-            bool(tgt_is_causal),
-            memory_is_causal,
-        )
-        return from_batch_first(y, self.cfg.batch_first, unbatched)
+        x, unbatched = to_batch_first(tgt, bf)
+        mem, _ = to_batch_first(memory, bf)
+        kpm = _unbatch_mask(tgt_key_padding_mask, unbatched)
+        mem_kpm = _unbatch_mask(memory_key_padding_mask, unbatched)
+        x = self._start(x)
+        for layer in self.layers:
+            x = layer(
+                x,
+                mem,
+                tgt_mask,
+                memory_mask,
+                kpm,
+                mem_kpm,
+                bool(tgt_is_causal),
+                memory_is_causal,
+                batch_first=True,
+            )
+        return from_batch_first(self._finish(x), bf, unbatched)
