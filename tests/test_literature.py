@@ -279,3 +279,13 @@ def test_every_placement_trains_without_nan_at_depth_6(placement):
     logits.sum().backward()
     assert torch.isfinite(logits).all()
     assert all(torch.isfinite(p.grad).all() for p in seq2seq.parameters() if p.grad is not None)
+
+
+def test_every_placement_and_norm_is_documented():
+    from pathlib import Path
+
+    text = (Path(__file__).parents[1] / "docs" / "placements.md").read_text()
+    for name in an.PLACEMENTS:
+        assert f"\n## {name}\n" in text, name
+    for name in an.NORMS:
+        assert f"| `{name}` |" in text, name
