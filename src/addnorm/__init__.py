@@ -15,6 +15,7 @@ from .model import (
 )
 from .norms import NORMS, BatchNorm, DyT, L2Norm, LayerNorm, NoNorm, RMSNorm, ScaleNorm, build_norm
 from .placements import PLACEMENTS, Placement, get_placement, register_placement
+from .probe import Probe
 from .registry import Registry, UnknownNameError
 
 __version__ = "0.1.0"
@@ -36,6 +37,7 @@ __all__ = [
     "NORMS",
     "NoNorm",
     "PLACEMENTS",
+    "Probe",
     "Placement",
     "RMSNorm",
     "Registry",

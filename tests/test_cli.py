@@ -1,0 +1,184 @@
+"""The addnorm command line: list, explain, inspect (the physics claim of Xiong et al. 2020), errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+import addnorm as an
+from addnorm import cli
+from addnorm.ops.numpy_ref import layer_norm
+
+runner = CliRunner()
+
+
+def invoke(*args: str):
+    return runner.invoke(cli.app, list(args))
+
+
+def test_list_names_every_placement_and_norm_with_formula_and_citation():
+    result = invoke("list")
+    assert result.exit_code == 0, result.output
+    for name, placement in an.PLACEMENTS.items():
+        assert name in result.output
+        assert placement.formula in result.output
+        assert placement.citation in result.output
+    for name, cls in an.NORMS.items():
+        assert name in result.output
+        assert cls.__doc__.strip().splitlines()[0] in result.output
+
+
+def _numbers_after(output: str, label: str) -> list[float]:
+    (line,) = [ln for ln in output.splitlines() if label in ln]
+    rhs = line.rsplit("=", 1)[1].strip().strip("[]")
+    return [float(v) for v in rhs.split(",")]
+
+
+@pytest.mark.parametrize(
+    ("x", "fx"), [("1,2,3", "0.5,-1,1.5"), ("0.1,-2,7,3.5", "1,1,-1,0")], ids=["default", "other"]
+)
+def test_explain_steps_match_reference(x, fx):
+    args = [] if x == "1,2,3" else ["--x", x, "--fx", fx]
+    result = invoke("explain", *args)
+    assert result.exit_code == 0, result.output
+    xs, fxs = [float(v) for v in x.split(",")], [float(v) for v in fx.split(",")]
+    z = [a + b for a, b in zip(xs, fxs, strict=True)]
+    mean = sum(z) / len(z)
+    var = sum((v - mean) ** 2 for v in z) / len(z)
+    assert _numbers_after(result.output, "z = x + F(x)") == pytest.approx(z, rel=1e-3)
+    assert _numbers_after(result.output, "mu = sum(z)") == pytest.approx([mean], abs=1e-4)
+    assert _numbers_after(result.output, "var = sum(") == pytest.approx([var], abs=1e-4)
+    assert _numbers_after(result.output, "sigma = sqrt") == pytest.approx([math.sqrt(var + 1e-5)], abs=1e-4)
+    expected = [(v - mean) / math.sqrt(var + 1e-5) for v in z]
+    assert _numbers_after(result.output, "y = (z - mu)") == pytest.approx(expected, rel=1e-3, abs=1e-4)
+    assert expected == pytest.approx(list(layer_norm(z)), rel=1e-12)
+
+
+def test_explain_accepts_negative_first_value():
+    result = invoke("explain", "--x", "-1,0,2", "--fx=-0.5,1,1")
+    assert result.exit_code == 0, result.output
+    assert _numbers_after(result.output, "z = x + F(x)") == pytest.approx([-1.5, 1, 3])
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["explain", "--x", "1,2,3", "--fx", "1,2"], "same length"),
+        (["explain", "--x", "1,a"], "--x"),
+        (["explain", "--eps", "0"], "eps"),
+        (["inspect", "--placements", "post,bogus", "--layers", "1"], "bogus"),
+        (["inspect", "--d-model", "30", "--heads", "4", "--layers", "1"], "d_model"),
+        (["inspect", "--layers", "0"], "--layers"),
+        (["inspect", "--norm", "lyernorm", "--layers", "1"], "lyernorm"),
+    ],
+)
+def test_library_errors_are_one_line_exit_2(args, needle, tmp_path):
+    result = runner.invoke(cli.app, [*args, *(["--out", str(tmp_path)] if args[0] == "inspect" else [])])
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = [ln for ln in result.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+    assert "Traceback" not in result.output
+
+
+def _direct_ffn_grad_norms(placement: str, seed: int, **kw) -> list[float]:
+    """Oracle without the Probe: build the same model and batch, read p.grad directly."""
+    torch.manual_seed(seed)
+    cfg = an.TransformerConfig(
+        d_model=kw["d_model"], n_heads=kw["n_heads"], d_ff=4 * kw["d_model"], n_layers=kw["n_layers"],
+        dropout=0.0, placement=placement, init="xavier", max_len=kw["seq"],
+    )  # fmt: skip
+    model = an.LanguageModel(cfg, 256)
+    tokens = cli._batch(cli.stdlib_corpus(), kw["batch"], kw["seq"], seed)
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
+    return [
+        math.hypot(la.ff.w1.weight.grad.norm().item(), la.ff.w2.weight.grad.norm().item())
+        for la in model.layers
+    ]
+
+
+def test_ffn_grad_norms_match_direct_computation():
+    kw = dict(n_layers=3, d_model=32, n_heads=2, seq=16, batch=2)
+    got = cli.ffn_grad_norms_at_init("pre", seed=5, repeats=1, **kw)
+    assert got["ff"] == pytest.approx(_direct_ffn_grad_norms("pre", 5, **kw), rel=1e-5)
+    assert [math.hypot(a, b) for a, b in zip(got["w1"], got["w2"], strict=True)] == pytest.approx(got["ff"])
+
+
+def test_inspect_post_gradients_grow_with_depth_pre_do_not(tmp_path):
+    """Xiong et al. 2020: at init, Post-LN's FFN gradient norms grow toward the top layers, Pre-LN's don't."""
+    result = invoke("inspect", "--placements", "post,pre", "--layers", "12", "--out", str(tmp_path))
+    assert result.exit_code == 0, result.output
+    data = json.loads((tmp_path / "inspect.json").read_text())
+    post, pre = data["placements"]["post"]["ff"], data["placements"]["pre"]["ff"]
+    assert len(post) == len(pre) == 12
+    post_ratio, pre_ratio = post[-1] / post[0], pre[-1] / pre[0]
+    assert post_ratio > 1.2, post
+    assert pre_ratio < 1.0, pre
+    assert post_ratio > 1.5 * pre_ratio
+    assert post[-1] > 1.5 * pre[-1]  # the top layer's gradient is much larger under Post-LN
+    # the printed table and verdicts come from the same numbers
+    rows = [ln.split() for ln in result.output.splitlines() if ln.strip()[:1].isdigit()]
+    assert [float(r[1]) for r in rows[:12]] == pytest.approx(post, rel=1e-3)
+    assert f"last/first = {post_ratio:6.2f}  -> grows toward the top layers" in result.output
+    assert f"last/first = {pre_ratio:6.2f}  -> shrinks toward the top layers" in result.output
+    assert "seen here" in result.output and "NOT seen" not in result.output
+    png = tmp_path / "inspect.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert str(png) in result.output
+
+
+def test_console_script_runs(tmp_path):
+    exe = shutil.which("addnorm", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("the addnorm console script is not installed next to this Python")
+    ok = subprocess.run([exe, "explain"], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and "z = x + F(x)" in ok.stdout
+    bad = subprocess.run(
+        [exe, "inspect", "--placements", "nope", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("error: ") and "Traceback" not in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_verdict_words():
+    assert cli.verdict(2.0) == "grows toward the top layers"
+    assert cli.verdict(0.5) == "shrinks toward the top layers"
+    assert cli.verdict(1.0) == "nearly flat across depth"
+    assert "undefined" in cli.verdict(float("nan"))
+
+
+def test_study_commands_are_registered_when_the_module_exists(monkeypatch):
+    import importlib.machinery
+    import types
+
+    import typer
+
+    fake = types.ModuleType("addnorm.study.cli")
+    fake.__spec__ = importlib.machinery.ModuleSpec("addnorm.study.cli", loader=None)
+
+    def register(app: typer.Typer) -> None:
+        @app.command("fake-study")
+        def fake_study() -> None:
+            typer.echo("study ran")
+
+    fake.register = register
+    app = typer.Typer()
+    app.command("noop")(lambda: None)
+    monkeypatch.setitem(sys.modules, "addnorm.study.cli", fake)
+    monkeypatch.setattr(cli, "app", app)
+    cli._register_study_commands()
+    result = runner.invoke(app, ["fake-study"])
+    assert result.exit_code == 0 and "study ran" in result.output

@@ -1,0 +1,219 @@
+"""Probe: observes per-layer stream statistics and gradient norms without changing the model."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import addnorm as an
+from addnorm.probe import METRICS, Probe
+
+VOCAB = 50
+
+
+def _lm(placement: str = "pre", n_layers: int = 3, seed: int = 0) -> an.LanguageModel:
+    torch.manual_seed(seed)
+    cfg = an.TransformerConfig(
+        d_model=16, n_heads=2, d_ff=32, n_layers=n_layers, dropout=0.0, placement=placement, init="xavier"
+    )
+    return an.LanguageModel(cfg, VOCAB)
+
+
+def _tokens(seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
+
+
+def _lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def _run(model, tokens, probe=None):
+    model.zero_grad(set_to_none=True)
+    if probe is None:
+        loss = _lm_loss(model, tokens)
+        loss.backward()
+    else:
+        with probe:
+            loss = _lm_loss(model, tokens)
+            loss.backward()
+    return loss.detach().clone(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_outputs_and_gradients_bit_identical_with_probe():
+    model, tokens = _lm("post"), _tokens()
+    loss0, grads0 = _run(model, tokens)
+    probe = Probe(model)
+    loss1, grads1 = _run(model, tokens, probe)
+    assert torch.equal(loss0, loss1)
+    for name in grads0:
+        assert torch.equal(grads0[name], grads1[name]), name
+    assert probe.snapshot()  # it did record
+    # hooks are gone after the block: nothing new is recorded
+    probe.clear()
+    _run(model, tokens)
+    assert {r["metric"] for r in probe.snapshot()} == {"weight_grad_norm", "weight_norm"}
+    assert all(math.isnan(v) for v in probe.stream_grad_norms())
+
+
+def test_auto_layers_and_sublayers_of_language_model():
+    model = _lm("pre", n_layers=3)
+    probe = Probe(model)
+    assert len(probe) == 3
+    assert probe.layer_names == [n for n, m in model.named_modules() if m in list(model.layers)]
+    assert probe.sublayers == [["self_attn", "ff", ""]] * 3
+
+
+def test_recorded_values_match_independent_computation():
+    model, tokens = _lm("pre", n_layers=2), _tokens(1)
+    # oracle: capture each ff_block's output and its gradient with retain_grad
+    outs = {}
+
+    def keep(i):
+        def hook(_m, _a, out):
+            out.retain_grad()
+            outs[i] = out
+
+        return hook
+
+    handles = [layer.ff_block.register_forward_hook(keep(i)) for i, layer in enumerate(model.layers)]
+    probe = Probe(model)
+    _run(model, tokens, probe)
+    for h in handles:
+        h.remove()
+    rows = probe.snapshot(step=7)
+    assert {r["metric"] for r in rows} == set(METRICS)
+    assert all(r["step"] == 7 for r in rows)
+    keys = {"step", "layer", "layer_name", "sublayer", "metric", "param", "value"}
+    assert all(set(r) == keys and isinstance(r["value"], float) for r in rows)
+
+    def get(layer, sub, metric, param=None):
+        (row,) = [
+            r
+            for r in rows
+            if (r["layer"], r["sublayer"], r["metric"], r["param"]) == (layer, sub, metric, param)
+        ]
+        return row["value"]
+
+    for i, layer in enumerate(model.layers):
+        out = outs[i].detach().double()
+        assert get(i, "ff", "act_mean") == pytest.approx(out.mean().item(), rel=1e-5, abs=1e-6)
+        assert get(i, "ff", "act_std") == pytest.approx(out.std(correction=0).item(), rel=1e-5)
+        assert get(i, "ff", "act_rms") == pytest.approx(out.pow(2).mean().sqrt().item(), rel=1e-5)
+        assert get(i, "ff", "grad_norm") == pytest.approx(outs[i].grad.norm().item(), rel=1e-5)
+        # the layer's output is its ff connection's output
+        assert get(i, "", "grad_norm") == pytest.approx(outs[i].grad.norm().item(), rel=1e-5)
+        w1, w2 = layer.ff.w1.weight, layer.ff.w2.weight
+        assert get(i, "ff", "weight_grad_norm", "ff.w1.weight") == pytest.approx(w1.grad.norm().item())
+        assert get(i, "ff", "weight_norm", "ff.w2.weight") == pytest.approx(w2.norm().item())
+        sa_params = {
+            r["param"] for r in rows if (r["layer"], r["sublayer"]) == (i, "self_attn") and r["param"]
+        }
+        assert sa_params == {f"self_attn.{n}" for n, p in layer.self_attn.named_parameters() if p.ndim >= 2}
+    combined = [
+        math.hypot(la.ff.w1.weight.grad.norm().item(), la.ff.w2.weight.grad.norm().item())
+        for la in model.layers
+    ]
+    assert probe.weight_grad_norms("ff") == pytest.approx(combined, rel=1e-5)
+    one = [la.ff.w2.weight.grad.norm().item() for la in model.layers]
+    assert probe.weight_grad_norms("ff", "w2") == pytest.approx(one, rel=1e-6)
+    assert probe.weight_grad_norms("ff", "ff.w2.weight") == pytest.approx(one, rel=1e-6)
+    every = [
+        math.sqrt(sum(p.grad.norm().item() ** 2 for p in la.parameters() if p.ndim >= 2))
+        for la in model.layers
+    ]
+    assert probe.weight_grad_norms(None) == pytest.approx(every, rel=1e-5)
+    assert probe.activation_rms("ff") == pytest.approx(
+        [outs[i].detach().pow(2).mean().sqrt().item() for i in range(2)], rel=1e-5
+    )
+
+
+def _keep(out: torch.Tensor, outs: list) -> None:
+    out.retain_grad()
+    outs.append(out)
+
+
+def test_torch_transformer_encoder_with_selector():
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    enc = nn.TransformerEncoder(layer, num_layers=3, enable_nested_tensor=False)
+    x = torch.randn(2, 5, 16)
+    outs = []
+    handles = [m.register_forward_hook(lambda _m, _a, o: _keep(o, outs)) for m in enc.layers]
+    for probe in (Probe(enc, "layers"), Probe(enc), Probe(enc, list(enc.layers))):
+        outs.clear()
+        enc.zero_grad()
+        with probe:
+            y = enc(x)
+            y.square().sum().backward()
+        assert len(probe) == 3
+        assert probe.sublayers == [[""]] * 3
+        assert probe.layer_names == ["layers.0", "layers.1", "layers.2"]
+        assert probe.stream_grad_norms() == pytest.approx([o.grad.norm().item() for o in outs], rel=1e-5)
+        assert probe.activation_rms() == pytest.approx(
+            [o.detach().pow(2).mean().sqrt().item() for o in outs], rel=1e-5
+        )
+        expected = [
+            math.sqrt(sum(p.grad.norm().item() ** 2 for p in m.parameters() if p.ndim >= 2))
+            for m in enc.layers
+        ]
+        assert probe.weight_grad_norms(None) == pytest.approx(expected, rel=1e-5)
+        assert probe.weight_grad_norms("") == pytest.approx(expected, rel=1e-5)
+        with pytest.raises(ValueError, match="sublayer"):
+            probe.weight_grad_norms("ff")
+    for h in handles:
+        h.remove()
+
+
+def test_callable_selector_and_decoder_layers():
+    cfg = an.TransformerConfig(d_model=16, n_heads=2, d_ff=32, n_layers=2, dropout=0.0, placement="pre")
+    model = an.Transformer(cfg, src_vocab=VOCAB, tgt_vocab=VOCAB)
+    probe = Probe(model)  # every module with AddNorm children: 2 encoder + 2 decoder layers
+    assert len(probe) == 4
+    assert probe.sublayers[2] == ["self_attn", "cross_attn", "ff", ""]
+    dec = Probe(model, lambda name, m: isinstance(m, an.DecoderLayer))
+    assert dec.layer_names == ["decoder.layers.0", "decoder.layers.1"]
+    src, tgt = _tokens(2), _tokens(3)
+    with dec:
+        model(src, tgt).sum().backward()
+    assert all(v > 0 for v in dec.stream_grad_norms("cross_attn"))
+    assert all(v > 0 for v in dec.weight_grad_norms("cross_attn"))
+
+
+def test_no_grad_forward_and_repeated_steps():
+    model = _lm("post", n_layers=2)
+    with Probe(model) as probe:
+        with torch.no_grad():
+            model(_tokens()[:, :-1])
+        assert all(v > 0 for v in probe.activation_rms())
+        assert all(math.isnan(v) for v in probe.stream_grad_norms())
+        assert not [r for r in probe.snapshot() if r["metric"] in ("grad_norm", "weight_grad_norm")]
+        seen = []
+        for seed in range(3):
+            model.zero_grad()
+            _lm_loss(model, _tokens(seed)).backward()
+            seen.append(probe.stream_grad_norms("self_attn"))
+        assert all(v > 0 for row in seen for v in row)
+        assert seen[0] != seen[1]  # each backward overwrites with its own values
+    probe.clear()
+    assert {r["metric"] for r in probe.snapshot()} == {"weight_grad_norm", "weight_norm"}
+    assert all(math.isnan(v) for v in probe.activation_rms())
+
+
+def test_bad_arguments():
+    model = _lm()
+    with pytest.raises(TypeError, match="model"):
+        Probe("not a model")
+    with pytest.raises(ValueError, match="layers"):
+        Probe(model, "no.such.path")
+    with pytest.raises(ValueError, match="layers"):
+        Probe(model, lambda n, m: False)
+    with pytest.raises(TypeError, match="layers"):
+        Probe(model, 3)
+    with pytest.raises(ValueError, match="layers"):
+        Probe(nn.Linear(3, 3))
+    with pytest.raises(ValueError, match="param"):
+        Probe(model).weight_grad_norms("ff", "w9")
