@@ -101,3 +101,12 @@ def test_every_norm_shares_one_signature():
     for name in an.NORMS:
         m = an.build_norm(name, 6, eps=1e-4, affine=True, bias=False, device="cpu", dtype=torch.float64)
         assert m(torch.randn(2, 3, 6, dtype=torch.float64)).shape == (2, 3, 6)
+
+
+def test_norm_options_are_checked():
+    with pytest.raises(
+        ValueError, match="norm_options: 'layernorm' takes no option 'zero_centered'; its options are: none"
+    ):
+        an.build_norm("layernorm", 4, zero_centered=True)
+    with pytest.raises(ValueError, match="its options are: zero_centered"):
+        an.TransformerConfig(d_model=8, n_heads=2, norm="rmsnorm", norm_options={"alpha0": 1.0})

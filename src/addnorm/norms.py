@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -202,6 +203,13 @@ def build_norm(
     """Build a norm by registry name. ``bias=None`` takes the norm's default (LayerNorm yes, RMSNorm no);
     ``options`` are the norm's own (``zero_centered`` for RMSNorm, ``alpha0`` for DyT)."""
     cls = NORMS[name]
+    accepted = set(inspect.signature(cls).parameters) - {"dim", "eps", "affine", "bias", "device", "dtype"}
+    unknown = sorted(set(options) - accepted)
+    if unknown:
+        raise ValueError(
+            f"norm_options: {name!r} takes no option {', '.join(map(repr, unknown))}; "
+            f"its options are: {', '.join(sorted(accepted)) or 'none'}"
+        )
     kwargs = {"eps": eps, "affine": affine, "device": device, "dtype": dtype, **options}
     if bias is not None:
         kwargs["bias"] = bias

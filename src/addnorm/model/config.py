@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
-from ..norms import NORMS
+from ..norms import NORMS, build_norm
 from ..placements import Placement, get_placement
 from .feedforward import ACTIVATIONS as _POINTWISE
 from .feedforward import GATED_ACTIVATIONS
@@ -97,6 +97,7 @@ class TransformerConfig:
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {self.activation!r}")
         self.norm = NORMS.resolve(self.norm)
+        build_norm(self.norm, 1, **self.norm_options)  # checks the options name real arguments
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps: expected a positive float, got {self.norm_eps!r}")
         if self.final_norm not in FINAL_NORM_CHOICES:
