@@ -7,7 +7,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= triton,dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.addnorm-installed
-ARGS ?= inspect
+ARGS ?= study
 
 .PHONY: run test lint format bench install clean
 

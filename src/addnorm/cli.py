@@ -8,17 +8,16 @@ while Pre-LN's do not.
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import json
 import math
 import sys
-import sysconfig
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
 import typer
+
+from .tasks.corpus import stdlib_corpus
 
 app = typer.Typer(
     name="addnorm",
@@ -122,26 +121,6 @@ def explain(
 _CORPUS_BYTES = 1 << 20
 
 
-@functools.lru_cache(maxsize=4)
-def stdlib_corpus(limit: int = _CORPUS_BYTES) -> bytes:
-    """Up to ``limit`` bytes of the Python standard library's own source files (sorted by name)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    chunks, size = [], 0
-    for path in sorted(root.glob("*.py")):
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        chunks.append(data)
-        size += len(data)
-        if size >= limit:
-            break
-    corpus = b"".join(chunks)[:limit]
-    if not corpus:
-        raise ValueError(f"corpus: found no Python source files under the stdlib directory {root}")
-    return corpus
-
-
 def _batch(corpus: bytes, batch: int, seq: int, seed: int):
     """A (batch, seq + 1) LongTensor of byte windows at random offsets: inputs [:, :-1], targets [:, 1:]."""
     import torch
@@ -184,7 +163,7 @@ def ffn_grad_norms_at_init(
     for name, value in (("layers", n_layers), ("seq", seq), ("batch", batch), ("repeats", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"--{name}: expected a positive int, got {value!r}")
-    corpus = stdlib_corpus() if corpus is None else corpus
+    corpus = stdlib_corpus(_CORPUS_BYTES) if corpus is None else corpus
     cfg = TransformerConfig(
         d_model=d_model,
         n_heads=n_heads,
@@ -337,16 +316,53 @@ def main() -> None:
         sys.exit(2)
 
 
-def _register_study_commands() -> None:
-    """Add ``addnorm.study.cli``'s commands (``register(app)``) when that module exists."""
-    try:
-        spec = importlib.util.find_spec("addnorm.study.cli")
-    except ModuleNotFoundError:  # no addnorm.study package yet
-        spec = None
-    if spec is not None:
-        register = getattr(importlib.import_module("addnorm.study.cli"), "register", None)
-        if register is not None:
-            register(app)
+# --- studies ------------------------------------------------------------------------------------
+@app.command("study")
+@handle_errors
+def study_command(
+    spec: str = typer.Argument("quick", help="a preset name or a path to a YAML spec"),
+    out: Path = typer.Option(None, "--out", help="output folder (default addnorm-out/<study name>)"),
+    set_: list[str] = typer.Option([], "--set", help="override a setting: key=value (dotted keys)"),
+    workers: int = typer.Option(1, "--workers", help="run in N processes"),
+    quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
+) -> None:
+    """Run a study (resuming one already started in the same folder) and write its report."""
+    from .study.runner import run_study
+    from .study.spec import load_spec
+
+    study = load_spec(spec, set_)
+    folder = out or Path("addnorm-out") / study.name
+    outcome = run_study(study, folder, workers=workers, progress=not quiet)
+    typer.echo(f"{outcome.total} runs ({outcome.skipped} already stored, {outcome.ran} run now)")
+    typer.echo(f"report: {outcome.report}")
+    typer.echo(f"database: {folder / 'study.sqlite'}")
 
 
-_register_study_commands()
+@app.command("report")
+@handle_errors
+def report_command(out: Path = typer.Argument(..., help="a study folder holding study.sqlite")) -> None:
+    """Rebuild a study's report from its database."""
+    from .study.report import build_report
+
+    typer.echo(f"report: {build_report(out)}")
+
+
+@app.command("export")
+@handle_errors
+def export_command(
+    out: Path = typer.Argument(..., help="a study folder holding study.sqlite"),
+    to: Path = typer.Option(None, "--to", help="folder for the CSV files (default <out>/csv)"),
+) -> None:
+    """Export a study's runs and metrics to CSV."""
+    from .study.store import Store
+
+    db = out / "study.sqlite"
+    if not db.is_file():
+        raise ValueError(f"out: no study database at {str(db)!r}")
+    with Store(db) as store:
+        for path in store.export_csv(to or out / "csv"):
+            typer.echo(str(path))
+
+
+if __name__ == "__main__":
+    main()

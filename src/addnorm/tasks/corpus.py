@@ -1,0 +1,87 @@
+"""Text corpora read as bytes: the Python standard library's own sources (on every machine) or a path."""
+
+from __future__ import annotations
+
+import math
+import sysconfig
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .base import TASKS, Batch, Task
+
+DEFAULT_CORPUS_BYTES = 4_000_000
+
+
+def stdlib_corpus(limit: int = DEFAULT_CORPUS_BYTES) -> bytes:
+    """The ``.py`` files of the standard library (``sysconfig`` 'stdlib' path) in sorted order, as bytes,
+    capped at ``limit``; site-packages and tests are left out so every machine reads the same kind of text."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if any(part in ("site-packages", "dist-packages", "test", "tests", "idlelib") for part in rel):
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError:
+            continue
+        chunks.append(data)
+        total += len(data)
+        if total >= limit:
+            break
+    corpus = b"".join(chunks)[:limit]
+    if not corpus:
+        raise ValueError(f"corpus: found no Python source files under the stdlib directory {root}")
+    return corpus
+
+
+def read_corpus(path: str | Path | None = None, limit: int = DEFAULT_CORPUS_BYTES) -> bytes:
+    """Bytes of a text file, or of every file below a folder (sorted), or the stdlib default for None."""
+    if path is None or str(path) in ("", "stdlib"):
+        return stdlib_corpus(limit)
+    p = Path(path)
+    if p.is_file():
+        data = p.read_bytes()[:limit]
+    elif p.is_dir():
+        data = b"".join(f.read_bytes() for f in sorted(p.rglob("*")) if f.is_file())[:limit]
+    else:
+        raise ValueError(f"corpus: {str(path)!r} is neither a file nor a folder")
+    if len(data) < 1024:
+        raise ValueError(f"corpus: {str(path)!r} has {len(data)} bytes; at least 1024 are needed")
+    return data
+
+
+@TASKS.register("lm", aliases=("language_modelling", "char_lm"))
+class LanguageModelling(Task):
+    """Byte-level next-token prediction (vocab 256) with a decoder-only model; the last 10% of the
+    corpus is held out. Metric: bits per byte = loss / ln 2."""
+
+    name = "lm"
+    metric = "bits_per_byte"
+    vocab = 256
+
+    def __init__(self, corpus: str | None = None, limit: int = DEFAULT_CORPUS_BYTES) -> None:
+        data = torch.frombuffer(bytearray(read_corpus(corpus, limit)), dtype=torch.uint8).long()
+        cut = int(0.9 * data.numel())
+        self.splits = {"train": data[:cut], "val": data[cut:]}
+
+    def batch(self, split: str, batch_size: int, seq_len: int, generator: torch.Generator) -> Batch:
+        data = self.splits[split]
+        if data.numel() <= seq_len + 1:
+            raise ValueError(f"seq_len: {seq_len} is too long for the {split} split ({data.numel()} bytes)")
+        starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=generator)
+        windows = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
+        return Batch(None, windows[:, :-1], windows[:, 1:])
+
+    def build_model(self, cfg) -> nn.Module:
+        from ..model import LanguageModel
+
+        return LanguageModel(cfg, self.vocab)
+
+    def logits(self, model, batch):
+        return model(batch.inputs)
+
+    def metric_value(self, loss, logits, batch) -> float:
+        return loss / math.log(2)
