@@ -20,21 +20,12 @@ import time
 from pathlib import Path
 
 import torch
+from machine import cpu_model
 from torch import nn
 
 import addnorm as an
 
 D_MODEL, HEADS, D_FF, BATCH, SEQ, DROPOUT = 256, 4, 1024, 16, 128, 0.1
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_step(layer: nn.Module, x: torch.Tensor):

@@ -53,6 +53,14 @@ def test_every_preset_validates_and_expands_with_stable_ids():
     }
 
 
+def test_literature_preset_covers_every_placement():
+    from addnorm import PLACEMENTS
+
+    runs = load_spec("literature").expand()
+    for experiment in ("depth_warmup", "lr_tolerance"):
+        assert {r.config.placement for r in runs if r.experiment == experiment} == set(PLACEMENTS)
+
+
 def test_overrides_and_spec_errors(tmp_path):
     spec = load_spec("quick", ["steps=7", "base.seed=3", "experiments.warmup.set.lr=0.01"])
     assert all(r.config.seed == 3 for r in spec.expand())
@@ -240,3 +248,19 @@ def test_killed_study_loses_only_the_run_in_flight(tmp_path):
     with Store(db) as store:
         after = {r["id"]: r["finished"] for r in store.runs()}
     assert len(after) == 6 and all(after[k] == v for k, v in before.items())
+
+
+def test_report_ranks_placements_when_a_study_compares_several(tmp_path):
+    spec = {"name": "rank", "base": dict(TINY), "experiments": {
+        "main": {"sweep": {"placement": ["post", "pre", "rezero"]}},
+        "lrs": {"sweep": {"placement": ["post", "pre", "rezero"], "lr": [0.001, 0.01]}},
+    }}  # fmt: skip
+    run_study(parse_spec(spec), tmp_path, progress=False)
+    html = (tmp_path / "report.html").read_text()
+    assert "<h2>Ranking</h2>" in html and "tolerated learning rates" in html
+    ranking = html[html.index("<h2>Ranking</h2>") : html.index("</table>", html.index("<h2>Ranking</h2>"))]
+    assert all(f"<td>{p}</td>" in ranking for p in ("post", "pre", "rezero"))
+    with Store(tmp_path / "study.sqlite") as store:
+        main = [r for r in store.runs() if any(e == "main" for e, _ in r["experiments"])]
+    best = min(main, key=lambda r: r["final_val_loss"])["config"]["placement"]
+    assert ranking.index(f"<td>1</td><td>{best}</td>") > 0

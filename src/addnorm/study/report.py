@@ -195,6 +195,77 @@ def _table(runs: list[dict], experiment: str) -> str:
     return f"<table>{head}{''.join(body)}</table>"
 
 
+def _ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> str:
+    """Placements ranked by final held-out loss (runs outside learning-rate sweeps) and by learning-rate
+    tolerance (in the sweeps: how many learning rates give a loss within 10% of the best any placement
+    reached at that rate), with the residual stream's RMS per layer at the end of training."""
+    placements = sorted({r["config"]["placement"] for r in runs})
+    if len(placements) < 3:
+        return ""
+    in_sweep = lambda r: any(e in lr_experiments for e, _ in r["experiments"])  # noqa: E731
+    loss: dict[str, list[float]] = defaultdict(list)
+    for r in runs:
+        if not all(e in lr_experiments for e, _ in r["experiments"]):
+            loss[r["config"]["placement"]].append(outcome(r))
+    best_at: dict[float, float] = {}
+    for r in filter(in_sweep, runs):
+        best_at[r["config"]["lr"]] = min(best_at.get(r["config"]["lr"], math.inf), outcome(r))
+    tolerant: dict[str, list[float]] = defaultdict(list)
+    for r in filter(in_sweep, runs):
+        if outcome(r) <= 1.1 * best_at[r["config"]["lr"]]:
+            tolerant[r["config"]["placement"]].append(r["config"]["lr"])
+
+    def mean_finite(v):
+        finite = [x for x in v if math.isfinite(x)]
+        return sum(finite) / len(finite) if finite else math.inf
+
+    rows = []
+    for p in placements:
+        v = loss.get(p, [])
+        rows.append(
+            (sum(math.isinf(x) for x in v), mean_finite(v), p, len(v), sorted(set(tolerant.get(p, []))))
+        )
+    rows.sort(key=lambda t: (t[0], t[1]))
+    by_tol = sorted(rows, key=lambda t: (-len(t[4]), t[1]))
+    tol_rank = {t[2]: i + 1 for i, t in enumerate(by_tol)}
+    body = "".join(
+        f"<tr><td>{i + 1}</td><td>{html.escape(p)}</td><td>{'' if math.isinf(m) else f'{m:.3f}'}</td>"
+        f"<td>{d} of {n}</td><td>{tol_rank[p] if best_at else ''}</td><td>{', '.join(f'{x:g}' for x in lrs)}</td></tr>"
+        for i, (d, m, p, n, lrs) in enumerate(rows)
+    )
+    table = (
+        "<h2>Ranking</h2><p>Final held-out loss: mean over the runs outside learning-rate sweeps (diverged "
+        "runs rank last). Learning-rate tolerance: the learning rates at which the placement's loss is "
+        "within 10% of the best loss any placement reached at that rate.</p>"
+        "<table><tr><th>rank by loss</th><th>placement</th><th>mean final loss</th><th>diverged</th>"
+        f"<th>rank by lr tolerance</th><th>tolerated learning rates</th></tr>{body}</table>"
+    )
+    deepest = max(r["config"]["n_layers"] for r in runs)
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    drawn = set()
+    for r in runs:
+        p = r["config"]["placement"]
+        if r["config"]["n_layers"] != deepest or p in drawn or r["status"] != "done":
+            continue
+        rows_ = [x for x in store.layer_metric(r["id"], "act_rms") if x["sublayer"] == ""]
+        if not rows_:
+            continue
+        last = max(x["step"] for x in rows_)
+        pts = sorted((x["layer"] + 1, x["value"]) for x in rows_ if x["step"] == last)
+        ax.plot([a for a, _ in pts], [b for _, b in pts], marker="o", ms=3, label=p)
+        drawn.add(p)
+    if not drawn:
+        plt.close(fig)
+        return table
+    ax.set_yscale("log")
+    ax.set_xlabel("layer (1 = nearest the input)")
+    ax.set_ylabel("residual stream RMS")
+    ax.set_title(f"activation growth per layer at the end of training, {deepest} layers")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    return table + f'<img src="data:image/png;base64,{_png(fig)}">'
+
+
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1150px;margin:2em auto;color:#222}
 table{border-collapse:collapse;margin:1em 0;font-size:13px}td,th{border:1px solid #ccc;padding:4px 8px;text-align:left}
 th{background:#f3f3f3}.supported{color:#0a6d2a;font-weight:600}.not{color:#b3261e;font-weight:600}
@@ -223,6 +294,10 @@ def build_report(out_dir: str | Path) -> Path:
             exp_runs = [r for r in runs if any(e == exp_name for e, _ in r["experiments"])]
             if exp_runs:
                 sections.append(_experiment_section(store, exp_name, exp or {}, exp_runs))
+        lr_experiments = {
+            n for n, e in (spec.get("experiments") or {}).items() if "lr" in ((e or {}).get("sweep") or {})
+        }
+        ranking = _ranking(store, runs, lr_experiments)
         counts = defaultdict(int)
         for r in runs:
             counts[r["status"]] += 1
@@ -234,6 +309,7 @@ def build_report(out_dir: str | Path) -> Path:
 <p>{len(runs)} runs ({summary}). Every number below is read from <code>study.sqlite</code>.</p>
 <h2>Findings</h2>
 <table><tr><th>claim</th><th>what this study measured</th><th>verdict</th></tr>{"".join(rows)}</table>
+{ranking}
 {"".join(sections)}
 </body></html>"""
     path = out / "report.html"

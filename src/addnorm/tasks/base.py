@@ -38,8 +38,12 @@ class Task:
     def build_model(self, cfg) -> nn.Module:
         raise NotImplementedError
 
+    def model_inputs(self, batch: Batch) -> tuple:
+        """The positional arguments of the model's forward for ``batch``."""
+        return (batch.inputs,) if batch.src is None else (batch.src, batch.inputs)
+
     def logits(self, model: nn.Module, batch: Batch) -> Tensor:
-        raise NotImplementedError
+        return model(*self.model_inputs(batch))
 
     def loss(self, model: nn.Module, batch: Batch) -> tuple[Tensor, Tensor]:
         """(mean cross-entropy in nats, logits)."""

@@ -80,8 +80,5 @@ class LanguageModelling(Task):
 
         return LanguageModel(cfg, self.vocab)
 
-    def logits(self, model, batch):
-        return model(batch.inputs)
-
     def metric_value(self, loss, logits, batch) -> float:
         return loss / math.log(2)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..addnorm import AddNorm
+from ..model import admin_init
+from ..placements import PLACEMENTS
 from ..probe import Probe
 from ..tasks import build_task
 from .config import RunConfig
@@ -127,8 +129,13 @@ def train(cfg: RunConfig, *, on_step: Callable[[int, float], None] | None = None
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, **({"corpus": cfg.corpus} if cfg.task == "lm" else {"symbols": cfg.symbols}))
     model = task.build_model(cfg.model_config()).to(device)
-    opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
     gen = torch.Generator().manual_seed(cfg.seed)
+    if PLACEMENTS[cfg.placement].init == "admin":  # Admin's profiling pass sets omega from data
+        profile = task.batch(
+            "train", cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1)
+        )
+        admin_init(model, *task.model_inputs(profile.to(device)))
+    opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
     result = RunResult(status=DONE)
     probe_steps = {0, cfg.steps - 1}
     if cfg.probe_every:

@@ -1,0 +1,134 @@
+"""Training throughput (tokens/s) of ``addnorm.LanguageModel`` vs the same architecture built from
+``torch.nn.TransformerEncoderLayer`` with a causal mask, side by side on the CPU.
+
+Both models share the embedding and head code (an addnorm LanguageModel whose stack is replaced by an
+``nn.TransformerEncoder`` for the torch side); one step = forward + cross-entropy + backward + AdamW.
+Interleaved in one process after a warmup; speed = our tokens/s / torch tokens/s (>= 1.0: no slower).
+
+    python benchmarks/bench_training_throughput.py [--reps 30] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from machine import cpu_model
+from torch import nn
+
+import addnorm as an
+
+VOCAB, D_MODEL, HEADS, D_FF, LAYERS, BATCH, SEQ, DROPOUT = 256, 256, 4, 1024, 4, 16, 128, 0.1
+
+
+class TorchStackLM(nn.Module):
+    """The same language model with its stack built from nn.TransformerEncoderLayer (causal mask)."""
+
+    def __init__(self, ours: an.LanguageModel, norm_first: bool) -> None:
+        super().__init__()
+        self.embed, self.head = ours.embed, ours.head
+        layer = nn.TransformerEncoderLayer(
+            D_MODEL, HEADS, D_FF, DROPOUT, norm_first=norm_first, batch_first=True
+        )
+        self.stack = nn.TransformerEncoder(
+            layer, LAYERS, norm=nn.LayerNorm(D_MODEL) if norm_first else None, enable_nested_tensor=False
+        )
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(SEQ), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.stack(self.embed(tokens, "tokens"), mask=self.mask, is_causal=True)
+        return self.head(x)
+
+
+def make_step(model: nn.Module, tokens: torch.Tensor):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model.train()
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        logits = model(tokens[:, :-1])
+        F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    return step
+
+
+def bench(placement: str, reps: int, warmup: int) -> dict:
+    torch.manual_seed(0)
+    cfg = an.TransformerConfig(
+        d_model=D_MODEL,
+        n_heads=HEADS,
+        d_ff=D_FF,
+        n_layers=LAYERS,
+        dropout=DROPOUT,
+        placement=placement,
+        max_len=SEQ,
+    )
+    ours = an.LanguageModel(cfg, VOCAB)
+    theirs = TorchStackLM(an.LanguageModel(cfg, VOCAB), norm_first=placement == "pre")
+    n_ours = sum(p.numel() for p in ours.parameters())
+    n_theirs = sum(p.numel() for p in theirs.parameters())
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
+    steps = {"addnorm": make_step(ours, tokens), "torch": make_step(theirs, tokens)}
+    for _ in range(warmup):
+        for s in steps.values():
+            s()
+    times = {k: [] for k in steps}
+    for i in range(reps):
+        order = list(steps) if i % 2 == 0 else list(reversed(steps))
+        for k in order:
+            times[k].append(steps[k]())
+    med = {k: statistics.median(v) for k, v in times.items()}
+    tok = BATCH * SEQ
+    return {
+        "placement": placement,
+        "params": {"addnorm": n_ours, "torch": n_theirs},
+        "tokens_per_s": {k: tok / v for k, v in med.items()},
+        "speed": med["torch"] / med["addnorm"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    results = [bench(p, args.reps, args.warmup) for p in ("post", "pre")]
+    machine = f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    lines = [
+        "# Training throughput: addnorm.LanguageModel vs the same model on nn.TransformerEncoderLayer (CPU)",
+        "",
+        f"Machine: {machine}; {dt.date.today()}.",
+        f"Byte-level LM, vocab {VOCAB}, d_model {D_MODEL}, {HEADS} heads, d_ff {D_FF}, {LAYERS} layers, "
+        f"batch {BATCH} x seq {SEQ}, dropout {DROPOUT}; step = forward + cross-entropy + backward + AdamW; "
+        f"{args.reps} interleaved steps after {args.warmup} warmup, medians.",
+        "",
+        "| placement | torch tokens/s | addnorm tokens/s | speed addnorm/torch | parameters (both) |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in results:
+        t = r["tokens_per_s"]
+        lines.append(
+            f"| {r['placement']} | {t['torch']:.0f} | {t['addnorm']:.0f} | {r['speed']:.3f}x | "
+            f"{r['params']['addnorm']:,} / {r['params']['torch']:,} |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "throughput_cpu.md").write_text(text)
+    (args.out / "throughput_cpu.json").write_text(
+        json.dumps({"machine": machine, "results": results}, indent=2)
+    )
+
+
+if __name__ == "__main__":
+    main()
