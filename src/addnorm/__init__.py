@@ -15,6 +15,7 @@ from .model import (
 )
 from .norms import NORMS, BatchNorm, DyT, L2Norm, LayerNorm, NoNorm, RMSNorm, ScaleNorm, build_norm
 from .placements import PLACEMENTS, Placement, get_placement, register_placement
+from .ops import add_norm
 from .probe import Probe
 from .registry import Registry, UnknownNameError
 
@@ -44,6 +45,7 @@ __all__ = [
     "SublayerConnection",
     "UnknownNameError",
     "UnsupportedModuleError",
+    "add_norm",
     "admin_init",
     "build_norm",
     "from_torch",

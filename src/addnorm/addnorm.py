@@ -8,7 +8,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from .norms import NORMS, build_norm
+from .norms import NORMS, LayerNorm, RMSNorm, build_norm
+from .ops import add_norm
 from .placements import Placement, get_placement
 
 DROPOUT_SITES = ("branch", "after_add")
@@ -60,6 +61,13 @@ class AddNorm(nn.Module):
     ``conn.placement = "post"`` switches placement at run time between placements whose parameters
     are the same (same number of norms, same gate); otherwise it raises ``ValueError``.
     ``conn.branch`` is an identity module applied to N2(F(h)): hook it to observe the branch.
+
+    ``fused=True`` (the default) computes "add, then norm" in one call of :func:`addnorm.ops.add_norm`
+    (Triton on CUDA) whenever the placement ends with an output norm and has no branch norm (post,
+    pre_post, deepnorm, ...), with a LayerNorm or RMSNorm, the residual on and dropout on the branch;
+    ``fused=False`` keeps the unfused modules, the readable reference. Same function, except that the
+    fused dropout mask comes from a counter-based hash of a seed drawn from torch's generator, not from
+    ``nn.Dropout``'s RNG stream: equally distributed, but a different mask for the same manual seed.
     """
 
     def __init__(
@@ -76,6 +84,7 @@ class AddNorm(nn.Module):
         alpha: float | None = None,
         gate_init: float | None = None,
         norm_options: dict | None = None,
+        fused: bool = True,
         device=None,
         dtype=None,
     ) -> None:
@@ -114,6 +123,7 @@ class AddNorm(nn.Module):
             self.gate = nn.Parameter(torch.full((d_model,), self.gate_scale, **kw))
         self.omega = nn.Parameter(torch.ones(d_model, **kw)) if p.omega else None
         self.branch = nn.Identity()
+        self.fused = bool(fused)
 
     # --- placement ------------------------------------------------------------------------------
     @property
@@ -182,9 +192,25 @@ class AddNorm(nn.Module):
         if n2 is not None:
             f = n2(f)
         f = self.branch(f)
+        base = h if p.residual_from == "normed_input" else x
+        if self.fused and extra_residual is None and not return_branch and self._fusable(n2, n3):
+            # y = N3(alpha * base + g * D(f)) in one fused op
+            return add_norm(
+                f,
+                base,
+                n3.gain if isinstance(n3, RMSNorm) else n3.weight,
+                n3.bias,
+                norm="rmsnorm" if isinstance(n3, RMSNorm) else "layernorm",
+                eps=n3.eps,
+                prenorm=False,
+                alpha=self.alpha,
+                gate=self.gate,
+                dropout_p=self.dropout.p,
+                training=self.training,
+                out_dtype=torch.promote_types(f.dtype, base.dtype),
+            )
         if self.dropout_at == "branch":
             f = self.dropout(f)
-        base = h if p.residual_from == "normed_input" else x
         if p.gate == "ngpt":
             s = base + self.gate_value * (f - base) if self.residual else f
         else:
@@ -204,6 +230,21 @@ class AddNorm(nn.Module):
             s = self.dropout(s)
         y = n3(s) if n3 is not None else s
         return (y, f) if return_branch else y
+
+    def _fusable(self, n2: nn.Module | None, n3: nn.Module | None) -> bool:
+        """Whether forward can be one ``add_norm``: an add followed by a LayerNorm/RMSNorm (without
+        hooks of its own, which the fused op would skip), no branch norm, a scalar alpha, a ReZero /
+        LayerScale gate or none, dropout on the branch."""
+        p = self._placement
+        return (
+            n2 is None
+            and type(n3) in (LayerNorm, RMSNorm)
+            and not (n3._forward_hooks or n3._forward_pre_hooks)
+            and self.residual
+            and self.dropout_at == "branch"
+            and p.gate in ("none", "rezero", "layerscale")
+            and self.omega is None
+        )
 
     def extra_repr(self) -> str:
         extra = f", alpha={self.alpha:g}" if self.alpha != 1.0 else ""

@@ -1,0 +1,247 @@
+"""Fused Add & Norm (``addnorm.ops.add_norm``) against eager PyTorch, torch.compile and a copy.
+
+Memory-bound, so judged in bytes moved per second, counting the minimum bytes:
+
+    forward  prenorm: read x, residual; write y, s        post: read x, residual; write y
+    backward prenorm: read dy, ds, s; write dx             post: read dy, y (saved); write dx
+
+(dx = dresidual when alpha = 1 without dropout or gate; weight-sized vectors are negligible).
+
+On CUDA: for each norm (layernorm, rmsnorm), prenorm on/off, dtype (bf16, fp16, fp32) and hidden size
+(1024 ... 16384, rows = 2**27 / hidden), median time and effective bandwidth of ours (Triton), eager
+PyTorch (x + r, then F.layer_norm / F.rms_norm), ``torch.compile`` of that eager function, and a
+device-to-device copy of the same tensor in the same run (the bandwidth ceiling).
+On the CPU: our torch path against eager PyTorch (fp32, smaller sizes; ``--quick`` smaller still);
+``--compile`` adds torch.compile on the CPU too.
+
+    python benchmarks/bench_add_norm.py [--quick] [--compile] [--reps N] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from machine import cpu_model
+
+from addnorm.ops import add_norm
+
+GPU_HIDDEN = (1024, 2048, 4096, 8192, 16384)
+GPU_ELEMENTS = 2**27
+GPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def eager_add_norm(x, r, w, b, norm: str, prenorm: bool, eps: float = 1e-5):
+    """The unfused composite: s = x + r, then the norm."""
+    s = x + r
+    if norm == "layernorm":
+        y = F.layer_norm(s, (s.shape[-1],), w, b, eps)
+    else:
+        y = F.rms_norm(s, (s.shape[-1],), w, eps)
+    return (y, s) if prenorm else y
+
+
+def fused_add_norm(x, r, w, b, norm: str, prenorm: bool, eps: float = 1e-5):
+    return add_norm(x, r, w, b if norm == "layernorm" else None, norm=norm, eps=eps, prenorm=prenorm)
+
+
+def time_once(fn: Callable[[], object], device: str) -> float:
+    """Seconds for one call of fn (CUDA events on the GPU)."""
+    if device == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], device: str, warmup: int, reps: int) -> dict:
+    """Median seconds of each fn, timed in alternation (round-robin) so that drifts in machine load
+    hit every implementation alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for i in range(reps):
+        order = names if i % 2 == 0 else names[::-1]
+        for k in order:
+            times[k].append(time_once(fns[k], device))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def min_bytes(rows: int, hidden: int, elem: int, prenorm: bool) -> int:
+    """fwd: x, r, y (+ s); bwd: dy, (ds,) s or y, dx: the same count for both phases."""
+    return (4 if prenorm else 3) * rows * hidden * elem
+
+
+def make_calls(fn, rows, hidden, dtype, norm, prenorm, device) -> dict:
+    """Closures for the forward (no grad), the backward alone (on a retained graph) and both."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(rows, hidden, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+    r = torch.randn(rows, hidden, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+    w = torch.ones(hidden, device=device, dtype=dtype, requires_grad=True)
+    b = torch.zeros(hidden, device=device, dtype=dtype, requires_grad=True)
+    params = (x, r, w, b) if norm == "layernorm" else (x, r, w)
+
+    def fwd():
+        with torch.no_grad():
+            return fn(x, r, w, b, norm, prenorm)
+
+    out = fn(x, r, w, b, norm, prenorm)
+    outs = list(out) if prenorm else [out]
+    grads = [torch.randn_like(o) for o in outs]
+
+    def bwd():
+        return torch.autograd.grad(outs, params, grads, retain_graph=True)
+
+    def fwd_bwd():
+        o = fn(x, r, w, b, norm, prenorm)
+        o = list(o) if prenorm else [o]
+        return torch.autograd.grad(o, params, grads)
+
+    return {"fwd": fwd, "bwd": bwd, "fwd_bwd": fwd_bwd}
+
+
+def run(args) -> dict:
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    if device == "cuda":
+        hiddens, dtypes = GPU_HIDDEN, GPU_DTYPES
+        elements = GPU_ELEMENTS
+    else:
+        hiddens = (256, 1024, 4096) if args.quick else (512, 1024, 2048, 4096, 8192)
+        dtypes = (torch.float32,)
+        elements = 2**20 if args.quick else 2**22
+    impls: dict[str, Callable] = {"addnorm": fused_add_norm, "eager": eager_add_norm}
+    if device == "cuda" or args.compile:
+        impls["compiled"] = torch.compile(eager_add_norm, dynamic=False)
+    results = []
+    for norm in ("layernorm", "rmsnorm"):
+        for prenorm in (True, False):
+            for dtype in dtypes:
+                for hidden in hiddens:
+                    rows = elements // hidden
+                    elem = torch.empty((), dtype=dtype).element_size()
+                    row = {"norm": norm, "prenorm": prenorm, "dtype": str(dtype).replace("torch.", "")}
+                    row |= {"hidden": hidden, "rows": rows, "ms": {}, "GBps": {}}
+                    src = torch.randn(rows, hidden, device=device).to(dtype)
+                    dst = torch.empty_like(src)
+                    fns = {"copy": lambda d=dst, s=src: d.copy_(s)}
+                    for name, fn in impls.items():
+                        calls = make_calls(fn, rows, hidden, dtype, norm, prenorm, device)
+                        fns |= {f"{name}_{phase}": c for phase, c in calls.items()}
+                    med = interleaved_medians(fns, device, args.warmup, args.reps)
+                    row["ms"] = {k: v * 1e3 for k, v in med.items()}
+                    row["GBps"]["copy"] = 2 * src.numel() * elem / med["copy"] / 1e9
+                    for name in impls:
+                        for phase in ("fwd", "bwd"):
+                            nbytes = min_bytes(rows, hidden, elem, prenorm)
+                            row["GBps"][f"{name}_{phase}"] = nbytes / med[f"{name}_{phase}"] / 1e9
+                    row["speedup_fwd_bwd_vs_eager"] = (
+                        row["ms"]["eager_fwd_bwd"] / row["ms"]["addnorm_fwd_bwd"]
+                    )
+                    results.append(row)
+                    print(_line(row, impls), flush=True)
+    machine = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "cpu": cpu_model(),
+        "logical_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": dt.date.today().isoformat(),
+    }
+    return {"machine": machine, "device": device, "quick": args.quick, "reps": args.reps, "results": results}
+
+
+def _line(row: dict, impls) -> str:
+    ms, bw = row["ms"], row["GBps"]
+    parts = [
+        f"{row['norm']:9s} {'pre ' if row['prenorm'] else 'post'} {row['dtype']:8s} h={row['hidden']:5d}"
+    ]
+    for name in impls:
+        parts.append(
+            f"{name}: fwd {ms[name + '_fwd']:.3f}ms {bw[name + '_fwd']:.1f}GB/s "
+            f"bwd {ms[name + '_bwd']:.3f}ms {bw[name + '_bwd']:.1f}GB/s"
+        )
+    parts.append(f"copy {bw['copy']:.1f}GB/s; fwd+bwd speed vs eager {row['speedup_fwd_bwd_vs_eager']:.2f}x")
+    return " | ".join(parts)
+
+
+def to_markdown(report: dict) -> str:
+    m = report["machine"]
+    impls = sorted({k.rsplit("_", 1)[0] for r in report["results"] for k in r["ms"] if k != "copy"})
+    impls = [i for i in ("addnorm", "eager", "compiled") if i in impls]
+    title = "GPU" if report["device"] == "cuda" else "CPU"
+    lines = [
+        f"# addnorm.ops.add_norm vs eager PyTorch ({title})",
+        "",
+        f"Machine: {m['device']}; CPU {m['cpu']}, {m['logical_cores']} logical cores (torch threads "
+        f"{m['torch_threads']}); torch {m['torch']}, Python {m['python']}; {m['date']}.",
+        "",
+        f"Median of {report['reps']} calls, implementations timed in alternation. GB/s counts the minimum "
+        "bytes (fwd prenorm: x, r, y, s; fwd post: x, r, y; bwd prenorm: dy, ds, s, dx; "
+        "bwd post: dy, y, dx). speed = eager fwd+bwd time / ours (>= 1: ours no slower). "
+        "copy = device-to-device copy, read + write.",
+        "",
+    ]
+    if report.get("note"):
+        lines += [report["note"], ""]
+    head = ["norm", "prenorm", "dtype", "hidden", "rows"]
+    for i in impls:
+        head += [f"{i} fwd ms (GB/s)", f"{i} bwd ms (GB/s)", f"{i} fwd+bwd ms"]
+    head += ["copy GB/s", "speed fwd+bwd"]
+    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in report["results"]:
+        ms, bw = r["ms"], r["GBps"]
+        cells = [r["norm"], str(r["prenorm"]), r["dtype"], str(r["hidden"]), str(r["rows"])]
+        for i in impls:
+            cells += [
+                f"{ms[i + '_fwd']:.3f} ({bw[i + '_fwd']:.1f})",
+                f"{ms[i + '_bwd']:.3f} ({bw[i + '_bwd']:.1f})",
+                f"{ms[i + '_fwd_bwd']:.3f}",
+            ]
+        cells += [f"{bw['copy']:.1f}", f"{r['speedup_fwd_bwd_vs_eager']:.2f}x"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small sizes (CPU)")
+    ap.add_argument("--cpu", action="store_true", help="benchmark the CPU path even when CUDA is present")
+    ap.add_argument("--compile", action="store_true", help="also torch.compile on the CPU")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--note", default="", help="a line recorded with the results (e.g. machine load)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.reps is None:
+        args.reps = 100 if torch.cuda.is_available() and not args.cpu else (10 if args.quick else 20)
+    report = run(args)
+    report["note"] = args.note
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = "add_norm_cuda" if report["device"] == "cuda" else "add_norm_cpu"
+    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (args.out / f"{stem}.md").write_text(to_markdown(report))
+    print(f"wrote {args.out / stem}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
