@@ -14,8 +14,8 @@ from .model import (
     from_torch,
 )
 from .norms import NORMS, BatchNorm, DyT, L2Norm, LayerNorm, NoNorm, RMSNorm, ScaleNorm, build_norm
-from .placements import PLACEMENTS, Placement, get_placement, register_placement
 from .ops import add_norm
+from .placements import PLACEMENTS, Placement, get_placement, register_placement
 from .probe import Probe
 from .registry import Registry, UnknownNameError
 
