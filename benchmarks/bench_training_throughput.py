@@ -5,7 +5,11 @@ Both models share the embedding and head code (an addnorm LanguageModel whose st
 ``nn.TransformerEncoder`` for the torch side); one step = forward + cross-entropy + backward + AdamW.
 Interleaved in one process after a warmup; speed = our tokens/s / torch tokens/s (>= 1.0: no slower).
 
-    python benchmarks/bench_training_throughput.py [--reps 30] [--out benchmarks/results]
+    python benchmarks/bench_training_throughput.py [--reps 30] [--threads 1,2] [--out benchmarks/results]
+
+``--threads`` repeats the comparison at each torch thread count (default: torch's own, one per core).
+On a shared machine one thread per process is the robust number: two OpenMP threads time-shared with
+another busy process can stall each other.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -61,7 +66,8 @@ def make_step(model: nn.Module, tokens: torch.Tensor):
     return step
 
 
-def bench(placement: str, reps: int, warmup: int) -> dict:
+def bench(placement: str, reps: int, warmup: int, threads: int) -> dict:
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     cfg = an.TransformerConfig(
         d_model=D_MODEL,
@@ -90,6 +96,7 @@ def bench(placement: str, reps: int, warmup: int) -> dict:
     tok = BATCH * SEQ
     return {
         "placement": placement,
+        "threads": threads,
         "params": {"addnorm": n_ours, "torch": n_theirs},
         "tokens_per_s": {k: tok / v for k, v in med.items()},
         "speed": med["torch"] / med["addnorm"],
@@ -100,10 +107,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--threads", default=str(torch.get_num_threads()), help="comma-separated counts")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    results = [bench(p, args.reps, args.warmup) for p in ("post", "pre")]
-    machine = f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    counts = [int(t) for t in args.threads.split(",")]
+    results = [bench(p, args.reps, args.warmup, t) for t in counts for p in ("post", "pre")]
+    machine = f"{cpu_model()}, {os.cpu_count()} cores, torch {torch.__version__}"
     lines = [
         "# Training throughput: addnorm.LanguageModel vs the same model on nn.TransformerEncoderLayer (CPU)",
         "",
@@ -112,13 +121,14 @@ def main() -> None:
         f"batch {BATCH} x seq {SEQ}, dropout {DROPOUT}; step = forward + cross-entropy + backward + AdamW; "
         f"{args.reps} interleaved steps after {args.warmup} warmup, medians.",
         "",
-        "| placement | torch tokens/s | addnorm tokens/s | speed addnorm/torch | parameters (both) |",
-        "| --- | --- | --- | --- | --- |",
+        "| threads | placement | torch tokens/s | addnorm tokens/s | addnorm/torch | parameters (both) |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         t = r["tokens_per_s"]
         lines.append(
-            f"| {r['placement']} | {t['torch']:.0f} | {t['addnorm']:.0f} | {r['speed']:.3f}x | "
+            f"| {r['threads']} | {r['placement']} | {t['torch']:.0f} | {t['addnorm']:.0f} "
+            f"| {r['speed']:.3f}x | "
             f"{r['params']['addnorm']:,} / {r['params']['torch']:,} |"
         )
     text = "\n".join(lines) + "\n"

@@ -62,8 +62,8 @@ def test_literature_preset_covers_every_placement():
 
 
 def test_overrides_and_spec_errors(tmp_path):
-    spec = load_spec("quick", ["steps=7", "base.seed=3", "experiments.warmup.set.lr=0.01"])
-    assert all(r.config.seed == 3 for r in spec.expand())
+    spec = load_spec("quick", ["steps=7", "base.eval_batches=3", "experiments.warmup.set.lr=0.01"])
+    assert all(r.config.eval_batches == 3 for r in spec.expand())
     assert {r.config.lr for r in spec.expand() if r.experiment == "warmup"} == {0.01}
     with pytest.raises(ValueError, match=r"base.stepz: unknown key; allowed keys: task"):
         parse_spec({"name": "x", "base": {"stepz": 3}, "experiments": {"a": {}}})

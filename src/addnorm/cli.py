@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import typer
 
+from .study.cli import register as register_study_commands
 from .tasks.corpus import stdlib_corpus
 
 app = typer.Typer(
@@ -316,52 +317,8 @@ def main() -> None:
         sys.exit(2)
 
 
-# --- studies ------------------------------------------------------------------------------------
-@app.command("study")
-@handle_errors
-def study_command(
-    spec: str = typer.Argument("quick", help="a preset name or a path to a YAML spec"),
-    out: Path = typer.Option(None, "--out", help="output folder (default addnorm-out/<study name>)"),
-    set_: list[str] = typer.Option([], "--set", help="override a setting: key=value (dotted keys)"),
-    workers: int = typer.Option(1, "--workers", help="run in N processes"),
-    quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
-) -> None:
-    """Run a study (resuming one already started in the same folder) and write its report."""
-    from .study.runner import run_study
-    from .study.spec import load_spec
-
-    study = load_spec(spec, set_)
-    folder = out or Path("addnorm-out") / study.name
-    outcome = run_study(study, folder, workers=workers, progress=not quiet)
-    typer.echo(f"{outcome.total} runs ({outcome.skipped} already stored, {outcome.ran} run now)")
-    typer.echo(f"report: {outcome.report}")
-    typer.echo(f"database: {folder / 'study.sqlite'}")
-
-
-@app.command("report")
-@handle_errors
-def report_command(out: Path = typer.Argument(..., help="a study folder holding study.sqlite")) -> None:
-    """Rebuild a study's report from its database."""
-    from .study.report import build_report
-
-    typer.echo(f"report: {build_report(out)}")
-
-
-@app.command("export")
-@handle_errors
-def export_command(
-    out: Path = typer.Argument(..., help="a study folder holding study.sqlite"),
-    to: Path = typer.Option(None, "--to", help="folder for the CSV files (default <out>/csv)"),
-) -> None:
-    """Export a study's runs and metrics to CSV."""
-    from .study.store import Store
-
-    db = out / "study.sqlite"
-    if not db.is_file():
-        raise ValueError(f"out: no study database at {str(db)!r}")
-    with Store(db) as store:
-        for path in store.export_csv(to or out / "csv"):
-            typer.echo(str(path))
+# --- studies: ``study``, ``report``, ``export`` -------------------------------------------------------
+register_study_commands(app)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,13 @@ def _fmt(v: float) -> str:
     return "diverged" if math.isinf(v) else f"{v:.3f}"
 
 
+def _pct(new: float, ref: float) -> str:
+    """How much higher ``new`` is than ``ref``, e.g. "+2.3%" ("diverged" for an infinite loss)."""
+    if math.isinf(new) or math.isinf(ref):
+        return "diverged" if math.isinf(new) else "reference diverged"
+    return f"{(new / ref - 1):+.1%}"
+
+
 def _mean(values: list[float]) -> float:
     return math.inf if any(math.isinf(v) for v in values) else sum(values) / len(values)
 
@@ -173,7 +180,9 @@ def no_norm_claim(runs, layer_rows) -> Finding:
         )
     diverged = [r for r in runs if r["config"]["norm"] == "none" and r["status"] == "diverged"]
     worse = [p for p in pairs if p[2] > p[1] * MARGIN]
-    evidence = "; ".join(f"{d} layers: LayerNorm {_fmt(a)}, no norm {_fmt(b)}" for d, a, b in pairs)
+    evidence = "; ".join(
+        f"{d} layers: LayerNorm {_fmt(a)}, no norm {_fmt(b)} ({_pct(b, a)})" for d, a, b in pairs
+    )
     evidence += (
         f"; {len(diverged)} no-norm run(s) diverged (unstable = a run diverged, or held-out loss "
         f"> {MARGIN - 1:.0%} worse than LayerNorm's at some depth)"
@@ -190,8 +199,10 @@ def batchnorm_claim(runs, layer_rows) -> Finding:
             claim, source, "needs runs with batchnorm and layernorm at the same settings", NOT_TESTED
         )
     evidence = "; ".join(
-        f"{d} layers: held-out loss LayerNorm {_fmt(a)}, BatchNorm {_fmt(b)}" for d, a, b in pairs
+        f"{d} layers: held-out loss LayerNorm {_fmt(a)}, BatchNorm {_fmt(b)} ({_pct(b, a)})"
+        for d, a, b in pairs
     )
+    evidence += f" (worse = > {MARGIN - 1:.0%} higher at every depth)"
     return Finding(
         claim, source, evidence, SUPPORTED if all(b > a * MARGIN for _, a, b in pairs) else NOT_SUPPORTED
     )
@@ -207,7 +218,10 @@ def final_norm_claim(runs, layer_rows) -> Finding:
             pairs.append((rest.get("n_layers"), with_norm, v[False]))
     if not pairs:
         return Finding(claim, source, "needs pre runs with and without the final norm", NOT_TESTED)
-    evidence = "; ".join(f"{d} layers: with final norm {_fmt(a)}, without {_fmt(b)}" for d, a, b in pairs)
+    evidence = "; ".join(
+        f"{d} layers: with final norm {_fmt(a)}, without {_fmt(b)} ({_pct(b, a)})" for d, a, b in pairs
+    )
+    evidence += f" (worse = > {MARGIN - 1:.0%} higher at every depth)"
     return Finding(
         claim, source, evidence, SUPPORTED if all(b > a * MARGIN for _, a, b in pairs) else NOT_SUPPORTED
     )

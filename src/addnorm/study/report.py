@@ -33,14 +33,24 @@ def _seedless(label: str) -> str:
     return ", ".join(p for p in label.split(", ") if not p.startswith("seed=")) or label
 
 
-def _curves(store: Store, runs: list[dict], experiment: str):
-    """Train and validation loss per variant: mean over seeds, shaded min-max."""
-    by_label: dict[str, list[dict]] = defaultdict(list)
+def _by_variant(runs: list[dict], experiment: str) -> dict[str, list[dict]]:
+    """Runs grouped by their label without the seed (the seeds of one variant)."""
+    groups: dict[str, list[dict]] = defaultdict(list)
     for r in runs:
-        by_label[_seedless(_label(r, experiment))].append(r)
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for label, group in sorted(by_label.items()):
-        for ax, name in zip(axes, ("train_loss", "val_loss"), strict=True):
+        groups[_seedless(_label(r, experiment))].append(r)
+    return dict(sorted(groups.items()))
+
+
+def _curves(store: Store, runs: list[dict], experiment: str):
+    """Train and validation loss per variant: mean over seeds, shaded min-max; the held-out panel only
+    when the runs evaluated during training."""
+    wanted = [name for name in ("train_loss", "val_loss") if any(store.metric(r["id"], name) for r in runs)]
+    if not wanted:
+        return None
+    fig, axes = plt.subplots(1, len(wanted), figsize=(5.5 * len(wanted), 3.8), squeeze=False)
+    axes = list(axes[0])
+    for label, group in _by_variant(runs, experiment).items():
+        for ax, name in zip(axes, wanted, strict=True):
             series = [store.metric(r["id"], name) for r in group]
             series = [s for s in series if s]
             if not series:
@@ -64,34 +74,50 @@ def _curves(store: Store, runs: list[dict], experiment: str):
                 lo = [min(col) for col in zip(*values, strict=True)]
                 hi = [max(col) for col in zip(*values, strict=True)]
                 ax.fill_between(steps, lo, hi, alpha=0.2, color=line[0].get_color())
-    for ax, title in zip(axes, ("training loss", "held-out loss"), strict=True):
+    titles = {"train_loss": "training loss", "val_loss": "held-out loss"}
+    for ax, name in zip(axes, wanted, strict=True):
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats)")
-        ax.set_title(f"{experiment}: {title}")
+        ax.set_title(f"{experiment}: {titles[name]}")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7)
     return _png(fig)
 
 
+def _layer_profile(rows: list[dict], step: int, metric: str) -> dict[int, float]:
+    """layer -> value at ``step``; several rows of one layer combine as sqrt(sum of squares) for
+    weight-gradient norms and as their mean otherwise (update-to-weight ratios of a layer's matrices)."""
+    per_layer: dict[int, list[float]] = defaultdict(list)
+    for x in rows:
+        if x["step"] == step and x["value"] is not None:
+            per_layer[x["layer"]].append(x["value"])
+    if metric == "weight_grad_norm":
+        return {k: math.sqrt(sum(v * v for v in vs)) for k, vs in per_layer.items()}
+    return {k: sum(vs) / len(vs) for k, vs in per_layer.items()}
+
+
 def _per_layer(store: Store, runs: list[dict], experiment: str, metric: str, title: str, sublayer: str):
-    """A per-layer metric at initialisation (left) and at the last probed step (right)."""
+    """A per-layer metric at initialisation (left) and at the last probed step (right), one line per
+    variant: the mean over its seeds."""
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.8), sharey=True)
     drawn = False
-    for r in runs:
-        rows = [x for x in store.layer_metric(r["id"], metric) if x["sublayer"] == sublayer]
-        if not rows:
+    for label, group in _by_variant(runs, experiment).items():
+        profiles: list[tuple[dict[int, float], dict[int, float]]] = []
+        first_step = last_step = None
+        for r in group:
+            rows = [x for x in store.layer_metric(r["id"], metric) if x["sublayer"] == sublayer]
+            if not rows:
+                continue
+            steps = sorted({x["step"] for x in rows})
+            first_step, last_step = steps[0], steps[-1]
+            profiles.append((_layer_profile(rows, steps[0], metric), _layer_profile(rows, steps[-1], metric)))
+        if not profiles:
             continue
-        steps = sorted({x["step"] for x in rows})
-        for ax, step in zip(axes, (steps[0], steps[-1]), strict=True):
-            per_layer: dict[int, float] = defaultdict(float)
-            for x in rows:
-                if x["step"] == step:
-                    per_layer[x["layer"]] += x["value"] ** 2 if metric == "weight_grad_norm" else x["value"]
-            layers = sorted(per_layer)
-            values = [
-                math.sqrt(per_layer[k]) if metric == "weight_grad_norm" else per_layer[k] for k in layers
-            ]
-            ax.plot([k + 1 for k in layers], values, marker="o", ms=3, label=_label(r, experiment))
+        for i, (ax, step) in enumerate(zip(axes, (first_step, last_step), strict=True)):
+            layers = sorted(set.intersection(*(set(p[i]) for p in profiles)))
+            values = [sum(p[i][k] for p in profiles) / len(profiles) for k in layers]
+            seeds = f" ({len(profiles)} seeds)" if len(profiles) > 1 else ""
+            ax.plot([k + 1 for k in layers], values, marker="o", ms=3, label=label + seeds)
             ax.set_title(f"{title}, step {step}")
             drawn = True
     if not drawn:
@@ -136,11 +162,16 @@ def _final_vs(runs: list[dict], experiment: str, axis: str, xlog: bool = False):
 
 def _residual_picture(store: Store, runs: list[dict], experiment: str):
     """RMS of x, F(x) and x + F(x) at the middle layer's FFN connection, at init and after training."""
+    names = ("xf_x_rms", "xf_f_rms", "xf_sum_rms")
     rows = []
-    for r in runs:
-        vals = {n: store.metric(r["id"], n) for n in ("xf_x_rms", "xf_f_rms", "xf_sum_rms")}
-        if all(vals.values()):
-            rows.append((_label(r, experiment), vals))
+    for label, group in _by_variant(runs, experiment).items():
+        measured = [{n: store.metric(r["id"], n) for n in names} for r in group]
+        measured = [m for m in measured if all(len(v) >= 2 for v in m.values())]
+        if measured:  # mean over seeds of (value at init, value at the end)
+            vals = {
+                n: [(0, sum(m[n][i][1] for m in measured) / len(measured)) for i in (0, -1)] for n in names
+            }
+            rows.append((label, vals))
     if not rows:
         return None
     fig, axes = plt.subplots(1, 2, figsize=(11, 0.5 + 0.45 * len(rows) + 1.5), sharex=True)
@@ -157,6 +188,9 @@ def _residual_picture(store: Store, runs: list[dict], experiment: str):
         ax.set_yticks(range(len(rows)), [lab for lab, _ in rows], fontsize=7)
         ax.set_title(f"RMS at {when}")
         ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(
+        "the Add of Add & Norm: RMS of x, F(x) and x + F(x) at the middle layer's FFN", fontsize=10, y=1.04
+    )
     axes[0].legend(fontsize=7)
     return _png(fig)
 
@@ -167,14 +201,19 @@ def _experiment_section(store: Store, name: str, spec_exp: dict, runs: list[dict
     if spec_exp.get("description"):
         parts.append(f"<p>{html.escape(spec_exp['description'])}</p>")
     parts.append(_table(runs, name))
-    figs = [_curves(store, runs, name)]
+    figs = [("loss curves", _curves(store, runs, name))]
     for axis, log in (("lr", True), ("warmup", False), ("n_layers", False)):
         if axis in axes and len({r["config"][axis] for r in runs}) > 1:
-            figs.append(_final_vs(runs, name, axis, log))
-    figs.append(_per_layer(store, runs, name, "weight_grad_norm", "FFN weight-gradient norm", "ff"))
-    figs.append(_per_layer(store, runs, name, "act_rms", "residual stream RMS", ""))
-    figs.append(_residual_picture(store, runs, name))
-    parts += [f'<img src="data:image/png;base64,{f}">' for f in figs if f]
+            figs.append((f"final loss vs {axis}", _final_vs(runs, name, axis, log)))
+    for metric, title, sublayer in (
+        ("weight_grad_norm", "FFN weight-gradient norm", "ff"),
+        ("grad_norm", "residual-stream gradient norm", ""),
+        ("act_rms", "residual stream RMS", ""),
+        ("update_ratio", "FFN update / weight (mean)", "ff"),
+    ):
+        figs.append((f"per layer: {title}", _per_layer(store, runs, name, metric, title, sublayer)))
+    figs.append(("x, F(x), x + F(x)", _residual_picture(store, runs, name)))
+    parts += [f'<img alt="{html.escape(alt)}" src="data:image/png;base64,{f}">' for alt, f in figs if f]
     return "\n".join(parts)
 
 
@@ -203,10 +242,17 @@ def _ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> str:
     if len(placements) < 3:
         return ""
     in_sweep = lambda r: any(e in lr_experiments for e, _ in r["experiments"])  # noqa: E731
-    loss: dict[str, list[float]] = defaultdict(list)
+    # Compare like with like: only settings (all but placement and seed) that every placement ran.
+    matched: dict[str, list[dict]] = defaultdict(list)
     for r in runs:
         if not all(e in lr_experiments for e, _ in r["experiments"]):
-            loss[r["config"]["placement"]].append(outcome(r))
+            rest = sorted((k, repr(v)) for k, v in r["config"].items() if k not in ("placement", "seed"))
+            matched[repr(rest)].append(r)
+    loss: dict[str, list[float]] = defaultdict(list)
+    for group in matched.values():
+        if {r["config"]["placement"] for r in group} == set(placements):
+            for r in group:
+                loss[r["config"]["placement"]].append(outcome(r))
     best_at: dict[float, float] = {}
     for r in filter(in_sweep, runs):
         best_at[r["config"]["lr"]] = min(best_at.get(r["config"]["lr"], math.inf), outcome(r))
@@ -219,6 +265,8 @@ def _ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> str:
         finite = [x for x in v if math.isfinite(x)]
         return sum(finite) / len(finite) if finite else math.inf
 
+    if not loss and not any(in_sweep(r) for r in runs):
+        return ""
     rows = []
     for p in placements:
         v = loss.get(p, [])
@@ -234,8 +282,8 @@ def _ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> str:
         for i, (d, m, p, n, lrs) in enumerate(rows)
     )
     table = (
-        "<h2>Ranking</h2><p>Final held-out loss: mean over the runs outside learning-rate sweeps (diverged "
-        "runs rank last). Learning-rate tolerance: the learning rates at which the placement's loss is "
+        "<h2>Ranking</h2><p>Final held-out loss: mean over the runs outside learning-rate sweeps whose "
+        "settings every placement ran (diverged runs rank last). Learning-rate tolerance: the learning rates at which the placement's loss is "
         "within 10% of the best loss any placement reached at that rate.</p>"
         "<table><tr><th>rank by loss</th><th>placement</th><th>mean final loss</th><th>diverged</th>"
         f"<th>rank by lr tolerance</th><th>tolerated learning rates</th></tr>{body}</table>"

@@ -24,7 +24,9 @@ def _fmt_time(seconds: float) -> str:
 
 class Progress:
     """Runs done / total, the current run, its loss, and an ETA from the work done so far. Redraws one
-    line on a terminal; prints a line per finished run otherwise."""
+    line on a terminal; otherwise prints a line per finished run and one every ``PLAIN_EVERY`` s."""
+
+    PLAIN_EVERY = 10.0
 
     def __init__(self, total: int, remaining_cost: float, stream=None, enabled: bool = True) -> None:
         self.stream = stream or sys.stderr
@@ -38,13 +40,15 @@ class Progress:
     def eta(self, partial: float = 0.0) -> str:
         elapsed = time.perf_counter() - self.start
         work = self.spent + partial
-        if work <= 0:
+        if work <= 0 or elapsed < 5.0:  # too early for a rate worth showing
             return "?"
         return _fmt_time(elapsed / work * max(self.remaining - partial, 0.0))
 
     def step(self, run: PlannedRun, step: int, loss: float) -> None:
+        """The current run's step and loss: redrawn 4 times a second on a terminal, a plain line every
+        ``PLAIN_EVERY`` seconds otherwise (logs, CI)."""
         now = time.perf_counter()
-        if not self.tty or now - self._last < 0.25:
+        if not self.enabled or now - self._last < (0.25 if self.tty else self.PLAIN_EVERY):
             return
         self._last = now
         partial = _cost(run) * (step + 1) / run.config.steps
@@ -52,7 +56,7 @@ class Progress:
             f"[{self.done}/{self.total}] {run.experiment}: {run.label} | step {step + 1}/{run.config.steps} "
             f"loss {loss:.3f} | ETA {self.eta(partial)}"
         )
-        self.stream.write("\r\033[K" + line[:160])
+        self.stream.write("\r\033[K" + line[:160] if self.tty else line + "\n")
         self.stream.flush()
 
     def finished(self, run: PlannedRun, status: str, detail: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import sysconfig
 from pathlib import Path
@@ -14,6 +15,7 @@ from .base import TASKS, Batch, Task
 DEFAULT_CORPUS_BYTES = 4_000_000
 
 
+@functools.lru_cache(maxsize=4)  # read once per process: every run of a study uses it
 def stdlib_corpus(limit: int = DEFAULT_CORPUS_BYTES) -> bytes:
     """The ``.py`` files of the standard library (``sysconfig`` 'stdlib' path) in sorted order, as bytes,
     capped at ``limit``; site-packages and tests are left out so every machine reads the same kind of text."""

@@ -62,6 +62,11 @@ class RunConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{name}: expected a positive number, got {value!r}")
+        if not self.diverge_factor > 1:
+            raise ValueError(
+                f"diverge_factor: expected a number above 1 (a loss this many times the first one "
+                f"counts as divergence), got {self.diverge_factor!r}"
+            )
         for name in ("grad_clip", "weight_decay"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:

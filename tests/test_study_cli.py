@@ -1,0 +1,113 @@
+"""The study commands registered on a Typer app: run, resume, report, export, and one-line errors."""
+
+from __future__ import annotations
+
+import io
+
+import typer
+import yaml
+from typer.testing import CliRunner
+
+from addnorm.study import Store, parse_spec
+from addnorm.study.cli import register
+from addnorm.study.runner import Progress
+
+TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=3, batch_size=4, seq_len=16, eval_every=0)
+
+
+def make_app() -> typer.Typer:
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+
+    @app.callback()
+    def main() -> None:  # a callback keeps the commands as subcommands, as in the real app
+        """addnorm"""
+
+    register(app)
+    return app
+
+
+def write_spec(tmp_path, **sweep):
+    spec = {"name": "tiny", "base": dict(TINY), "experiments": {"main": {"sweep": sweep}}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_register_adds_study_report_export():
+    names = {c.name for c in make_app().registered_commands}
+    assert names == {"study", "report", "export"}
+
+
+def test_study_runs_resumes_reports_and_exports(tmp_path):
+    app, runner = make_app(), CliRunner()
+    spec, out = write_spec(tmp_path, placement=["post", "pre"]), tmp_path / "out"
+    args = ["study", str(spec), "--out", str(out), "--quiet", "--csv", "--set", "seed=5"]
+    first = runner.invoke(app, args)
+    assert first.exit_code == 0, first.output
+    assert "2 runs (0 already stored, 2 run now)" in first.output
+    assert (out / "report.html").is_file() and (out / "csv" / "layer_metrics.csv").is_file()
+    with Store(out / "study.sqlite") as store:
+        runs = store.runs()
+        assert {r["config"]["seed"] for r in runs} == {5}  # --set reached every run
+        finished = {r["id"]: r["finished"] for r in runs}
+    second = runner.invoke(app, args)
+    assert second.exit_code == 0 and "2 runs (2 already stored, 0 run now)" in second.output
+    with Store(out / "study.sqlite") as store:
+        assert {r["id"]: r["finished"] for r in store.runs()} == finished
+    (out / "report.html").unlink()
+    assert runner.invoke(app, ["report", str(out)]).exit_code == 0 and (out / "report.html").is_file()
+    exported = runner.invoke(app, ["export", str(out), "--to", str(tmp_path / "x")])
+    assert exported.exit_code == 0 and (tmp_path / "x" / "runs.csv").is_file()
+    rows = (tmp_path / "x" / "runs.csv").read_text().splitlines()
+    assert len(rows) == 3 and rows[0].startswith("id,study,")
+
+
+def test_errors_are_one_line_with_exit_code_2(tmp_path):
+    app, runner = make_app(), CliRunner()
+    bad = tmp_path / "bad.yaml"
+    cases = {
+        "name: x\nbase: {steps: 3\n": "not valid YAML (line",
+        yaml.safe_dump({"name": "x", "bse": {}, "experiments": {"a": None}}): "bse: unknown top-level key",
+        yaml.safe_dump(
+            {"name": "x", "base": {"lrr": 1}, "experiments": {"a": None}}
+        ): "base.lrr: unknown key",
+        yaml.safe_dump({"name": "x", "experiments": {"a": {"sweep": {"norm": ["lyernorm"]}}}}): (
+            "norm: unknown norm 'lyernorm'; expected one of: layernorm"
+        ),
+    }
+    for text, expected in cases.items():
+        bad.write_text(text)
+        result = runner.invoke(app, ["study", str(bad)])
+        assert result.exit_code == 2, result.output
+        lines = result.output.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    for args, expected in (
+        (["study", "quik"], "unknown preset 'quik'"),
+        (["study", "quick", "--set", "steps"], "--set: expected key=value"),
+        (["study", "quick", "--workers", "0"], "--workers: expected a positive integer"),
+        (["report", str(tmp_path / "nowhere")], "no study database"),
+        (["export", str(tmp_path / "nowhere")], "no study database"),
+    ):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and "Traceback" not in result.output
+        assert result.output.count("\n") == 1 and expected in result.output, result.output
+
+
+def test_list_names_every_preset():
+    result = CliRunner().invoke(make_app(), ["study", "--list"])
+    assert result.exit_code == 0
+    for name in ("quick", "gradient-flow", "warmup", "lr-sweep", "depth", "ablations", "dropout"):
+        assert f"{name}: " in result.output
+
+
+def test_progress_prints_plain_lines_when_not_a_terminal():
+    stream = io.StringIO()  # not a TTY
+    (run,) = parse_spec({"name": "p", "base": dict(TINY), "experiments": {"a": None}}).expand()
+    bar = Progress(total=2, remaining_cost=2.0, stream=stream)
+    bar.step(run, 0, 5.5)
+    bar.step(run, 1, 5.0)  # within PLAIN_EVERY seconds of the last line: not printed
+    bar.finished(run, "done", "val loss 4.000")
+    lines = stream.getvalue().splitlines()
+    assert "\r" not in stream.getvalue() and len(lines) == 2
+    assert lines[0].startswith("[0/2] a: a | step 1/3 loss 5.500 | ETA")
+    assert lines[1].startswith("[1/2] a: a -> done val loss 4.000 | ETA")
