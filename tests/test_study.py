@@ -252,8 +252,8 @@ def test_killed_study_loses_only_the_run_in_flight(tmp_path):
 
 def test_report_ranks_placements_when_a_study_compares_several(tmp_path):
     spec = {"name": "rank", "base": dict(TINY), "experiments": {
-        "main": {"sweep": {"placement": ["post", "pre", "rezero"]}},
-        "lrs": {"sweep": {"placement": ["post", "pre", "rezero"], "lr": [0.001, 0.01]}},
+        "main": {"sweep": {"placement": ["post", "pre", "rezero"]}, "rank": True},
+        "lrs": {"sweep": {"placement": ["post", "pre", "rezero"], "lr": [0.001, 0.01]}, "rank": True},
     }}  # fmt: skip
     run_study(parse_spec(spec), tmp_path, progress=False)
     html = (tmp_path / "report.html").read_text()
@@ -264,3 +264,10 @@ def test_report_ranks_placements_when_a_study_compares_several(tmp_path):
         main = [r for r in store.runs() if any(e == "main" for e, _ in r["experiments"])]
     best = min(main, key=lambda r: r["final_val_loss"])["config"]["placement"]
     assert ranking.index(f"<td>1</td><td>{best}</td>") > 0
+
+
+def test_report_ranks_only_experiments_marked_for_ranking(tmp_path):
+    spec = {"name": "norank", "base": dict(TINY), "experiments": {
+        "main": {"sweep": {"placement": ["post", "pre", "rezero"]}}}}  # fmt: skip
+    run_study(parse_spec(spec), tmp_path, progress=False)
+    assert "<h2>Ranking</h2>" not in (tmp_path / "report.html").read_text()

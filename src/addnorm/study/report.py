@@ -342,10 +342,11 @@ def build_report(out_dir: str | Path) -> Path:
             exp_runs = [r for r in runs if any(e == exp_name for e, _ in r["experiments"])]
             if exp_runs:
                 sections.append(_experiment_section(store, exp_name, exp or {}, exp_runs))
-        lr_experiments = {
-            n for n, e in (spec.get("experiments") or {}).items() if "lr" in ((e or {}).get("sweep") or {})
-        }
-        ranking = _ranking(store, runs, lr_experiments)
+        experiments = spec.get("experiments") or {}
+        ranked = {n for n, e in experiments.items() if (e or {}).get("rank")}
+        lr_experiments = {n for n in ranked if "lr" in ((experiments[n] or {}).get("sweep") or {})}
+        ranked_runs = [r for r in runs if any(e in ranked for e, _ in r["experiments"])]
+        ranking = _ranking(store, ranked_runs, lr_experiments) if ranked_runs else ""
         counts = defaultdict(int)
         for r in runs:
             counts[r["status"]] += 1

@@ -14,7 +14,8 @@ experiments:
       n_layers: [2, 6]
 ```
 ``sweep`` is a cartesian product; a ``variant`` axis takes mappings that set several keys at once (its
-``label`` names it). Runs identical after resolution are run once (the id is the config's hash).
+``label`` names it); ``rank: true`` puts an experiment's placements in the report's ranking.
+Runs identical after resolution are run once (the id is the config's hash).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import yaml
 from ..train.config import RunConfig
 
 SPEC_KEYS = ("name", "description", "base", "experiments")
-EXPERIMENT_KEYS = ("set", "sweep", "description")
+EXPERIMENT_KEYS = ("set", "sweep", "description", "rank")
 
 
 class SpecError(ValueError):
