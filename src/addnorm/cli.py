@@ -7,16 +7,14 @@ while Pre-LN's do not.
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import typer
 
+from .cli_errors import LIBRARY_ERRORS, fail, handle_errors
 from .study.cli import register as register_study_commands
 from .tasks.corpus import stdlib_corpus
 
@@ -27,28 +25,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-
-F = TypeVar("F", bound=Callable)
-LIBRARY_ERRORS = (ValueError, TypeError, KeyError)
-
-
-def _fail(err: BaseException) -> typer.Exit:
-    message = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
-    typer.echo(f"error: {' '.join(message.split())}", err=True)
-    return typer.Exit(code=2)
-
-
-def handle_errors(command: F) -> F:
-    """Turn a library ValueError/TypeError/KeyError into one ``error: ...`` line on stderr, exit code 2."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except LIBRARY_ERRORS as err:
-            raise _fail(err) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _floats(text: str, option: str) -> list[float]:
@@ -313,7 +289,7 @@ def main() -> None:
     try:
         app()
     except LIBRARY_ERRORS as err:
-        _fail(err)
+        fail(err)
         sys.exit(2)
 
 

@@ -6,31 +6,13 @@ becomes one ``error: ...`` line on stderr and exit code 2, never a traceback.
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable
 from pathlib import Path
-from typing import TypeVar
 
 import typer
 
-F = TypeVar("F", bound=Callable)
-_ERRORS = (ValueError, TypeError, KeyError)
+from ..cli_errors import handle_errors
+
 DEFAULT_OUT = Path("addnorm-out")
-
-
-def _one_line_errors(command: F) -> F:
-    """Library errors -> ``error: <message on one line>`` on stderr, exit code 2."""
-
-    @functools.wraps(command)
-    def wrapper(*args, **kwargs):
-        try:
-            return command(*args, **kwargs)
-        except _ERRORS as err:
-            message = str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)
-            typer.echo(f"error: {' '.join(message.split())}", err=True)
-            raise typer.Exit(code=2) from None
-
-    return wrapper  # type: ignore[return-value]
 
 
 def _database(out: Path) -> Path:
@@ -97,6 +79,6 @@ def export(
 
 def register(app: typer.Typer) -> None:
     """Add the ``study``, ``report`` and ``export`` commands to ``app``."""
-    app.command("study")(_one_line_errors(study))
-    app.command("report")(_one_line_errors(report))
-    app.command("export")(_one_line_errors(export))
+    app.command("study")(handle_errors(study))
+    app.command("report")(handle_errors(report))
+    app.command("export")(handle_errors(export))
