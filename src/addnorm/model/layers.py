@@ -25,6 +25,11 @@ def check_input(x: object, name: str, d_model: int) -> Tensor:
     return x
 
 
+def enter(x: object, name: str, d_model: int, batch_first: bool) -> tuple[Tensor, bool]:
+    """Check ``x`` (:func:`check_input`) and return its batch-first view and whether it was unbatched."""
+    return to_batch_first(check_input(x, name, d_model), batch_first)
+
+
 def to_batch_first(x: Tensor, batch_first: bool) -> tuple[Tensor, bool]:
     """(B, L, d) view of x for the configured layout; unbatched (L, d) becomes (1, L, d)."""
     if x.ndim == 2:
@@ -46,7 +51,7 @@ class _Layer(nn.Module):
     """What encoder and decoder layers share: building sublayers for a placement at a given depth, and
     running the residual stream through them (standard, B2T, ResiDual's two streams)."""
 
-    def _setup(self, cfg: TransformerConfig, placement, depth: Depth | None, device, dtype) -> Depth:
+    def _setup(self, cfg: TransformerConfig, placement, device, dtype) -> None:
         self.cfg = cfg
         self._p = get_placement(placement if placement is not None else cfg.placements_for(1)[0])
         if self._p.layers is not None:
@@ -54,7 +59,6 @@ class _Layer(nn.Module):
                 f"placement: {self._p.name!r} assigns placements per layer; give it to a stack, not a layer"
             )
         self._kw = {"device": device, "dtype": dtype}
-        return depth
 
     def _norm(self, size: int) -> nn.Module:
         return build_norm(
@@ -169,7 +173,7 @@ class EncoderLayer(_Layer):
     ) -> None:
         super().__init__()
         depth = depth or Depth("encoder", cfg.encoder_layers, 0)
-        self._setup(cfg, placement, depth, device, dtype)
+        self._setup(cfg, placement, device, dtype)
         self.self_attn = self._attention()
         self.ff = self._feedforward()
         self.self_attn_block = self._connection(depth, attention=True)
@@ -208,8 +212,7 @@ class EncoderLayer(_Layer):
         if isinstance(src, tuple):  # ResiDual's (xa, xd) pair, batch-first, from a stack
             return self._forward(src, src_mask, src_key_padding_mask, is_causal)
         bf = self.cfg.batch_first if batch_first is None else batch_first
-        check_input(src, "src", self.cfg.d_model)
-        x, unbatched = to_batch_first(src, bf)
+        x, unbatched = enter(src, "src", self.cfg.d_model, bf)
         y = self._forward(x, src_mask, _unbatch_mask(src_key_padding_mask, unbatched), is_causal)
         return from_batch_first(y, bf, unbatched)
 
@@ -231,7 +234,7 @@ class DecoderLayer(_Layer):
     ) -> None:
         super().__init__()
         depth = depth or Depth("decoder", cfg.encoder_layers, cfg.decoder_layers)
-        self._setup(cfg, placement, depth, device, dtype)
+        self._setup(cfg, placement, device, dtype)
         self.self_attn = self._attention()
         self.cross_attn = self._attention()
         self.ff = self._feedforward()
@@ -301,10 +304,8 @@ class DecoderLayer(_Layer):
             )
         bf = self.cfg.batch_first if batch_first is None else batch_first
         d = self.cfg.d_model
-        check_input(tgt, "tgt", d)
-        check_input(memory, "memory", d)
-        x, unbatched = to_batch_first(tgt, bf)
-        mem, _ = to_batch_first(memory, bf)
+        x, unbatched = enter(tgt, "tgt", d, bf)
+        mem, _ = enter(memory, "memory", d, bf)
         y = self._forward(
             x,
             mem,

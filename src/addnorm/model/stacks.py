@@ -9,7 +9,7 @@ from ..norms import build_norm
 from ..placements import Placement
 from .config import TransformerConfig
 from .init import Depth
-from .layers import DecoderLayer, EncoderLayer, _unbatch_mask, check_input, from_batch_first, to_batch_first
+from .layers import DecoderLayer, EncoderLayer, _unbatch_mask, enter, from_batch_first
 
 
 def needs_final_norm(cfg: TransformerConfig, placements: list[Placement]) -> bool:
@@ -97,8 +97,7 @@ class Encoder(_Stack):
         """Same arguments as ``nn.TransformerEncoder.forward``; ``batch_first`` overrides the config's
         layout for this call."""
         bf = self.cfg.batch_first if batch_first is None else batch_first
-        check_input(src, "src", self.cfg.d_model)
-        x, unbatched = to_batch_first(src, bf)
+        x, unbatched = enter(src, "src", self.cfg.d_model, bf)
         kpm = _unbatch_mask(src_key_padding_mask, unbatched)
         x = self._start(x)
         for layer in self.layers:
@@ -142,10 +141,8 @@ class Decoder(_Stack):
         layout for this call."""
         bf = self.cfg.batch_first if batch_first is None else batch_first
         d = self.cfg.d_model
-        check_input(tgt, "tgt", d)
-        check_input(memory, "memory", d)
-        x, unbatched = to_batch_first(tgt, bf)
-        mem, _ = to_batch_first(memory, bf)
+        x, unbatched = enter(tgt, "tgt", d, bf)
+        mem, _ = enter(memory, "memory", d, bf)
         kpm = _unbatch_mask(tgt_key_padding_mask, unbatched)
         mem_kpm = _unbatch_mask(memory_key_padding_mask, unbatched)
         x = self._start(x)
