@@ -164,3 +164,182 @@ def test_models_same_with_fused_and_unfused(placement, count_fused):
         assert count_fused  # the model's post-norm connections went through the op
         for a, b in zip(outs[0][1], outs[1][1], strict=True):
             torch.testing.assert_close(a, b)
+
+
+# --- Pre-LN sublayer boundaries: the add of sublayer i fused with the input norm of sublayer i+1 ----
+
+
+@pytest.fixture
+def count_prenorm(monkeypatch):
+    """The ``prenorm`` flag of every add_norm call made by connections and held-back adds."""
+    calls = []
+    original = addnorm_module.add_norm
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("prenorm"))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(addnorm_module, "add_norm", spy)
+    return calls
+
+
+def _unfused_copy(model):
+    ref = copy.deepcopy(model)
+    for m in ref.modules():
+        if isinstance(m, an.AddNorm):
+            m.fused = False
+    return ref
+
+
+def _perturb(model):
+    """Non-trivial norm weights, biases and gates, so that a swapped parameter would show."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.2 * torch.randn_like(p))
+
+
+def _outputs_and_grads(model, call):
+    model.zero_grad()
+    out = call(model)
+    out.square().mean().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same(a, b):
+    torch.testing.assert_close(a[0], b[0])
+    for ga, gb in zip(a[1], b[1], strict=True):
+        torch.testing.assert_close(ga, gb)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("placement", ["pre", "layerscale", "sandwich", "normed_residual"])
+def test_pre_ln_stack_fuses_every_add_with_the_next_norm(placement, norm, count_prenorm):
+    """A Pre-LN language model of L layers has 2L adds: 2L - 1 meet the next sublayer's input norm
+    (prenorm=True, within a layer and across layers) and the last meets the final norm; outputs and
+    gradients equal the unfused modules' in float64."""
+    torch.manual_seed(0)
+    layers = 3
+    cfg = an.TransformerConfig(
+        d_model=16, n_heads=2, d_ff=32, n_layers=layers, dropout=0.0, placement=placement, norm=norm
+    )
+    model = an.LanguageModel(cfg, vocab=40).double()
+    _perturb(model)
+    ref = _unfused_copy(model)
+    tokens = torch.randint(0, 40, (2, 9))
+    for train in (False, True):
+        model.train(train), ref.train(train)
+        count_prenorm.clear()
+        fused = _outputs_and_grads(model, lambda m: m(tokens))
+        assert count_prenorm == [True] * (2 * layers - 1) + [False]
+        count_prenorm.clear()
+        _assert_same(fused, _outputs_and_grads(ref, lambda m: m(tokens)))
+        assert count_prenorm == []
+
+
+def test_encoder_decoder_and_mixed_stacks_fuse_their_pre_ln_boundaries(count_prenorm):
+    torch.manual_seed(1)
+    cfg = an.TransformerConfig(d_model=16, n_heads=2, d_ff=32, n_layers=2, dropout=0.0, placement="pre")
+    model = an.Transformer(cfg, src_vocab=30, tgt_vocab=30).double()
+    _perturb(model)
+    src, tgt = torch.randint(1, 30, (2, 6)), torch.randint(1, 30, (2, 5))
+    fused = _outputs_and_grads(model, lambda m: m(src, tgt))
+    # encoder: 2 layers x 2 adds; decoder: 2 layers x 3 adds; each stack's last add meets its final norm
+    assert count_prenorm == [True] * 3 + [False] + [True] * 5 + [False]
+    _assert_same(fused, _outputs_and_grads(_unfused_copy(model), lambda m: m(src, tgt)))
+
+    # Mix-LN: post layers fuse their own add + norm, pre layers hand theirs on
+    count_prenorm.clear()
+    mixed = an.Encoder(cfg.replace(placement=["post", "pre", "pre"], n_layers=3)).double()
+    _perturb(mixed)
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    fused = _outputs_and_grads(mixed, lambda m: m(x))
+    assert count_prenorm == [False, False, True, True, True, False]
+    _assert_same(fused, _outputs_and_grads(_unfused_copy(mixed), lambda m: m(x)))
+
+
+def test_hooks_see_tensors_and_probe_values_are_unchanged(count_prenorm):
+    """A hooked layer or connection gets and gives tensors (the held-back add is done before it), so
+    Probe's statistics are those of the unfused model."""
+    torch.manual_seed(2)
+    cfg = an.TransformerConfig(d_model=16, n_heads=2, d_ff=32, n_layers=3, dropout=0.0, placement="pre")
+    model = an.LanguageModel(cfg, vocab=40).double().eval()
+    ref = _unfused_copy(model)
+    tokens = torch.randint(0, 40, (2, 9))
+    seen = []
+    handle = model.layers[1].register_forward_hook(lambda m, a, o: seen.append((type(a[0]), type(o))))
+    fused = _outputs_and_grads(model, lambda m: m(tokens))
+    handle.remove()
+    assert seen == [(torch.Tensor, torch.Tensor)]
+    # within each layer the first add meets the second input norm; layer 0's last add is done unfused
+    # before the hooked layer 1, which does not hold its own back; layer 2's meets the final norm
+    assert count_prenorm == [True, True, True, False]
+    _assert_same(fused, _outputs_and_grads(ref, lambda m: m(tokens)))
+
+    rows = []
+    for m in (model, ref):
+        with an.Probe(m) as probe:
+            _outputs_and_grads(m, lambda m: m(tokens))
+            rows.append(probe.snapshot())
+    assert len(rows[0]) == len(rows[1]) > 0
+    for a, b in zip(rows[0], rows[1], strict=True):
+        assert (a["layer"], a["sublayer"], a["metric"], a["param"]) == (
+            b["layer"],
+            b["sublayer"],
+            b["metric"],
+            b["param"],
+        )
+        assert a["value"] == pytest.approx(b["value"], rel=1e-9, abs=1e-12)
+
+
+def test_pending_add_in_mixed_precision_keeps_the_unfused_dtypes():
+    """Branch in bfloat16, stream in float32 (autocast's pattern): s and N(s) are float32 as the unfused
+    add and norm give them."""
+    torch.manual_seed(3)
+    conn = an.AddNorm(24, "pre", "layernorm")
+    nxt = an.AddNorm(24, "pre", "layernorm")
+    _perturb(nxt)
+    x = torch.randn(4, 24)
+    branch = torch.nn.Linear(24, 24).to(torch.bfloat16)
+    pending = conn(x, lambda h: branch(h.to(torch.bfloat16)), defer_add=True)
+    assert isinstance(pending, addnorm_module.PendingAdd)
+    y, s = pending.normalize(nxt.input_norm, return_stream=True)
+    s_ref = pending.resolve()
+    assert s.dtype == s_ref.dtype == torch.float32 and y.dtype == torch.float32
+    torch.testing.assert_close(s, s_ref)
+    torch.testing.assert_close(y, nxt.input_norm(s_ref))
+
+
+def test_layer_called_alone_returns_a_tensor_in_every_layout():
+    cfg = an.TransformerConfig(d_model=16, n_heads=2, d_ff=32, n_layers=2, dropout=0.0, placement="pre")
+    layer = an.EncoderLayer(cfg.replace(batch_first=False)).double().eval()
+    x = torch.randn(5, 2, 16, dtype=torch.float64)
+    expected = layer(x)
+    torch.testing.assert_close(layer(x, defer_add=True), expected)  # seq-first: not deferred
+    torch.testing.assert_close(layer(x[:, 0], defer_add=True), layer(x[:, 0]))  # unbatched
+    pending = layer(x.transpose(0, 1), batch_first=True, defer_add=True)
+    assert isinstance(pending, addnorm_module.PendingAdd)
+    torch.testing.assert_close(pending.resolve().transpose(0, 1), expected)
+
+
+def test_compiled_pre_ln_model_traces_the_held_back_adds_without_graph_breaks():
+    import torch._inductor.config as inductor_config
+
+    torch.manual_seed(4)
+    cfg = an.TransformerConfig(d_model=16, n_heads=2, d_ff=32, n_layers=2, dropout=0.1, placement="pre")
+    model = an.LanguageModel(cfg, vocab=40).train()
+    tokens = torch.randint(0, 40, (2, 8))
+    torch._dynamo.reset()
+    with inductor_config.patch(fallback_random=True):  # the eager RNG stream, for a like-for-like check
+        compiled = torch.compile(model, fullgraph=True)
+        torch.manual_seed(5)
+        out = compiled(tokens)
+        out.square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        torch.manual_seed(5)
+        eager = model(tokens)
+        eager.square().mean().backward()
+    torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
+    for g, p in zip(grads, model.parameters(), strict=True):
+        torch.testing.assert_close(g, p.grad, rtol=1e-3, atol=1e-5)

@@ -35,6 +35,57 @@ def _check_same_shape(x: Tensor, fx: object, what: str = "sublayer") -> Tensor:
     return fx
 
 
+def hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` runs forward hooks (its own or global ones), which must see tensors."""
+    from torch.nn.modules import module as nn_module
+
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or nn_module._global_forward_hooks
+        or nn_module._global_forward_pre_hooks
+    )
+
+
+def fusable_norm(norm: nn.Module | None) -> bool:
+    """A norm that :func:`addnorm.ops.add_norm` computes itself: exactly LayerNorm or RMSNorm, unhooked."""
+    return type(norm) in (LayerNorm, RMSNorm) and not hooked(norm)
+
+
+class PendingAdd:
+    """A residual add held back until the norm that next reads the stream, so both run as one fused op.
+
+    Stands for the stream s = alpha * residual + g * D(branch), with alpha, gate g and dropout D those of
+    ``conn``. In a Pre-LN stack the add closing sublayer i meets the input norm of sublayer i+1 (in the
+    same layer or the next) or the stack's final norm: ``add_norm(..., prenorm=True)`` returns
+    (N(s), s) in one pass instead of an add kernel and a norm kernel. Stacks pass these between layers;
+    :meth:`resolve` gives the tensor s (unfused) wherever a tensor is needed.
+    """
+
+    __slots__ = ("residual", "branch", "conn")
+
+    def __init__(self, residual: Tensor, branch: Tensor, conn: AddNorm) -> None:
+        self.residual, self.branch, self.conn = residual, branch, conn
+
+    def resolve(self) -> Tensor:
+        """The stream s as a tensor (the add alone, unfused)."""
+        return self.conn.add(self.branch, self.residual)
+
+    def normalize(self, norm: nn.Module | None, *, return_stream: bool = False):
+        """N(s), or (N(s), s) with ``return_stream``: one fused op when ``norm`` is a plain LayerNorm or
+        RMSNorm (see :func:`fusable_norm`), else the add then ``norm`` (None: the identity)."""
+        if self.conn.fused and fusable_norm(norm):
+            return self.conn.add_then_norm(self.branch, self.residual, norm, prenorm=return_stream)
+        s = self.resolve()
+        y = norm(s) if norm is not None else s
+        return (y, s) if return_stream else y
+
+
+def resolve(x: Tensor | PendingAdd) -> Tensor:
+    """The stream as a tensor, doing a held-back add if there is one."""
+    return x.resolve() if isinstance(x, PendingAdd) else x
+
+
 class AddNorm(nn.Module):
     """Residual connection + normalization around a sublayer F, in the given placement.
 
@@ -63,8 +114,10 @@ class AddNorm(nn.Module):
     ``conn.branch`` is an identity module applied to N2(F(h)): hook it to observe the branch.
 
     ``fused=True`` (the default) computes "add, then norm" in one call of :func:`addnorm.ops.add_norm`
-    (Triton on CUDA) whenever the placement ends with an output norm and has no branch norm (post,
-    pre_post, deepnorm, ...), with a LayerNorm or RMSNorm, the residual on and dropout on the branch;
+    (Triton on CUDA) whenever the placement ends with an output norm (post, pre_post, deepnorm, ...)
+    that is a LayerNorm or RMSNorm, with the residual on and dropout on the branch; placements without
+    one (pre, layerscale, sandwich, ...) can hand their add on as a :class:`PendingAdd`
+    (``defer_add=True``, which layers and stacks use) to fuse it with the next input or final norm.
     ``fused=False`` keeps the unfused modules, the readable reference. Same function, except that the
     fused dropout mask comes from a counter-based hash of a seed drawn from torch's generator, not from
     ``nn.Dropout``'s RNG stream: equally distributed, but a different mask for the same manual seed.
@@ -171,59 +224,45 @@ class AddNorm(nn.Module):
     # --- forward --------------------------------------------------------------------------------
     def forward(
         self,
-        x: Tensor,
+        x: Tensor | PendingAdd,
         sublayer: Callable[[Tensor], Tensor],
         *,
         extra_residual: Tensor | None = None,
         return_branch: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor]:
+        defer_add: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor] | PendingAdd:
         """y for input x; ``extra_residual`` is added to the sum (B2T's bottom-to-top input);
-        ``return_branch=True`` also returns the branch f as added (ResiDual's second stream)."""
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x: expected a Tensor, got {type(x).__name__}")
-        if x.ndim == 0 or x.shape[-1] != self.d_model:
-            raise ValueError(f"x: last dimension must be d_model={self.d_model}, got shape {tuple(x.shape)}")
+        ``return_branch=True`` also returns the branch f as added (ResiDual's second stream).
+
+        ``defer_add=True`` lets a connection without output norm (Pre-LN and kin) return a
+        :class:`PendingAdd` instead of doing its add, so that the add fuses with the next norm; ``x``
+        may be such a :class:`PendingAdd` (its add then fuses with this connection's input norm)."""
+        n1, n2, n3 = self.input_norm, self.branch_norm, self.output_norm
+        if isinstance(x, PendingAdd):
+            h, x = x.normalize(n1, return_stream=True) if n1 is not None else (x.resolve(),) * 2
+        else:
+            if not isinstance(x, Tensor):
+                raise TypeError(f"x: expected a Tensor, got {type(x).__name__}")
+            if x.ndim == 0 or x.shape[-1] != self.d_model:
+                raise ValueError(
+                    f"x: last dimension must be d_model={self.d_model}, got shape {tuple(x.shape)}"
+                )
+            h = n1(x) if n1 is not None else x
         if not callable(sublayer):
             raise TypeError(f"sublayer: expected a callable tensor -> tensor, got {type(sublayer).__name__}")
-        p = self._placement
-        n1, n2, n3 = self.input_norm, self.branch_norm, self.output_norm
-        h = n1(x) if n1 is not None else x
         f = _check_same_shape(h, sublayer(h))
         if n2 is not None:
             f = n2(f)
         f = self.branch(f)
-        base = h if p.residual_from == "normed_input" else x
-        if self.fused and extra_residual is None and not return_branch and self._fusable(n2, n3):
-            # y = N3(alpha * base + g * D(f)) in one fused op
-            return add_norm(
-                f,
-                base,
-                n3.gain if isinstance(n3, RMSNorm) else n3.weight,
-                n3.bias,
-                norm="rmsnorm" if isinstance(n3, RMSNorm) else "layernorm",
-                eps=n3.eps,
-                prenorm=False,
-                alpha=self.alpha,
-                gate=self.gate,
-                dropout_p=self.dropout.p,
-                training=self.training,
-                out_dtype=torch.promote_types(f.dtype, base.dtype),
-            )
+        base = h if self._placement.residual_from == "normed_input" else x
+        if extra_residual is None and not return_branch and self._add_fusable(f, base):
+            if n3 is None and defer_add and not hooked(self):
+                return PendingAdd(base, f, self)
+            if fusable_norm(n3):
+                return self.add_then_norm(f, base, n3)  # y = N3(alpha * base + g * D(f)), one op
         if self.dropout_at == "branch":
             f = self.dropout(f)
-        if p.gate == "ngpt":
-            s = base + self.gate_value * (f - base) if self.residual else f
-        else:
-            if self.gate is not None:
-                f = self.gate * f
-            if self.residual:
-                if self.omega is not None:
-                    base = base * self.omega
-                elif self.alpha != 1.0:
-                    base = self.alpha * base
-                s = base + f
-            else:
-                s = f
+        s = self._combine(f, base)
         if extra_residual is not None:
             s = s + extra_residual
         if self.dropout_at == "after_add":
@@ -231,19 +270,60 @@ class AddNorm(nn.Module):
         y = n3(s) if n3 is not None else s
         return (y, f) if return_branch else y
 
-    def _fusable(self, n2: nn.Module | None, n3: nn.Module | None) -> bool:
-        """Whether forward can be one ``add_norm``: an add followed by a LayerNorm/RMSNorm (without
-        hooks of its own, which the fused op would skip), no branch norm, a scalar alpha, a ReZero /
-        LayerScale gate or none, dropout on the branch."""
-        p = self._placement
+    def _combine(self, f: Tensor, base: Tensor) -> Tensor:
+        """s from the branch f (after dropout) and the residual base: alpha * base + g * f (omega for
+        Admin, nGPT's base + a * (f - base)); f alone without the residual."""
+        if not self.residual:
+            return f
+        if self._placement.gate == "ngpt":
+            return base + self.gate_value * (f - base)
+        if self.gate is not None:
+            f = self.gate * f
+        if self.omega is not None:
+            base = base * self.omega
+        elif self.alpha != 1.0:
+            base = self.alpha * base
+        return base + f
+
+    def add(self, f: Tensor, base: Tensor) -> Tensor:
+        """The connection's add alone, unfused: s = alpha * base + g * D(f) (dropout on the branch)."""
+        return self._combine(self.dropout(f) if self.dropout_at == "branch" else f, base)
+
+    def add_then_norm(
+        self, f: Tensor, base: Tensor, norm: nn.Module, *, prenorm: bool = False
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """N(alpha * base + g * D(f)) for a LayerNorm/RMSNorm ``norm`` in one :func:`addnorm.ops.add_norm`
+        call; with ``prenorm`` also the stream s, as (N(s), s). s and y take the dtype that the unfused
+        add would give (base's, or float32 when f promotes it)."""
+        rms = isinstance(norm, RMSNorm)
+        dtype = torch.promote_types(f.dtype, base.dtype)
+        return add_norm(
+            f,
+            base,
+            norm.gain if rms else norm.weight,
+            norm.bias,
+            norm="rmsnorm" if rms else "layernorm",
+            eps=norm.eps,
+            prenorm=prenorm,
+            alpha=self.alpha,
+            gate=self.gate,
+            dropout_p=self.dropout.p,
+            training=self.training,
+            residual_in_fp32=dtype == torch.float32,
+            out_dtype=dtype,
+        )
+
+    def _add_fusable(self, f: Tensor, base: Tensor) -> bool:
+        """Whether the add can be the first half of :func:`addnorm.ops.add_norm`: fused on, the residual
+        on, dropout on the branch, a scalar alpha, a ReZero / LayerScale gate or none, and a stream
+        dtype the op can keep (base's, or float32)."""
         return (
-            n2 is None
-            and type(n3) in (LayerNorm, RMSNorm)
-            and not (n3._forward_hooks or n3._forward_pre_hooks)
+            self.fused
             and self.residual
             and self.dropout_at == "branch"
-            and p.gate in ("none", "rezero", "layerscale")
+            and self._placement.gate in ("none", "rezero", "layerscale")
             and self.omega is None
+            and torch.promote_types(f.dtype, base.dtype) in (base.dtype, torch.float32)
         )
 
     def extra_repr(self) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from ..addnorm import AddNorm, layerscale_init
+from ..addnorm import AddNorm, PendingAdd, hooked, layerscale_init, resolve
 from ..norms import build_norm
 from ..placements import Placement, get_placement
 from .attention import MultiHeadAttention
@@ -113,21 +113,28 @@ class _Layer(nn.Module):
         if self._p.init is not None:
             PLACEMENT_INITS[self._p.init](self, depth)
 
-    def _run(self, x, steps):
+    def _run(self, x, steps, defer_add: bool = False):
         """Pass the stream through (connection, sublayer) steps.
 
-        ``x`` is a tensor, or for ResiDual the pair (xa, xd): xa = N(xa + f), xd = xd + f.
-        B2T adds the layer's input before the last connection's norm."""
+        ``x`` is a tensor, a :class:`PendingAdd` (the previous layer's held-back add), or for ResiDual
+        the pair (xa, xd): xa = N(xa + f), xd = xd + f. B2T adds the layer's input before the last
+        connection's norm. Between two steps, an add without output norm is held back
+        (``defer_add``) to fuse with the next step's input norm; after the last step only when the
+        caller asks (``defer_add``), so that it fuses with the next layer's."""
         if isinstance(x, tuple):
             xa, xd = x
             for block, fn in steps:
                 xa, f = block(xa, fn, return_branch=True)
                 xd = xd + f
             return xa, xd
-        x0 = x
+        b2t = self._p.stream == "b2t"
+        x = x0 = resolve(x) if b2t else x
         for i, (block, fn) in enumerate(steps):
-            last_b2t = self._p.stream == "b2t" and i == len(steps) - 1
-            x = block(x, fn, extra_residual=x0 if last_b2t else None)
+            last = i == len(steps) - 1
+            if hooked(block):  # its hooks see tensors in and out
+                x = block(resolve(x), fn, extra_residual=x0 if b2t and last else None)
+            else:
+                x = block(x, fn, extra_residual=x0 if b2t and last else None, defer_add=defer_add or not last)
         return x
 
     @property
@@ -186,6 +193,7 @@ class EncoderLayer(_Layer):
         src_mask: Tensor | None = None,
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
+        defer_add: bool = False,
     ) -> Tensor:
         def attend(h: Tensor) -> Tensor:
             return self.self_attn(
@@ -196,7 +204,7 @@ class EncoderLayer(_Layer):
                 mask_names=("src_mask", "src_key_padding_mask"),
             )
 
-        return self._run(x, [(self.self_attn_block, attend), (self.ff_block, self.ff)])
+        return self._run(x, [(self.self_attn_block, attend), (self.ff_block, self.ff)], defer_add)
 
     def forward(
         self,
@@ -206,14 +214,18 @@ class EncoderLayer(_Layer):
         is_causal: bool = False,
         *,
         batch_first: bool | None = None,
+        defer_add: bool = False,
     ) -> Tensor:
         """Same arguments as ``nn.TransformerEncoderLayer.forward``; ``batch_first`` overrides the
-        config's layout for this call (stacks pass their batch-first activations)."""
-        if isinstance(src, tuple):  # ResiDual's (xa, xd) pair, batch-first, from a stack
-            return self._forward(src, src_mask, src_key_padding_mask, is_causal)
+        config's layout for this call (stacks pass their batch-first activations). From a stack,
+        ``src`` may be batch-first ResiDual (xa, xd) or a :class:`PendingAdd`, and ``defer_add=True``
+        lets the layer return its last add held back as a :class:`PendingAdd`."""
+        if isinstance(src, (tuple, PendingAdd)):  # batch-first, from a stack
+            return self._forward(src, src_mask, src_key_padding_mask, is_causal, defer_add)
         bf = self.cfg.batch_first if batch_first is None else batch_first
         x, unbatched = enter(src, "src", self.cfg.d_model, bf)
-        y = self._forward(x, src_mask, _unbatch_mask(src_key_padding_mask, unbatched), is_causal)
+        kpm = _unbatch_mask(src_key_padding_mask, unbatched)
+        y = self._forward(x, src_mask, kpm, is_causal, defer_add and bf and not unbatched)
         return from_batch_first(y, bf, unbatched)
 
 
@@ -253,6 +265,7 @@ class DecoderLayer(_Layer):
         memory_key_padding_mask: Tensor | None = None,
         tgt_is_causal: bool = False,
         memory_is_causal: bool = False,
+        defer_add: bool = False,
     ) -> Tensor:
         def self_attend(h: Tensor) -> Tensor:
             return self.self_attn(
@@ -274,7 +287,7 @@ class DecoderLayer(_Layer):
             )
 
         steps = [(self.self_attn_block, self_attend), (self.cross_attn_block, cross_attend)]
-        return self._run(x, [*steps, (self.ff_block, self.ff)])
+        return self._run(x, [*steps, (self.ff_block, self.ff)], defer_add)
 
     def forward(
         self,
@@ -288,11 +301,14 @@ class DecoderLayer(_Layer):
         memory_is_causal: bool = False,
         *,
         batch_first: bool | None = None,
+        defer_add: bool = False,
     ) -> Tensor:
         """Same arguments as ``nn.TransformerDecoderLayer.forward``; ``batch_first`` overrides the
-        config's layout for this call (stacks pass their batch-first activations)."""
+        config's layout for this call (stacks pass their batch-first activations). From a stack,
+        ``tgt`` may be batch-first ResiDual (xa, xd) or a :class:`PendingAdd`, and ``defer_add=True``
+        lets the layer return its last add held back as a :class:`PendingAdd`."""
         masks = (tgt_mask, memory_mask)
-        if isinstance(tgt, tuple):  # ResiDual's (xa, xd) pair, batch-first, from a stack
+        if isinstance(tgt, (tuple, PendingAdd)):  # batch-first, from a stack
             return self._forward(
                 tgt,
                 memory,
@@ -301,6 +317,7 @@ class DecoderLayer(_Layer):
                 memory_key_padding_mask,
                 tgt_is_causal,
                 memory_is_causal,
+                defer_add,
             )
         bf = self.cfg.batch_first if batch_first is None else batch_first
         d = self.cfg.d_model
@@ -314,5 +331,6 @@ class DecoderLayer(_Layer):
             _unbatch_mask(memory_key_padding_mask, unbatched),
             tgt_is_causal,
             memory_is_causal,
+            defer_add and bf and not unbatched,
         )
         return from_batch_first(y, bf, unbatched)

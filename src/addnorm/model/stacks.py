@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..addnorm import PendingAdd, hooked, resolve
 from ..norms import build_norm
 from ..placements import Placement
 from .config import TransformerConfig
@@ -61,10 +62,20 @@ class _Stack(nn.Module):
             return F.normalize(x, dim=-1)
         return x
 
+    def _enter(self, layer: nn.Module, x):
+        """(the stream for ``layer``, whether it may hold back its last add): in a standard stream an
+        unhooked layer may, so that the add fuses with the next layer's input norm or the final norm
+        (:class:`PendingAdd`); a hooked layer gets and gives tensors."""
+        if self.stream == "standard" and not hooked(layer):
+            return x, True
+        return resolve(x), False
+
     def _finish(self, x) -> Tensor:
         if isinstance(x, tuple):  # ResiDual: xa + N(xd)
             xa, xd = x
             return xa + (self.norm(xd) if self.norm is not None else xd)
+        if isinstance(x, PendingAdd):  # the last add and the final norm, one fused op
+            return x.normalize(self.norm)
         return self.norm(x) if self.norm is not None else x
 
 
@@ -101,7 +112,8 @@ class Encoder(_Stack):
         kpm = _unbatch_mask(src_key_padding_mask, unbatched)
         x = self._start(x)
         for layer in self.layers:
-            x = layer(x, mask, kpm, bool(is_causal), batch_first=True)
+            x, defer = self._enter(layer, x)
+            x = layer(x, mask, kpm, bool(is_causal), batch_first=True, defer_add=defer)
         return from_batch_first(self._finish(x), bf, unbatched)
 
 
@@ -147,6 +159,7 @@ class Decoder(_Stack):
         mem_kpm = _unbatch_mask(memory_key_padding_mask, unbatched)
         x = self._start(x)
         for layer in self.layers:
+            x, defer = self._enter(layer, x)
             x = layer(
                 x,
                 mem,
@@ -157,5 +170,6 @@ class Decoder(_Stack):
                 bool(tgt_is_causal),
                 memory_is_causal,
                 batch_first=True,
+                defer_add=defer,
             )
         return from_batch_first(self._finish(x), bf, unbatched)
