@@ -104,7 +104,8 @@ def add_norm_fwd(
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y, s or empty, mean or empty, rstd) for 2-D x, residual. s is returned for ``prenorm``, and for
-    Post-LN unless ``recompute_from_y`` (then backward recomputes x_hat from y and s is never written)."""
+    Post-LN unless ``recompute_from_y`` (then s is never written: backward takes x_hat from y, or from
+    s recomputed from x and residual where that is unsafe)."""
     store_s = prenorm or not recompute_from_y
     args = (x, residual, weight, bias, gate, seed, norm, eps, alpha, dropout_p, s_dtype, y_dtype, store_s)
     dtypes = (x.dtype, residual.dtype, s_dtype, y_dtype)
@@ -152,6 +153,7 @@ def add_norm_bwd(
     saved: Tensor,
     saved_is_y: bool,
     x: Tensor | None,
+    residual: Tensor | None,
     weight: Tensor | None,
     bias: Tensor | None,
     gate: Tensor | None,
@@ -163,13 +165,15 @@ def add_norm_bwd(
     dropout_p: float,
     x_dtype: torch.dtype,
     res_dtype: torch.dtype,
+    s_dtype: torch.dtype,
     need_dx: bool,
     backend: str,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx or empty, dresidual, dweight or empty, dbias or empty, dgate or empty)."""
-    args = (dy, ds, saved, saved_is_y, x, weight, bias, gate, seed, mean, rstd, norm, alpha, dropout_p)
-    args = (*args, x_dtype, res_dtype, need_dx)
-    dtypes = (dy.dtype, saved.dtype, x_dtype, res_dtype)
+    """(dx or empty, dresidual, dweight or empty, dbias or empty, dgate or empty). x is needed for dgate
+    and, with residual, where x_hat cannot come from y (``saved_is_y``; see ``reference.xhat_from_y_ok``)."""
+    args = (dy, ds, saved, saved_is_y, x, residual, weight, bias, gate, seed, mean, rstd, norm, alpha)
+    args = (*args, dropout_p, x_dtype, res_dtype, s_dtype, need_dx)
+    dtypes = (dy.dtype, saved.dtype, x_dtype, res_dtype, s_dtype)
     if rstd.dtype == torch.float32 and resolve_backend(backend, dy.device, dy.shape[-1], dtypes) == "triton":
         from .triton_add_norm import add_norm_bwd_triton
 
@@ -184,6 +188,7 @@ def _add_norm_bwd_fake(
     saved,
     saved_is_y,
     x,
+    residual,
     weight,
     bias,
     gate,
@@ -195,6 +200,7 @@ def _add_norm_bwd_fake(
     dropout_p,
     x_dtype,
     res_dtype,
+    s_dtype,
     need_dx,
     backend,
 ):
@@ -229,19 +235,32 @@ def _setup_context(ctx, inputs, output) -> None:
         backend,
     ) = inputs
     y, s, mean, rstd = output
-    # Pre-LN keeps s (an output anyway); Post-LN keeps y and recomputes x_hat = (y - b) / w (the CUDA
-    # policy: s is never written), or keeps s (the CPU policy, where the recomputation costs time).
+    # Pre-LN keeps s (an output anyway). Post-LN keeps s (the CPU policy, where recomputing costs time)
+    # or y (the CUDA policy: the forward writes only y): backward takes x_hat = (y - b) / w where
+    # w_j != 0 and |b_j| <= |w_j|, else from s recomputed from x and residual, which are kept alive
+    # (references, not copies: the memory cost of one activation).
     from_y = recompute and not prenorm
     saved = y if from_y else s
-    ctx.save_for_backward(x if gate is not None else None, weight, bias, gate, seed, saved, mean, rstd)
-    ctx.meta = (norm, alpha, p, prenorm, from_y, backend, x.dtype, residual.dtype)
+    keep_xr = from_y and (weight is not None or bias is not None)  # no affine: x_hat = y everywhere
+    ctx.save_for_backward(
+        x if gate is not None or keep_xr else None,
+        residual if keep_xr else None,
+        weight,
+        bias,
+        gate,
+        seed,
+        saved,
+        mean,
+        rstd,
+    )
+    ctx.meta = (norm, alpha, p, prenorm, from_y, backend, x.dtype, residual.dtype, s_dtype)
     ctx.dropout = seed is not None and p > 0
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs that go unused
 
 
 def _backward(ctx, dy, ds, _dmean, _drstd):
-    x, weight, bias, gate, seed, saved, mean, rstd = ctx.saved_tensors
-    norm, alpha, p, prenorm, from_y, backend, x_dtype, res_dtype = ctx.meta
+    x, residual, weight, bias, gate, seed, saved, mean, rstd = ctx.saved_tensors
+    norm, alpha, p, prenorm, from_y, backend, x_dtype, res_dtype, s_dtype = ctx.meta
     if dy is None:
         dy = torch.zeros_like(saved)
     # dx differs from dresidual unless the branch is the identity and the dtypes agree
@@ -252,6 +271,7 @@ def _backward(ctx, dy, ds, _dmean, _drstd):
         saved,
         from_y,
         x,
+        residual,
         weight,
         bias,
         gate,
@@ -263,6 +283,7 @@ def _backward(ctx, dy, ds, _dmean, _drstd):
         p,
         x_dtype,
         res_dtype,
+        s_dtype,
         need_dx,
         backend,
     )

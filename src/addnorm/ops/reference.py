@@ -23,6 +23,7 @@ __all__ = [
     "dropout_keep_mask",
     "dropout_threshold",
     "hash32",
+    "xhat_from_y_ok",
 ]
 
 # Constants of the counter-based hash. Multipliers are odd and below 2**31 so that a 32-bit value
@@ -172,6 +173,54 @@ def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
+def xhat_from_y_ok(weight: Tensor | None, bias: Tensor | None) -> Tensor | None:
+    """The columns where Post-LN backward may take x_hat = (y - b) / w from the output y:
+
+        ok_j = w_j != 0 and |b_j| <= |w_j|     (no weight: w = 1; no bias: b = 0)
+
+    There y's rounding error u |y| <= u (|w_j x_hat| + |b_j|) (u: unit roundoff of y's dtype) is at
+    most u (|x_hat| + 1) in x_hat; elsewhere backward recomputes s from x and residual. A boolean
+    (hidden,) mask, or None without an affine (every column ok). The Triton backward computes the same
+    predicate inline."""
+    if weight is None and bias is None:
+        return None
+    if weight is None:
+        return bias.abs() <= 1.0
+    ok = weight != 0
+    return ok if bias is None else ok & (bias.abs() <= weight.abs())
+
+
+def _stream(
+    x: Tensor,
+    residual: Tensor,
+    gate: Tensor | None,
+    keep: Tensor | None,
+    alpha: float,
+    dropout_p: float,
+    cdt: torch.dtype,
+    s_dtype: torch.dtype,
+) -> tuple[Tensor, Tensor]:
+    """s = alpha * residual + gate * dropout(x) in ``cdt`` (``keep``: the dropout keep mask or None):
+    returns (s in s_dtype, s rounded to s_dtype and back in cdt). Forward and backward (recomputing s)
+    both call this, so the two agree bit for bit."""
+    xf = x if x.dtype == cdt else x.to(cdt)
+    if keep is not None:
+        xf = torch.where(keep, xf * (1.0 / (1.0 - dropout_p)), 0.0)
+    if gate is not None:
+        xf = xf * gate.to(cdt)
+    rf = residual if residual.dtype == cdt else residual.to(cdt)
+    s = torch.add(xf, rf, alpha=alpha) if alpha != 1.0 else xf + rf
+    s_out = s.to(s_dtype)
+    return s_out, s if s_dtype == cdt else s_out.to(cdt)  # the stream is rounded as stored
+
+
+def _keep(seed: Tensor | None, rows: int, hidden: int, p: float, device: torch.device) -> Tensor | None:
+    """The dropout keep mask, or None without dropout."""
+    if seed is None or p <= 0:
+        return None
+    return dropout_keep_mask(seed, rows, hidden, p, device)
+
+
 def add_norm_fwd_torch(
     x: Tensor,
     residual: Tensor,
@@ -190,17 +239,8 @@ def add_norm_fwd_torch(
     """Forward on 2-D (rows, hidden) inputs: returns (y, s or an empty tensor, mean or empty, rstd)."""
     rows, hidden = x.shape
     cdt = compute_dtype(x.dtype, residual.dtype, s_dtype)
-    xf = x if x.dtype == cdt else x.to(cdt)
-    if seed is not None and dropout_p > 0:
-        keep = dropout_keep_mask(seed, rows, hidden, dropout_p, x.device)
-        xf = torch.where(keep, xf * (1.0 / (1.0 - dropout_p)), 0.0)
-    if gate is not None:
-        xf = xf * gate.to(cdt)
-    rf = residual if residual.dtype == cdt else residual.to(cdt)
-    s = torch.add(xf, rf, alpha=alpha) if alpha != 1.0 else xf + rf
-    s_out = s.to(s_dtype)
-    if s_dtype != cdt:
-        s = s_out.to(cdt)  # the stream is rounded to its dtype before the statistics, as stored
+    keep = _keep(seed, rows, hidden, dropout_p, x.device)
+    s_out, s = _stream(x, residual, gate, keep, alpha, dropout_p, cdt, s_dtype)
     w = None if weight is None else weight.to(cdt)
     b = None if bias is None else bias.to(cdt)
     if norm == "layernorm":
@@ -223,6 +263,7 @@ def add_norm_bwd_torch(
     saved: Tensor,
     saved_is_y: bool,
     x: Tensor | None,
+    residual: Tensor | None,
     weight: Tensor | None,
     bias: Tensor | None,
     gate: Tensor | None,
@@ -234,49 +275,56 @@ def add_norm_bwd_torch(
     dropout_p: float,
     x_dtype: torch.dtype,
     res_dtype: torch.dtype,
+    s_dtype: torch.dtype,
     need_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward on 2-D inputs. ``saved`` is s (``saved_is_y=False``) or the output y, from which
-    x_hat = (y - b) / w is recomputed (memory-efficient LayerNorm: s need not be kept).
-    Returns (dx or empty, dresidual, dweight or empty, dbias or empty, dgate or empty)."""
+    """Backward on 2-D inputs. ``saved`` is s (``saved_is_y=False``: x_hat = (s - mean) * rstd, or
+    s * rstd for RMSNorm) or the output y (memory-efficient LayerNorm: s is never stored). From y,
+    x_hat = (y - b) / w where w_j != 0 and |b_j| <= |w_j| (:func:`xhat_from_y_ok`), else from s
+    recomputed from x and residual exactly as the forward computed it (same ops, dropout mask and
+    rounding to ``s_dtype``). Returns (dx or empty, dresidual, dweight or empty, dbias or empty,
+    dgate or empty)."""
     rows, hidden = saved.shape
     cdt = rstd.dtype
+    r = rstd.reshape(rows, 1)
     dyf = dy.to(cdt)
     w = None if weight is None else weight.to(cdt)
     b = None if bias is None else bias.to(cdt)
+    keep = _keep(seed, rows, hidden, dropout_p, saved.device)
+    xhat = None
+    if saved_is_y:
+        xhat = saved.to(cdt)
+        if b is not None:
+            xhat = xhat - b
+        if w is not None:
+            xhat = xhat / w
+        ok = xhat_from_y_ok(w, b)
+        if ok is not None:  # pure ops, no sync: s is recomputed in every column, used where not ok
+            if x is None or residual is None:
+                raise ValueError("add_norm_bwd: x_hat from y with an affine needs x and residual")
+            s = _stream(x, residual, gate, keep, alpha, dropout_p, cdt, s_dtype)[1]
+            xhat = torch.where(ok, xhat, (s - mean.reshape(rows, 1) if norm == "layernorm" else s) * r)
     if norm == "rmsnorm":
         # x_hat = s * rstd; d/ds = rstd * (w dy - x_hat * mean(x_hat * w dy))
-        if saved_is_y:
-            xhat = saved.to(cdt)
-            if b is not None:
-                xhat = xhat - b
-            if w is not None:
-                xhat = xhat / w
-        else:
-            xhat = saved.to(cdt) * rstd.reshape(rows, 1)
+        if xhat is None:
+            xhat = saved.to(cdt) * r
         wdy = dyf * w if w is not None else dyf
         c1 = (xhat * wdy).mean(-1, keepdim=True)
-        dsum = torch.addcmul(wdy, xhat, c1, value=-1.0).mul_(rstd.reshape(rows, 1))
+        dsum = torch.addcmul(wdy, xhat, c1, value=-1.0).mul_(r)
         dw = (dyf * xhat).sum(0) if w is not None else None
         db = dyf.sum(0) if b is not None else None
     else:
         mask = [True, w is not None, b is not None]
-        if saved_is_y:
-            # x_hat from the output; the native kernel then sees x_hat with mean 0 and rstd 1 and
-            # returns the gradient with respect to x_hat, which rstd turns into d/ds.
-            xhat = saved.to(cdt)
-            if b is not None:
-                xhat = xhat - b
-            if w is not None:
-                xhat = xhat / w
+        if xhat is not None:
+            # the native kernel sees x_hat with mean 0 and rstd 1 and returns the gradient with
+            # respect to x_hat, which rstd turns into d/ds
             mu = torch.zeros(rows, 1, dtype=cdt, device=saved.device)
             one = torch.ones(rows, 1, dtype=cdt, device=saved.device)
             dsum, dw, db = torch.ops.aten.native_layer_norm_backward(dyf, xhat, [hidden], mu, one, w, b, mask)
-            dsum = dsum * rstd.reshape(rows, 1)
+            dsum = dsum * r
         else:
-            mu, r = mean.reshape(rows, 1), rstd.reshape(rows, 1)
             dsum, dw, db = torch.ops.aten.native_layer_norm_backward(
-                dyf, saved.to(cdt), [hidden], mu, r, w, b, mask
+                dyf, saved.to(cdt), [hidden], mean.reshape(rows, 1), r, w, b, mask
             )
     if ds is not None:
         dsum = dsum + ds.to(cdt)
@@ -284,9 +332,6 @@ def add_norm_bwd_torch(
     dgate = dsum.new_empty(0)
     if need_dx:
         dx = dsum
-        keep = None
-        if seed is not None and dropout_p > 0:
-            keep = dropout_keep_mask(seed, rows, hidden, dropout_p, saved.device)
         if gate is not None:
             xd = x.to(cdt)
             if keep is not None:

@@ -2,11 +2,14 @@
 
 Forward, one program per row: s = alpha * r + g * dropout(x) (rounded to the stream's dtype), the
 statistics of s in fp32, y = N(s) (LayerNorm, Ba et al. 2016; RMSNorm, Zhang & Sennrich 2019).
-Backward, a fixed number of programs each looping over a block of rows: d/ds from x_hat (recomputed
-from s for Pre-LN, or from the output y as x_hat = (y - b) / w for Post-LN, so s is never stored),
-per-program partial sums of dweight / dbias / dgate (fp32) reduced afterwards by torch: deterministic,
-no atomics. The dropout mask is regenerated from the seed with the hash of
-:func:`addnorm.ops.reference.dropout_keep_mask`, bit for bit.
+Backward, a fixed number of programs each looping over a block of rows: d/ds from x_hat, which is
+(s - mean) * rstd (s * rstd for RMSNorm) from the saved s for Pre-LN. For Post-LN the forward writes
+only y: x_hat = (y - b) / w where w_j != 0 and |b_j| <= |w_j|
+(:func:`addnorm.ops.reference.xhat_from_y_ok`), else from s recomputed from x and residual (the
+forward's own fp32 operations and rounding, bit for bit; x and residual are kept alive, the memory
+cost of one activation, and are read only in those columns). Per-program partial sums of dweight /
+dbias / dgate (fp32) are reduced afterwards by torch: deterministic, no atomics. The dropout mask is
+regenerated from the seed with the hash of :func:`addnorm.ops.reference.dropout_keep_mask`, bit for bit.
 
 This module imports triton at import time: import it lazily (``addnorm.ops`` does).
 """
@@ -61,6 +64,19 @@ def _round_to(v, S_CODE: tl.constexpr):
 
 
 @triton.jit
+def _stream(
+    x, r, g, keep, alpha, drop_scale, GATE: tl.constexpr, DROPOUT: tl.constexpr, S_CODE: tl.constexpr
+):
+    # s = alpha * r + g * dropout(x) rounded to the stream's dtype, in fp32: the forward's operations,
+    # which the backward repeats where it recomputes s
+    if DROPOUT:
+        x = tl.where(keep, x * drop_scale, 0.0)
+    if GATE != 0:
+        x = x * g
+    return _round_to(alpha * r + x, S_CODE)
+
+
+@triton.jit
 def _add_norm_fwd_kernel(
     X,
     R,
@@ -93,14 +109,15 @@ def _add_norm_fwd_kernel(
     inb = cols < N
     x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=inb, other=0.0).to(tl.float32)
     r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=inb, other=0.0).to(tl.float32)
+    keep = inb
     if DROPOUT:
         keep = _keep_mask(SEED, row, cols, drop_thr)
-        x = tl.where(keep, x * drop_scale, 0.0)
+    g = 1.0
     if GATE == 1:
-        x = x * tl.load(G).to(tl.float32)
+        g = tl.load(G).to(tl.float32)
     elif GATE == 2:
-        x = x * tl.load(G + cols, mask=inb, other=0.0).to(tl.float32)
-    s = _round_to(alpha * r + x, S_CODE)
+        g = tl.load(G + cols, mask=inb, other=0.0).to(tl.float32)
+    s = _stream(x, r, g, keep, alpha, drop_scale, GATE, DROPOUT, S_CODE)
     out = row.to(tl.int64) * N + cols
     if STORE_S:
         tl.store(S + out, s.to(S.dtype.element_ty), mask=inb)
@@ -128,6 +145,7 @@ def _add_norm_bwd_kernel(
     DS,
     SAVED,
     X,
+    R,
     W,
     B,
     G,
@@ -142,6 +160,7 @@ def _add_norm_bwd_kernel(
     stride_dy,
     stride_ds,
     stride_x,
+    stride_r,
     n_rows,
     rows_per_program,
     N,
@@ -155,20 +174,28 @@ def _add_norm_bwd_kernel(
     DROPOUT: tl.constexpr,
     HAS_DS: tl.constexpr,
     SAVED_IS_Y: tl.constexpr,
+    RECOMPUTE: tl.constexpr,  # SAVED_IS_Y with an affine: s recomputed where x_hat cannot come from y
+    S_CODE: tl.constexpr,
     WRITE_DX: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
     inb = cols < N
+    w = tl.full((BLOCK_N,), 1.0, tl.float32)
+    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
     if HAS_W:
         w = tl.load(W + cols, mask=inb, other=1.0).to(tl.float32)
     if HAS_B:
         b = tl.load(B + cols, mask=inb, other=0.0).to(tl.float32)
+    g = 1.0
     if GATE == 1:
         g = tl.load(G).to(tl.float32)
     elif GATE == 2:
         g = tl.load(G + cols, mask=inb, other=0.0).to(tl.float32)
+    # reference.xhat_from_y_ok: x_hat = (y - b) / w where w != 0 and |b| <= |w|, else from s
+    from_s = inb & ~((w != 0.0) & (tl.abs(b) <= tl.abs(w)))
+    w_y = tl.where(from_s, 1.0, w)  # the divisor of (y - b) / w: never 0
     dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     dg_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
@@ -180,17 +207,30 @@ def _add_norm_bwd_kernel(
         row64 = row.to(tl.int64)
         off = row64 * N + cols
         rstd = tl.load(RSTD + row, mask=valid, other=0.0)
+        if not IS_RMS:
+            mean = tl.load(MEAN + row, mask=valid, other=0.0)
+        keep = m
+        if DROPOUT:
+            keep = _keep_mask(SEED, row, cols, drop_thr)
         v = tl.load(SAVED + off, mask=m, other=0.0).to(tl.float32)
         if SAVED_IS_Y:
             if HAS_B:
                 v = v - b
             if HAS_W:
-                v = v / w
+                v = v / w_y
             xhat = tl.where(m, v, 0.0)
+            if RECOMPUTE:
+                ms = m & from_s  # x and residual are read in these columns only
+                xs = tl.load(X + row64 * stride_x + cols, mask=ms, other=0.0).to(tl.float32)
+                rs = tl.load(R + row64 * stride_r + cols, mask=ms, other=0.0).to(tl.float32)
+                s = _stream(xs, rs, g, keep, alpha, drop_scale, GATE, DROPOUT, S_CODE)
+                if not IS_RMS:
+                    s = s - mean
+                xhat = tl.where(ms, s * rstd, xhat)
         elif IS_RMS:
             xhat = v * rstd
         else:
-            xhat = tl.where(m, (v - tl.load(MEAN + row, mask=valid, other=0.0)) * rstd, 0.0)
+            xhat = tl.where(m, (v - mean) * rstd, 0.0)
         dy = tl.load(DY + row64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
         wdy = dy
         if HAS_W:
@@ -209,8 +249,6 @@ def _add_norm_bwd_kernel(
         tl.store(DRES + off, (alpha * dsum).to(DRES.dtype.element_ty), mask=m)
         if WRITE_DX:
             dx = dsum
-            if DROPOUT:
-                keep = _keep_mask(SEED, row, cols, drop_thr)
             if GATE != 0:
                 xd = tl.load(X + row64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
                 if DROPOUT:
@@ -328,6 +366,7 @@ def add_norm_bwd_triton(
     saved: Tensor,
     saved_is_y: bool,
     x: Tensor | None,
+    residual: Tensor | None,
     weight: Tensor | None,
     bias: Tensor | None,
     gate: Tensor | None,
@@ -339,6 +378,7 @@ def add_norm_bwd_triton(
     dropout_p: float,
     x_dtype: torch.dtype,
     res_dtype: torch.dtype,
+    s_dtype: torch.dtype,
     need_dx: bool,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Backward on 2-D inputs; same contract as ``reference.add_norm_bwd_torch``."""
@@ -353,16 +393,21 @@ def add_norm_bwd_triton(
     db_part = torch.zeros(programs, n, **f32) if bias is not None else None
     dg_part = torch.zeros(programs, n, **f32) if gate is not None else None
     dropout = seed is not None and dropout_p > 0
+    recompute = saved_is_y and (weight is not None or bias is not None)
+    if recompute and (x is None or residual is None):
+        raise ValueError("add_norm_bwd: x_hat from y with an affine needs x and residual")
     if rows > 0:
         dy = _rows_view(dy)
         ds = _rows_view(ds) if ds is not None else None
         x = _rows_view(x) if x is not None else None
+        residual = _rows_view(residual) if recompute else None
         d = _dummy(saved)
         _add_norm_bwd_kernel[(programs,)](
             dy,
             ds if ds is not None else d,
             saved,
             x if x is not None else d,
+            residual if residual is not None else d,
             weight if weight is not None else d,
             bias if bias is not None else d,
             gate if gate is not None else d,
@@ -377,6 +422,7 @@ def add_norm_bwd_triton(
             dy.stride(0),
             ds.stride(0) if ds is not None else 0,
             x.stride(0) if x is not None else 0,
+            residual.stride(0) if residual is not None else 0,
             rows,
             triton.cdiv(rows, programs),
             n,
@@ -390,6 +436,8 @@ def add_norm_bwd_triton(
             DROPOUT=dropout,
             HAS_DS=ds is not None,
             SAVED_IS_Y=saved_is_y,
+            RECOMPUTE=recompute,
+            S_CODE=_S_CODES[s_dtype],
             WRITE_DX=need_dx,
             BLOCK_N=block,
             num_warps=warps,
