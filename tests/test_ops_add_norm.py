@@ -751,3 +751,36 @@ def test_no_triton_import_from_addnorm():
 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize("prenorm, recompute", [(True, False), (False, True), (False, False)])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_eager_path_equals_the_registered_op(norm, prenorm, recompute):
+    """In eager mode add_norm runs the op's implementations through a plain autograd.Function; the
+    registered custom op (what torch.compile traces) gives the same outputs and gradients, bit for bit."""
+    x, r, w, b, g = make_case(6, 40, gate="vector")
+    w[::5] = 0.0  # columns whose x_hat comes from the recomputed s when recomputing from y
+    args = (torch.tensor(9), norm, 1e-5, 1.3, 0.2, torch.float32, torch.float32, prenorm, recompute, "torch")
+    results = []
+    for fn in (lib.add_norm_2d, lib.add_norm_fwd):
+        leaves = [t.clone().requires_grad_(True) for t in (x, r, w, b, g)]
+        y, s, _, _ = fn(*leaves, *args)
+        loss = (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum()
+        if prenorm:
+            loss = loss + s.square().sum()
+        results.append((y.detach(), s.detach(), torch.autograd.grad(loss, leaves)))
+    (y0, s0, g0), (y1, s1, g1) = results
+    assert torch.equal(y0, y1) and torch.equal(s0, s1)
+    for a, c in zip(g0, g1, strict=True):
+        assert torch.equal(a, c)
+
+
+def test_tracing_sees_the_registered_op():
+    """make_fx (a dispatch mode) records addnorm::add_norm_fwd, not the eager path's torch ops."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    x, r, w, b, _ = make_case(4, 16)
+    gm = make_fx(lambda x, r, w, b: add_norm(x, r, w, b, norm="rmsnorm"))(x, r, w, b)
+    targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+    assert "addnorm.add_norm_fwd.default" in targets
+    torch.testing.assert_close(gm(x, r, w, b), add_norm(x, r, w, b, norm="rmsnorm"))
