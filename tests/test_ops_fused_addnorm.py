@@ -19,17 +19,22 @@ POST_LAYERSCALE = Placement(
 POST_REZERO = Placement("post_rezero", "y = N(x + a D(F(x)))", "test", output_norm=True, gate="rezero")
 
 
-@pytest.fixture
-def count_fused(monkeypatch):
+def _spy_add_norm(monkeypatch, key: str) -> list:
+    """The ``key`` argument of every add_norm call that AddNorm (and a held-back add) makes."""
     calls = []
     original = addnorm_module.add_norm
 
     def spy(*args, **kwargs):
-        calls.append(kwargs.get("norm"))
+        calls.append(kwargs.get(key))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(addnorm_module, "add_norm", spy)
     return calls
+
+
+@pytest.fixture
+def count_fused(monkeypatch):
+    return _spy_add_norm(monkeypatch, "norm")
 
 
 def _pair(d, placement, norm, **kwargs):
@@ -171,16 +176,7 @@ def test_models_same_with_fused_and_unfused(placement, count_fused):
 
 @pytest.fixture
 def count_prenorm(monkeypatch):
-    """The ``prenorm`` flag of every add_norm call made by connections and held-back adds."""
-    calls = []
-    original = addnorm_module.add_norm
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("prenorm"))
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(addnorm_module, "add_norm", spy)
-    return calls
+    return _spy_add_norm(monkeypatch, "prenorm")
 
 
 def _unfused_copy(model):
@@ -343,3 +339,33 @@ def test_compiled_pre_ln_model_traces_the_held_back_adds_without_graph_breaks():
     torch.testing.assert_close(out, eager, rtol=1e-4, atol=1e-5)
     for g, p in zip(grads, model.parameters(), strict=True):
         torch.testing.assert_close(g, p.grad, rtol=1e-3, atol=1e-5)
+
+
+def _fused_model_matches_unfused(device, placement, norm, dtype, tol):
+    """A 4-layer LM at d_model 256 in ``dtype`` on ``device`` (the Triton kernels on CUDA): same
+    outputs and gradients as the unfused modules within ``tol``, relative to their scale."""
+    torch.manual_seed(0)
+    cfg = an.TransformerConfig(
+        d_model=256, n_heads=4, d_ff=512, n_layers=4, dropout=0.0, placement=placement, norm=norm
+    )
+    model = an.LanguageModel(cfg, vocab=64).to(device=device, dtype=dtype)
+    _perturb(model)
+    tokens = torch.randint(0, 64, (4, 32), device=device)
+    fused = _outputs_and_grads(model, lambda m: m(tokens))
+    ref = _outputs_and_grads(_unfused_copy(model), lambda m: m(tokens))
+    for a, b in zip([fused[0], *fused[1]], [ref[0], *ref[1]], strict=True):
+        scale = b.double().abs().max().item() or 1.0
+        assert (a.double() - b.double()).abs().max().item() <= tol * scale
+
+
+@pytest.mark.parametrize("placement, norm", [("pre", "rmsnorm"), ("post", "layernorm")])
+def test_fused_model_matches_unfused_at_width_256(placement, norm):
+    _fused_model_matches_unfused("cpu", placement, norm, torch.float32, 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("placement, norm", [("pre", "rmsnorm"), ("pre", "layernorm"), ("post", "layernorm")])
+def test_gpu_fused_model_matches_unfused(placement, norm, dtype, tol):
+    _fused_model_matches_unfused("cuda", placement, norm, dtype, tol)
