@@ -753,26 +753,30 @@ def test_no_triton_import_from_addnorm():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.parametrize("dropout_p", [0.2, 0.0])
 @pytest.mark.parametrize("prenorm, recompute", [(True, False), (False, True), (False, False)])
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
-def test_eager_path_equals_the_registered_op(norm, prenorm, recompute):
-    """In eager mode add_norm runs the op's implementations through a plain autograd.Function; the
-    registered custom op (what torch.compile traces) gives the same outputs and gradients, bit for bit."""
+def test_eager_path_equals_the_registered_op(norm, prenorm, recompute, dropout_p):
+    """In eager mode add_norm runs the op's implementations through a plain autograd.Function (or, for
+    LayerNorm without dropout on the CPU, the same forward ops under torch's autograd); the registered
+    custom op (what torch.compile traces) gives the same outputs, and the same gradients: bit for bit
+    through the Function, to rounding through torch's autograd (its reductions run in another order)."""
     x, r, w, b, g = make_case(6, 40, gate="vector")
     w[::5] = 0.0  # columns whose x_hat comes from the recomputed s when recomputing from y
-    args = (torch.tensor(9), norm, 1e-5, 1.3, 0.2, torch.float32, torch.float32, prenorm, recompute, "torch")
+    args = (torch.tensor(9), norm, 1e-5, 1.3, dropout_p, torch.float32, torch.float32, prenorm, recompute)
     results = []
     for fn in (lib.add_norm_2d, lib.add_norm_fwd):
         leaves = [t.clone().requires_grad_(True) for t in (x, r, w, b, g)]
-        y, s, _, _ = fn(*leaves, *args)
+        y, s = fn(*leaves, *args, "torch")[:2]
         loss = (y * torch.linspace(-1, 1, y.numel()).reshape(y.shape)).sum()
         if prenorm:
             loss = loss + s.square().sum()
         results.append((y.detach(), s.detach(), torch.autograd.grad(loss, leaves)))
     (y0, s0, g0), (y1, s1, g1) = results
     assert torch.equal(y0, y1) and torch.equal(s0, s1)
+    exact = norm == "rmsnorm" or dropout_p > 0
     for a, c in zip(g0, g1, strict=True):
-        assert torch.equal(a, c)
+        assert torch.equal(a, c) if exact else torch.allclose(a, c, rtol=1e-6, atol=1e-6)
 
 
 def test_tracing_sees_the_registered_op():

@@ -130,7 +130,7 @@ def add_norm(
     s_dtype = torch.float32 if residual_in_fp32 and residual.dtype != torch.float64 else residual.dtype
     y_dtype = out_dtype or x.dtype
     shape = x.shape
-    y, s, _, _ = add_norm_2d(
+    y, s = add_norm_2d(
         x.reshape(-1, hidden),  # (rows, hidden): leading dimensions flattened
         residual.reshape(-1, hidden),
         weight,

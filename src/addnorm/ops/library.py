@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .reference import add_norm_bwd_torch, add_norm_fwd_torch, compute_dtype
+from .reference import add_norm_bwd_torch, add_norm_fwd_autograd, add_norm_fwd_torch, compute_dtype
 
 __all__ = ["BACKENDS", "MAX_FUSED_HIDDEN", "add_norm_2d", "add_norm_bwd", "add_norm_fwd", "resolve_backend"]
 
@@ -330,14 +330,40 @@ class _EagerAddNorm(torch.autograd.Function):
         return _grads(add_norm_bwd_impl, ctx, dy, ds)
 
 
-def add_norm_2d(*args):
-    """``add_norm_fwd(*args)`` with autograd: the registered op wherever something traces (Dynamo /
-    torch.compile, a dispatch mode such as make_fx or fake tensors, a tensor subclass), plain
-    autograd otherwise."""
+def add_norm_2d(*args) -> tuple[Tensor, Tensor]:
+    """(y, s or empty) of ``add_norm_fwd(*args)`` with autograd: the registered op wherever something
+    traces (Dynamo / torch.compile, a dispatch mode such as make_fx or fake tensors, a tensor
+    subclass), plain autograd otherwise: LayerNorm without dropout on CPU tensors through torch's own
+    autograd (:func:`reference.add_norm_fwd_autograd`), the rest through the op's implementations."""
     if (
         torch.compiler.is_compiling()
         or _get_current_dispatch_mode() is not None
         or type(args[0]) is not Tensor
     ):
-        return add_norm_fwd(*args)
-    return _EagerAddNorm.apply(*args)
+        return add_norm_fwd(*args)[:2]
+    (
+        x,
+        residual,
+        weight,
+        bias,
+        gate,
+        seed,
+        norm,
+        eps,
+        alpha,
+        p,
+        s_dtype,
+        y_dtype,
+        prenorm,
+        recompute,
+        backend,
+    ) = args
+    if (
+        norm == "layernorm"
+        and (seed is None or p == 0)
+        and x.device.type == "cpu"
+        and resolve_backend(backend, x.device, x.shape[-1], (x.dtype, residual.dtype, s_dtype)) == "torch"
+    ):
+        store_s = prenorm or not recompute  # as add_norm_fwd returns it
+        return add_norm_fwd_autograd(x, residual, weight, bias, gate, alpha, eps, s_dtype, y_dtype, store_s)
+    return _EagerAddNorm.apply(*args)[:2]

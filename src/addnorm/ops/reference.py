@@ -257,6 +257,32 @@ def add_norm_fwd_torch(
     return y, s_out, mean, rstd.reshape(rows)
 
 
+def add_norm_fwd_autograd(
+    x: Tensor,
+    residual: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    gate: Tensor | None,
+    alpha: float,
+    eps: float,
+    s_dtype: torch.dtype,
+    y_dtype: torch.dtype,
+    store_s: bool,
+) -> tuple[Tensor, Tensor]:
+    """:func:`add_norm_fwd_torch`'s LayerNorm without dropout, left to torch's autograd: (y, s or empty).
+
+    Its backward is the one :func:`add_norm_bwd_torch` computes (``native_layer_norm_backward`` plus
+    the add's), run by the C++ engine: for small CPU tensors the Python of an explicit backward costs
+    more than the kernels. With dropout the mask must be regenerated rather than kept, and for RMSNorm
+    the explicit backward is faster than torch's composite one: both stay with the explicit path."""
+    cdt = compute_dtype(x.dtype, residual.dtype, s_dtype)
+    s_out, s = _stream(x, residual, gate, None, alpha, 0.0, cdt, s_dtype)
+    w = None if weight is None else weight.to(cdt)
+    b = None if bias is None else bias.to(cdt)
+    y = torch.nn.functional.layer_norm(s, (s.shape[-1],), w, b, eps).to(y_dtype)
+    return y, s_out if store_s else s_out.new_empty(0)
+
+
 def add_norm_bwd_torch(
     dy: Tensor,
     ds: Tensor | None,
