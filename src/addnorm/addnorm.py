@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as nn_module
 
 from .norms import NORMS, LayerNorm, RMSNorm, build_norm
 from .ops import add_norm
@@ -37,8 +38,6 @@ def _check_same_shape(x: Tensor, fx: object, what: str = "sublayer") -> Tensor:
 
 def hooked(module: nn.Module) -> bool:
     """Whether calling ``module`` runs forward hooks (its own or global ones), which must see tensors."""
-    from torch.nn.modules import module as nn_module
-
     return bool(
         module._forward_hooks
         or module._forward_pre_hooks
