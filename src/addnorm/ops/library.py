@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import warnings
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -222,45 +223,58 @@ def _add_norm_bwd_fake(
 # --- autograd -----------------------------------------------------------------------------------
 
 
+class FwdArgs(NamedTuple):
+    """``add_norm_fwd``'s arguments by name (autograd receives them as a tuple)."""
+
+    x: Tensor
+    residual: Tensor
+    weight: Tensor | None
+    bias: Tensor | None
+    gate: Tensor | None
+    seed: Tensor | None
+    norm: str
+    eps: float
+    alpha: float
+    dropout_p: float
+    s_dtype: torch.dtype
+    y_dtype: torch.dtype
+    prenorm: bool
+    recompute: bool
+    backend: str
+
+
 def _setup_context(ctx, inputs, output) -> None:
-    (
-        x,
-        residual,
-        weight,
-        bias,
-        gate,
-        seed,
-        norm,
-        eps,
-        alpha,
-        p,
-        s_dtype,
-        y_dtype,
-        prenorm,
-        recompute,
-        backend,
-    ) = inputs
+    a = FwdArgs(*inputs)
     y, s, mean, rstd = output
     # Pre-LN keeps s (an output anyway). Post-LN keeps s (the CPU policy, where recomputing costs time)
     # or y (the CUDA policy: the forward writes only y): backward takes x_hat = (y - b) / w where
     # w_j != 0 and |b_j| <= |w_j|, else from s recomputed from x and residual, which are kept alive
     # (references, not copies: the memory cost of one activation).
-    from_y = recompute and not prenorm
-    saved = y if from_y else s
-    keep_xr = from_y and (weight is not None or bias is not None)  # no affine: x_hat = y everywhere
+    from_y = a.recompute and not a.prenorm
+    keep_xr = from_y and (a.weight is not None or a.bias is not None)  # no affine: x_hat = y everywhere
     ctx.save_for_backward(
-        x if gate is not None or keep_xr else None,
-        residual if keep_xr else None,
-        weight,
-        bias,
-        gate,
-        seed,
-        saved,
+        a.x if a.gate is not None or keep_xr else None,
+        a.residual if keep_xr else None,
+        a.weight,
+        a.bias,
+        a.gate,
+        a.seed,
+        y if from_y else s,
         mean,
         rstd,
     )
-    ctx.meta = (norm, alpha, p, prenorm, from_y, backend, x.dtype, residual.dtype, s_dtype)
-    ctx.dropout = seed is not None and p > 0
+    ctx.meta = (
+        a.norm,
+        a.alpha,
+        a.dropout_p,
+        a.prenorm,
+        from_y,
+        a.backend,
+        a.x.dtype,
+        a.residual.dtype,
+        a.s_dtype,
+    )
+    ctx.dropout = a.seed is not None and a.dropout_p > 0
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs that go unused
 
 
@@ -341,29 +355,16 @@ def add_norm_2d(*args) -> tuple[Tensor, Tensor]:
         or type(args[0]) is not Tensor
     ):
         return add_norm_fwd(*args)[:2]
-    (
-        x,
-        residual,
-        weight,
-        bias,
-        gate,
-        seed,
-        norm,
-        eps,
-        alpha,
-        p,
-        s_dtype,
-        y_dtype,
-        prenorm,
-        recompute,
-        backend,
-    ) = args
+    a = FwdArgs(*args)
     if (
-        norm == "layernorm"
-        and (seed is None or p == 0)
-        and x.device.type == "cpu"
-        and resolve_backend(backend, x.device, x.shape[-1], (x.dtype, residual.dtype, s_dtype)) == "torch"
+        a.norm == "layernorm"
+        and (a.seed is None or a.dropout_p == 0)
+        and a.x.device.type == "cpu"
+        and resolve_backend(a.backend, a.x.device, a.x.shape[-1], (a.x.dtype, a.residual.dtype, a.s_dtype))
+        == "torch"
     ):
-        store_s = prenorm or not recompute  # as add_norm_fwd returns it
-        return add_norm_fwd_autograd(x, residual, weight, bias, gate, alpha, eps, s_dtype, y_dtype, store_s)
+        store_s = a.prenorm or not a.recompute  # as add_norm_fwd returns it
+        return add_norm_fwd_autograd(
+            a.x, a.residual, a.weight, a.bias, a.gate, a.alpha, a.eps, a.s_dtype, a.y_dtype, store_s
+        )
     return _EagerAddNorm.apply(*args)[:2]
