@@ -131,10 +131,9 @@ class _Layer(nn.Module):
         x = x0 = resolve(x) if b2t else x
         for i, (block, fn) in enumerate(steps):
             last = i == len(steps) - 1
-            if hooked(block):  # its hooks see tensors in and out
-                x = block(resolve(x), fn, extra_residual=x0 if b2t and last else None)
-            else:
-                x = block(x, fn, extra_residual=x0 if b2t and last else None, defer_add=defer_add or not last)
+            if hooked(block):  # its hooks see tensors (and it gives one: AddNorm checks its own hooks)
+                x = resolve(x)
+            x = block(x, fn, extra_residual=x0 if b2t and last else None, defer_add=defer_add or not last)
         return x
 
     @property
