@@ -1,7 +1,7 @@
 """Triton kernels of the fused Add & Norm and their launchers (CUDA, or the CPU interpreter).
 
 Forward, per tile of ``BLOCK_M`` rows x ``BLOCK_N`` columns (rows of at most ``BLOCK_N`` columns: one
-pass, the row in registers; wider rows in ``NUM_CHUNKS`` column chunks, two passes)::
+pass, the row in registers; wider rows in column chunks, two passes)::
 
     s = alpha * r + g * dropout(x)   (rounded to s's dtype)      y = N(s) = w * x_hat + b
     LayerNorm: x_hat = (s - mean) * rstd, rstd = 1 / sqrt(var + eps)   (Ba et al. 2016)
@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
 from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y, BwdArgs, FwdArgs, interpreting
 from .reference import HASH_COL, HASH_M1, HASH_M2, HASH_ROW, dropout_threshold
@@ -70,6 +71,16 @@ def _keep_mask(seed_ptr, rows, cols, drop_thr):
 
 
 @triton.jit
+def _keep(SEED, rows64, cols, m, drop_thr, DROPOUT: tl.constexpr):
+    # a tile's dropout keep mask (computed once per tile and shared), or m without dropout
+    if DROPOUT:
+        keep = _keep_mask(SEED, rows64, cols, drop_thr)
+    else:
+        keep = m
+    return keep
+
+
+@triton.jit
 def _round_to(v, S_CODE: tl.constexpr):
     if S_CODE == 1:
         v = v.to(tl.float16).to(tl.float32)
@@ -83,7 +94,7 @@ def _stream(
     X,
     R,
     G,
-    SEED,
+    keep,
     rows64,
     cols,
     col_ok,
@@ -91,7 +102,6 @@ def _stream(
     stride_x,
     stride_r,
     alpha,
-    drop_thr,
     drop_scale,
     GATE: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -103,7 +113,7 @@ def _stream(
     x = tl.load(X + rows64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
     r = tl.load(R + rows64 * stride_r + cols, mask=m, other=0.0).to(tl.float32)
     if DROPOUT:
-        x = tl.where(_keep_mask(SEED, rows64, cols, drop_thr), x * drop_scale, 0.0)
+        x = tl.where(keep, x * drop_scale, 0.0)
     if GATE == 1:
         x = x * tl.load(G).to(tl.float32)
     elif GATE == 2:
@@ -160,11 +170,12 @@ def _add_norm_fwd_kernel(
     if not CHUNKED:
         col_ok = lane < N
         m = row_ok & col_ok
+        keep = _keep(SEED, rows64, lane, m, drop_thr, DROPOUT)
         s = _stream(
             X,
             R,
             G,
-            SEED,
+            keep,
             rows64,
             lane,
             col_ok,
@@ -172,7 +183,6 @@ def _add_norm_fwd_kernel(
             stride_x,
             stride_r,
             alpha,
-            drop_thr,
             drop_scale,
             GATE,
             DROPOUT,
@@ -198,11 +208,12 @@ def _add_norm_fwd_kernel(
             cols = c * BLOCK_N + lane
             col_ok = cols < N
             m = row_ok & col_ok
+            keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
             s = _stream(
                 X,
                 R,
                 G,
-                SEED,
+                keep,
                 rows64,
                 cols,
                 col_ok,
@@ -210,7 +221,6 @@ def _add_norm_fwd_kernel(
                 stride_x,
                 stride_r,
                 alpha,
-                drop_thr,
                 drop_scale,
                 GATE,
                 DROPOUT,
@@ -239,11 +249,12 @@ def _add_norm_fwd_kernel(
             if STORE_S:
                 s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
             else:
+                keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
                 s = _stream(
                     X,
                     R,
                     G,
-                    SEED,
+                    keep,
                     rows64,
                     cols,
                     col_ok,
@@ -251,7 +262,6 @@ def _add_norm_fwd_kernel(
                     stride_x,
                     stride_r,
                     alpha,
-                    drop_thr,
                     drop_scale,
                     GATE,
                     DROPOUT,
@@ -275,7 +285,7 @@ def _xhat(
     X,
     R,
     G,
-    SEED,
+    keep,
     rows64,
     cols,
     col_ok,
@@ -288,7 +298,6 @@ def _xhat(
     stride_x,
     stride_r,
     alpha,
-    drop_thr,
     drop_scale,
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
@@ -310,7 +319,7 @@ def _xhat(
             X,
             R,
             G,
-            SEED,
+            keep,
             rows64,
             cols,
             col_ok,
@@ -318,7 +327,6 @@ def _xhat(
             stride_x,
             stride_r,
             alpha,
-            drop_thr,
             drop_scale,
             GATE,
             DROPOUT,
@@ -342,7 +350,7 @@ def _xhat(
                 X,
                 R,
                 G,
-                SEED,
+                keep,
                 rows64,
                 cols,
                 col_ok,
@@ -350,7 +358,6 @@ def _xhat(
                 stride_x,
                 stride_r,
                 alpha,
-                drop_thr,
                 drop_scale,
                 GATE,
                 DROPOUT,
@@ -381,7 +388,7 @@ def _store_dx(
     dsum,
     X,
     G,
-    SEED,
+    keep,
     DX,
     DRES,
     rows64,
@@ -391,7 +398,6 @@ def _store_dx(
     N,
     stride_x,
     alpha,
-    drop_thr,
     drop_scale,
     GATE: tl.constexpr,
     DROPOUT: tl.constexpr,
@@ -402,8 +408,6 @@ def _store_dx(
     gterm = dsum
     if WRITE_DX:
         dx = dsum
-        if DROPOUT:
-            keep = _keep_mask(SEED, rows64, cols, drop_thr)
         if GATE != 0:
             xd = tl.load(X + rows64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
             if DROPOUT:
@@ -478,6 +482,7 @@ def _add_norm_bwd_kernel(
             row_ok = rows < n_rows
             rows64 = rows.to(tl.int64)
             m = row_ok & col_ok
+            keep = _keep(SEED, rows64, lane, m, drop_thr, DROPOUT)
             rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
             mean = rstd * 0.0
             if not IS_RMS:
@@ -487,7 +492,7 @@ def _add_norm_bwd_kernel(
                 X,
                 R,
                 G,
-                SEED,
+                keep,
                 rows64,
                 lane,
                 col_ok,
@@ -500,7 +505,6 @@ def _add_norm_bwd_kernel(
                 stride_x,
                 stride_r,
                 alpha,
-                drop_thr,
                 drop_scale,
                 IS_RMS,
                 HAS_W,
@@ -520,7 +524,7 @@ def _add_norm_bwd_kernel(
                 dsum,
                 X,
                 G,
-                SEED,
+                keep,
                 DX,
                 DRES,
                 rows64,
@@ -530,7 +534,6 @@ def _add_norm_bwd_kernel(
                 N,
                 stride_x,
                 alpha,
-                drop_thr,
                 drop_scale,
                 GATE,
                 DROPOUT,
@@ -565,6 +568,7 @@ def _add_norm_bwd_kernel(
                 cols = c * BLOCK_N + lane
                 col_ok = cols < N
                 m = row_ok & col_ok
+                keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
                 w = _vec(W, cols, col_ok, 1.0, HAS_W)
                 b = _vec(B, cols, col_ok, 0.0, HAS_B)
                 xhat = _xhat(
@@ -572,7 +576,7 @@ def _add_norm_bwd_kernel(
                     X,
                     R,
                     G,
-                    SEED,
+                    keep,
                     rows64,
                     cols,
                     col_ok,
@@ -585,7 +589,6 @@ def _add_norm_bwd_kernel(
                     stride_x,
                     stride_r,
                     alpha,
-                    drop_thr,
                     drop_scale,
                     IS_RMS,
                     HAS_W,
@@ -606,6 +609,7 @@ def _add_norm_bwd_kernel(
                 cols = c * BLOCK_N + lane
                 col_ok = cols < N
                 m = row_ok & col_ok
+                keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
                 w = _vec(W, cols, col_ok, 1.0, HAS_W)
                 b = _vec(B, cols, col_ok, 0.0, HAS_B)
                 xhat = _xhat(
@@ -613,7 +617,7 @@ def _add_norm_bwd_kernel(
                     X,
                     R,
                     G,
-                    SEED,
+                    keep,
                     rows64,
                     cols,
                     col_ok,
@@ -626,7 +630,6 @@ def _add_norm_bwd_kernel(
                     stride_x,
                     stride_r,
                     alpha,
-                    drop_thr,
                     drop_scale,
                     IS_RMS,
                     HAS_W,
@@ -643,7 +646,7 @@ def _add_norm_bwd_kernel(
                     dsum,
                     X,
                     G,
-                    SEED,
+                    keep,
                     DX,
                     DRES,
                     rows64,
@@ -653,7 +656,6 @@ def _add_norm_bwd_kernel(
                     N,
                     stride_x,
                     alpha,
-                    drop_thr,
                     drop_scale,
                     GATE,
                     DROPOUT,
@@ -685,35 +687,42 @@ class Launch(NamedTuple):
     chunked: bool
     num_warps: int
 
+    @property
+    def maxnreg(self) -> int:
+        """The register budget given to ptxas: all a program may use (65,536 per SM, at most 255 per
+        thread). Left to itself ptxas may choose fewer registers and spill a few bytes."""
+        return min(255, 65536 // (32 * self.num_warps))
 
-# Rows up to these widths stay in registers in one pass (about 16 fp32 values per thread per tensor at
-# the warps below); wider rows go in chunks of CHUNK_N columns. Narrow rows share a program: tiles of
-# about TILE elements. (Spill-free for every variant on sm_80 / sm_90: ``triton_variants``.)
+
+# Rows up to these widths stay in registers in one pass; wider rows go in column chunks. Narrow rows
+# share a program: tiles of TILE elements. The forward holds about 16 fp32 values per thread per tile
+# tensor (ELEMS_PER_WARP 512), the backward, with more tensors live, 8 (256): no spills and at most
+# ~130 registers on sm_80 / sm_90 for every variant (``triton_variants``, the compile-time test).
 FWD_MAX_ONE_PASS = 8192
-BWD_MAX_ONE_PASS = 4096
-FWD_CHUNK = Launch(1, 4096, True, 8)
-BWD_CHUNK = Launch(2, 2048, True, 8)
+BWD_MAX_ONE_PASS = 2048
+FWD_CHUNK = Launch(1, 2048, True, 8)
+BWD_CHUNK = Launch(2, 1024, True, 8)
 TILE = 2048
 MIN_BLOCK_N = 16
 
 
-def _one_pass(n: int, max_warps: int) -> Launch:
+def _one_pass(n: int, elems_per_warp: int) -> Launch:
     block_n = max(MIN_BLOCK_N, triton.next_power_of_2(n))
     block_m = max(1, TILE // block_n)
-    warps = min(max(block_m * block_n // 512, 1), max_warps)
+    warps = min(max(block_m * block_n // elems_per_warp, 1), 16)
     return Launch(block_m, block_n, False, warps)
 
 
 @functools.lru_cache(maxsize=256)
 def fwd_config(n: int) -> Launch:
     """The forward's launch configuration for rows of ``n`` columns."""
-    return _one_pass(n, 16) if n <= FWD_MAX_ONE_PASS else FWD_CHUNK
+    return _one_pass(n, 512) if n <= FWD_MAX_ONE_PASS else FWD_CHUNK
 
 
 @functools.lru_cache(maxsize=256)
 def bwd_config(n: int) -> Launch:
     """The backward's launch configuration for rows of ``n`` columns."""
-    return _one_pass(n, 8) if n <= BWD_MAX_ONE_PASS else BWD_CHUNK
+    return _one_pass(n, 256) if n <= BWD_MAX_ONE_PASS else BWD_CHUNK
 
 
 @functools.lru_cache(maxsize=16)
@@ -734,14 +743,6 @@ def bwd_grid(rows: int, n: int, device: torch.device) -> tuple[int, int]:
         target = 4
     per_program = triton.cdiv(tiles, max(1, min(tiles, target)))
     return triton.cdiv(tiles, per_program), per_program
-
-
-def _kernel(kernel, traceable: bool):
-    """The kernel as launched: through ``torch.library.wrap_triton`` where the call may be traced (the
-    registered op's body, so torch.compile sees the kernel), directly otherwise."""
-    if traceable and not interpreting():
-        return torch.library.wrap_triton(kernel)
-    return kernel
 
 
 def _rows_view(t: Tensor | None) -> Tensor | None:
@@ -776,7 +777,10 @@ def add_norm_fwd_triton(a: FwdArgs, *, traceable: bool = False) -> tuple[Tensor,
     cfg = fwd_config(n)
     dropout = a.dropout
     thr, scale = _dropout_args(a.dropout_p, dropout)
-    _kernel(_add_norm_fwd_kernel, traceable)[(triton.cdiv(rows, cfg.block_m),)](
+    # through wrap_triton where the call may be traced (the registered op's body: torch.compile then
+    # launches the kernel itself), directly otherwise
+    kernel = wrap_triton(_add_norm_fwd_kernel) if traceable and not interpreting() else _add_norm_fwd_kernel
+    kernel[(triton.cdiv(rows, cfg.block_m),)](
         x,
         residual,
         a.weight,
@@ -807,6 +811,7 @@ def add_norm_fwd_triton(a: FwdArgs, *, traceable: bool = False) -> tuple[Tensor,
         BLOCK_N=cfg.block_n,
         CHUNKED=cfg.chunked,
         num_warps=cfg.num_warps,
+        maxnreg=cfg.maxnreg,
     )
     return y, s, mean, rstd
 
@@ -835,7 +840,10 @@ def add_norm_bwd_triton(
         x = _rows_view(a.x) if recompute or a.gate is not None else None
         residual = _rows_view(a.residual) if recompute else None
         thr, scale = _dropout_args(a.dropout_p, dropout)
-        _kernel(_add_norm_bwd_kernel, traceable)[(programs,)](
+        kernel = (
+            wrap_triton(_add_norm_bwd_kernel) if traceable and not interpreting() else _add_norm_bwd_kernel
+        )
+        kernel[(programs,)](
             dy,
             ds,
             a.saved if a.xhat_from != XHAT_FROM_XR else None,
@@ -877,6 +885,7 @@ def add_norm_bwd_triton(
             BLOCK_N=cfg.block_n,
             CHUNKED=cfg.chunked,
             num_warps=cfg.num_warps,
+            maxnreg=cfg.maxnreg,
         )
     dw = dw_part.sum(0).to(a.weight.dtype) if dw_part is not None else dres.new_empty(0)
     db = db_part.sum(0).to(a.bias.dtype) if db_part is not None else dres.new_empty(0)
