@@ -120,7 +120,8 @@ def _check_tensors(x, residual, weight, bias, gate) -> int:
     residual = _check_float_tensor("residual", residual)
     if x.ndim == 0 or x.shape[-1] == 0:
         raise ValueError(
-            f"x: expected at least one dimension with a non-empty last (hidden) one, got shape {tuple(x.shape)}"
+            "x: expected at least one dimension with a non-empty last (hidden) one, got shape "
+            f"{tuple(x.shape)}"
         )
     if residual.shape != x.shape:
         raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
@@ -229,28 +230,30 @@ def add_norm(
     ``torch.func`` transforms (grad, vmap, ...: the composite of torch ops; under vmap every example
     gets the same mask, drawn from the per-example shape).
     """
-    if is_compiling():
-        plan = _new_plan(x, residual, weight, bias, gate, norm, eps, prenorm, alpha, dropout_p, training, residual_in_fp32, out_dtype, backend)  # fmt: skip
+    compiling, plan, key = is_compiling(), None, None
+    if not compiling:
+        try:
+            xs = x.shape
+            key = (
+                x.dtype, residual.dtype, x.device, xs[-1], weight is None or weight.dtype,
+                bias is None or bias.dtype, norm, eps, prenorm, alpha, dropout_p if training else 0.0,
+                residual_in_fp32, out_dtype, backend,
+            )  # fmt: skip
+            plan = _PLANS.get(key)
+        except Exception:  # arguments that cannot be keyed: the checks below name the bad one
+            key = None
+    if plan is None:  # a new call signature (or under torch.compile: once per trace): checked in full
+        plan = _new_plan(
+            x, residual, weight, bias, gate, norm, eps, prenorm, alpha, dropout_p, training,
+            residual_in_fp32, out_dtype, backend,
+        )  # fmt: skip
+        if key is not None:
+            _PLANS[key] = plan
+    if compiling:
         seed_t = _seed_value(seed, x.device, False) if plan.p else None
         if policy.compile_path() == "composite":
             return _composite(plan, x, residual, weight, bias, gate, seed_t)
         return _via_op(plan, x, residual, weight, bias, gate, seed_t)
-    try:
-        xs = x.shape
-        plan = _PLANS[
-            x.dtype, residual.dtype, x.device, xs[-1], weight is None or weight.dtype, bias is None or bias.dtype,
-            norm, eps, prenorm, alpha, dropout_p if training else 0.0, residual_in_fp32, out_dtype, backend,
-        ]  # fmt: skip
-    except Exception:  # a new call signature, or arguments that cannot be keyed: checked in full
-        plan = _new_plan(x, residual, weight, bias, gate, norm, eps, prenorm, alpha, dropout_p, training, residual_in_fp32, out_dtype, backend)  # fmt: skip
-        xs = x.shape
-        try:
-            _PLANS[
-                x.dtype, residual.dtype, x.device, xs[-1], weight is None or weight.dtype, bias is None or bias.dtype,
-                norm, eps, prenorm, alpha, dropout_p if training else 0.0, residual_in_fp32, out_dtype, backend,
-            ] = plan  # fmt: skip
-        except TypeError:  # unhashable options (valid ones, e.g. an unhashable Real): not cached
-            pass
     if residual.shape != xs:
         raise ValueError(f"residual: expected the shape of x {tuple(xs)}, got {tuple(residual.shape)}")
     traced = _get_current_dispatch_mode() is not None or type(x) is not Tensor

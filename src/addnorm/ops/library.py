@@ -124,11 +124,34 @@ def _on_triton(backend: str, t: Tensor, dtypes: tuple[torch.dtype, ...]) -> bool
 # --- the registered ops --------------------------------------------------------------------------
 
 
+def _use_triton_op() -> bool:
+    """``torch.library.triton_op`` where its kernels can run (CUDA and triton present; it imports
+    triton), a ``custom_op`` elsewhere. ``ADDNORM_TRITON_OP=1``/``0`` forces the choice (read once)."""
+    forced = os.environ.get("ADDNORM_TRITON_OP", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1" and triton_available()
+    return triton_available() and torch.cuda.is_available()
+
+
+TRITON_OP = _use_triton_op()
+if TRITON_OP:  # imported here, so that triton_op's analysis of the op bodies finds the kernels
+    from .triton_add_norm import add_norm_bwd_triton, add_norm_fwd_triton
+else:  # imported on first use: only where the Triton backend runs (the CPU interpreter)
+
+    def add_norm_fwd_triton(a: FwdArgs, *, traceable: bool = False) -> tuple[Tensor, ...]:
+        from . import triton_add_norm
+
+        return triton_add_norm.add_norm_fwd_triton(a, traceable=traceable)
+
+    def add_norm_bwd_triton(a: BwdArgs, *, traceable: bool = False) -> tuple[Tensor, ...]:
+        from . import triton_add_norm
+
+        return triton_add_norm.add_norm_bwd_triton(a, traceable=traceable)
+
+
 def _fwd_body(a: FwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y, s or empty, mean or empty, rstd) for 2-D x and residual."""
     if _on_triton(a.backend, a.x, (a.x.dtype, a.residual.dtype, a.s_dtype, a.y_dtype)):
-        from .triton_add_norm import add_norm_fwd_triton
-
         return add_norm_fwd_triton(a, traceable=True)
     return add_norm_fwd_torch(a)
 
@@ -137,8 +160,6 @@ def _bwd_body(a: BwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """(dx or empty, dresidual, dweight or empty, dbias or empty, dgate or empty)."""
     dtypes = (a.dy.dtype, a.saved.dtype, a.x_dtype, a.res_dtype, a.s_dtype)
     if a.rstd.dtype == torch.float32 and _on_triton(a.backend, a.dy, dtypes):
-        from .triton_add_norm import add_norm_bwd_triton
-
         return add_norm_bwd_triton(a, traceable=True)
     return add_norm_bwd_torch(a)
 
@@ -151,25 +172,15 @@ def add_norm_bwd_op(*args):
     return _bwd_body(BwdArgs._make(args))
 
 
-def _use_triton_op() -> bool:
-    """``torch.library.triton_op`` where its kernels can run (CUDA and triton present; it imports
-    triton), a ``custom_op`` elsewhere. ``ADDNORM_TRITON_OP=1``/``0`` forces the choice (read once)."""
-    forced = os.environ.get("ADDNORM_TRITON_OP", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1" and triton_available()
-    return triton_available() and torch.cuda.is_available()
-
-
 def _register(name: str, body, args_type, returns: int):
     body.__signature__ = op_signature(args_type, returns)
-    if _use_triton_op():
+    if TRITON_OP:
         return torch.library.triton_op(name, body, mutates_args=())
     op = torch.library.custom_op(name, body, mutates_args=())
     op.register_fake(body)  # the torch path runs on fake tensors as well
     return op
 
 
-TRITON_OP = _use_triton_op()
 add_norm_fwd = _register("addnorm::add_norm_fwd", add_norm_fwd_op, FwdArgs, 4)
 add_norm_bwd = _register("addnorm::add_norm_bwd", add_norm_bwd_op, BwdArgs, 5)
 
@@ -242,14 +253,10 @@ class TritonAddNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, *args):
-        from .triton_add_norm import add_norm_fwd_triton
-
         out = add_norm_fwd_triton(FwdArgs._make(args))
         _setup_context(ctx, args, out)
         return out
 
     @staticmethod
     def backward(ctx, dy, ds, _dmean, _drstd):
-        from .triton_add_norm import add_norm_bwd_triton
-
         return _grads(add_norm_bwd_triton, ctx, dy, ds)

@@ -10,9 +10,12 @@ registered op with the Triton kernels (``"kernel"``). Both drop the same element
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
-__all__ = ["COMPILE_PATHS", "compile_path", "fused_op_preferred", "set_compile_path"]
+__all__ = ["COMPILE_PATHS", "compile_path", "fused_op_preferred", "set_compile_path", "using_compile_path"]
 
 COMPILE_PATHS = ("composite", "kernel")
 # Inductor's fusion of the composite with its neighbours beat the opaque op on an H100 (issue 10:
@@ -39,6 +42,17 @@ def set_compile_path(path: str) -> None:
     if path not in COMPILE_PATHS:
         raise ValueError(f"path: expected one of {COMPILE_PATHS}, got {path!r}")
     _compile_path = path
+
+
+@contextlib.contextmanager
+def using_compile_path(path: str) -> Iterator[None]:
+    """``set_compile_path(path)`` for a block, then the previous path again."""
+    previous = _compile_path
+    set_compile_path(path)
+    try:
+        yield
+    finally:
+        set_compile_path(previous)
 
 
 def fused_op_preferred(device: torch.device, *, dropout: bool) -> bool:
