@@ -1,8 +1,9 @@
 """The model's own Python per training step: a tiny language model on one CPU thread, where host time
 (module calls, argument checks, the stream's bookkeeping) dominates the arithmetic.
 
-LanguageModel, d_model 64, 4 heads, d_ff 128, 4 layers, vocab 64, batch 4 x seq 32, dropout 0.1,
-float32, one torch thread; step = forward + cross-entropy + backward + AdamW. Placements pre and post,
+LanguageModel, d_model 64, 4 heads, d_ff 128, 4 layers, vocab 256, batch 4 x seq 32, dropout 0.1,
+float32, one torch thread; step = forward + cross-entropy + backward + AdamW, the step of
+``bench_training_throughput.py``. Placements pre and post,
 fused on and off. Median of interleaved steps after a warmup.
 
     python benchmarks/bench_model_host.py [--reps 300] [--warmup 30] [--out DIR]
@@ -23,12 +24,11 @@ import platform
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from machine import cpu_model
 
-VOCAB, D_MODEL, HEADS, D_FF, LAYERS, BATCH, SEQ, DROPOUT = 64, 64, 4, 128, 4, 4, 32, 0.1
+D_MODEL, HEADS, D_FF, LAYERS, BATCH, SEQ, DROPOUT = 64, 4, 128, 4, 4, 32, 0.1
 CONFIGS = [(p, f) for p in ("pre", "post") for f in (True, False)]
 
 
@@ -36,7 +36,7 @@ def measure(reps: int, warmup: int) -> dict[str, float]:
     """Median step time in ms for each (placement, fused) of :data:`CONFIGS`, steps interleaved. Imports
     addnorm here, in the child process whose path picks the tree."""
     import torch
-    import torch.nn.functional as F
+    from bench_training_throughput import VOCAB, make_step
 
     import addnorm as an
 
@@ -48,22 +48,12 @@ def measure(reps: int, warmup: int) -> dict[str, float]:
             d_model=D_MODEL, n_heads=HEADS, d_ff=D_FF, n_layers=LAYERS, dropout=DROPOUT,
             placement=placement, max_len=SEQ,
         )  # fmt: skip
-        model = an.LanguageModel(cfg, vocab=VOCAB).train()
+        model = an.LanguageModel(cfg, vocab=VOCAB)
         for m in model.modules():
             if isinstance(m, an.AddNorm):
                 m.fused = fused
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
-
-        def step(model=model, opt=opt, tokens=tokens) -> float:
-            t0 = time.perf_counter()
-            opt.zero_grad(set_to_none=True)
-            logits = model(tokens[:, :-1])
-            F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
-            opt.step()
-            return time.perf_counter() - t0
-
-        steps[f"{placement}/{'fused' if fused else 'unfused'}"] = step
+        steps[f"{placement}/{'fused' if fused else 'unfused'}"] = make_step(model, tokens)
     for _ in range(warmup):
         for step in steps.values():
             step()
@@ -120,9 +110,10 @@ def main(argv: list[str] | None = None) -> None:
         f"Machine: {cpu_model()}, {os.cpu_count()} logical cores, torch threads 1; "
         f"torch {torch.__version__}, Python {platform.python_version()}; {dt.date.today().isoformat()}.",
         "",
-        f"LanguageModel d_model {D_MODEL}, {HEADS} heads, d_ff {D_FF}, {LAYERS} layers, vocab {VOCAB}, "
+        f"LanguageModel d_model {D_MODEL}, {HEADS} heads, d_ff {D_FF}, {LAYERS} layers, vocab 256, "
         f"batch {BATCH} x seq {SEQ}, dropout {DROPOUT}, float32; step = forward + cross-entropy + backward "
-        f"+ AdamW. {args.warmup} warmup + {args.reps} interleaved timed steps per configuration; median ms, "
+        f"+ AdamW (bench_training_throughput's step). {args.warmup} warmup + {args.reps} interleaved "
+        "timed steps per configuration; median ms, "
         + (
             f"best of {args.rounds} alternating rounds per tree."
             if args.baseline is not None
