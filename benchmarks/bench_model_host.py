@@ -17,10 +17,12 @@ machine's state; the table then has one column per tree and their ratio.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import datetime as dt
 import json
 import os
 import platform
+import pstats
 import statistics
 import subprocess
 import sys
@@ -32,9 +34,18 @@ D_MODEL, HEADS, D_FF, LAYERS, BATCH, SEQ, DROPOUT = 64, 4, 128, 4, 4, 32, 0.1
 CONFIGS = [(p, f) for p in ("pre", "post") for f in (True, False)]
 
 
-def measure(reps: int, warmup: int) -> dict[str, float]:
-    """Median step time in ms for each (placement, fused) of :data:`CONFIGS`, steps interleaved. Imports
-    addnorm here, in the child process whose path picks the tree."""
+def python_calls(step) -> int:
+    """Python function calls (cProfile's count, torch's Python included) in one call of ``step``: a
+    count of the host work that does not depend on what else the machine is doing."""
+    profile = cProfile.Profile()
+    profile.runcall(step)
+    return pstats.Stats(profile).total_calls
+
+
+def measure(reps: int, warmup: int) -> dict[str, dict[str, float]]:
+    """For each (placement, fused) of :data:`CONFIGS`: ``ms``, the median step time (steps interleaved),
+    and ``calls``, the Python calls of one step. Imports addnorm here, in the child process whose path
+    picks the tree."""
     import torch
     from bench_training_throughput import VOCAB, make_step
 
@@ -61,10 +72,13 @@ def measure(reps: int, warmup: int) -> dict[str, float]:
     for i in range(reps):
         for name in list(steps) if i % 2 == 0 else list(steps)[::-1]:
             times[name].append(steps[name]())
-    return {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    return {
+        "ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
+        "calls": {name: python_calls(step) for name, step in steps.items()},
+    }
 
 
-def _child(src: Path, reps: int, warmup: int) -> dict[str, float]:
+def _child(src: Path, reps: int, warmup: int) -> dict[str, dict[str, float]]:
     """:func:`measure` in a fresh process that imports addnorm from ``src``."""
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, __file__, "--measure-only", "--reps", str(reps), "--warmup", str(warmup)]
@@ -72,7 +86,7 @@ def _child(src: Path, reps: int, warmup: int) -> dict[str, float]:
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if not Path(result["addnorm"]).resolve().is_relative_to(src):
         raise RuntimeError(f"--baseline: the child imported addnorm from {result['addnorm']}, not {src}")
-    return result["ms"]
+    return result["measured"]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -89,21 +103,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.measure_only:  # a child of --baseline: one JSON line
         import addnorm
 
-        print(json.dumps({"addnorm": addnorm.__file__, "ms": measure(args.reps, args.warmup)}))
+        print(json.dumps({"addnorm": addnorm.__file__, "measured": measure(args.reps, args.warmup)}))
         return
     here = Path(__file__).resolve().parents[1] / "src"
     trees = {args.label: here}
     if args.baseline is not None:
         trees = {args.baseline_label: args.baseline.resolve() / "src", **trees}
-    runs: dict[str, list[dict[str, float]]] = {label: [] for label in trees}
+    runs: dict[str, list[dict]] = {label: [] for label in trees}
     for _ in range(args.rounds if args.baseline is not None else 1):
         for label, src in trees.items():
             runs[label].append(_child(src, args.reps, args.warmup))
     # per tree, the best round's median (the round least disturbed by other work on the machine)
-    best = {label: {k: min(r[k] for r in rs) for k in rs[0]} for label, rs in runs.items()}
+    best = {label: {k: min(r["ms"][k] for r in rs) for k in rs[0]["ms"]} for label, rs in runs.items()}
+    calls = {label: rs[0]["calls"] for label, rs in runs.items()}
     import torch
 
     labels = list(trees)
+    ratio_head = [f"{labels[1]} / {labels[0]}"] if len(labels) == 2 else []
+    head = (
+        [f"{label} (ms)" for label in labels] + ratio_head + [f"{label} (Python calls)" for label in labels]
+    )
     lines = [
         "# The model's own Python per training step (tiny LM, one CPU thread)",
         "",
@@ -118,17 +137,18 @@ def main(argv: list[str] | None = None) -> None:
             f"best of {args.rounds} alternating rounds per tree."
             if args.baseline is not None
             else "one round."
-        ),
+        )
+        + " Python calls: cProfile's count of function calls in one step (torch's Python included), "
+        "which other work on the machine does not change.",
         "",
-        "| placement / add_norm | "
-        + " | ".join(f"{label} (ms)" for label in labels)
-        + (f" | {labels[1]} / {labels[0]} |" if len(labels) == 2 else " |"),
-        "| --- " * (len(labels) + 1 + (len(labels) == 2)) + "|",
+        "| placement / add_norm | " + " | ".join(head) + " |",
+        "| --- " * (len(head) + 1) + "|",
     ]
     for key in best[labels[0]]:
         cells = [f"{best[label][key]:.2f}" for label in labels]
-        ratio = [f"{best[labels[1]][key] / best[labels[0]][key]:.3f}"] if len(labels) == 2 else []
-        lines.append(f"| {key} | " + " | ".join(cells + ratio) + " |")
+        cells += [f"{best[labels[1]][key] / best[labels[0]][key]:.3f}"] if len(labels) == 2 else []
+        cells += [str(calls[label][key]) for label in labels]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -142,7 +142,7 @@ class AddNorm(nn.Module):
         self.dropout_at = dropout_at
         self.dropout = nn.Dropout(dropout)
         self.alpha = float(p.alpha if alpha is None else alpha)
-        self._placement = p
+        self._use(p)
         kw = {"device": device, "dtype": dtype}
         for attr in _NORM_ATTRS[: len(p.norm_slots)]:
             norm_module = build_norm(
@@ -194,23 +194,29 @@ class AddNorm(nn.Module):
                 f"{old.gate!r}) to {new.name!r} ({len(new.norm_slots)} norm(s), gate {new.gate!r}) at run "
                 "time: they need different parameters; build a new AddNorm instead"
             )
-        self._placement = new
+        self._use(new)
 
-    def _slot(self, slot: str) -> nn.Module | None:
-        slots = self._placement.norm_slots
-        return getattr(self, _NORM_ATTRS[slots.index(slot)]) if slot in slots else None
+    def _use(self, placement: Placement) -> None:
+        """Take ``placement``, and note which norm module fills each of its slots (input, branch, output)."""
+        self._placement = placement
+        attrs = dict(zip(placement.norm_slots, _NORM_ATTRS, strict=False))
+        self._norm_attrs = tuple(attrs.get(slot) for slot in ("input_norm", "branch_norm", "output_norm"))
+
+    def _norm(self, index: int) -> nn.Module | None:
+        attr = self._norm_attrs[index]
+        return None if attr is None else self._modules[attr]
 
     @property
     def input_norm(self) -> nn.Module | None:
-        return self._slot("input_norm")
+        return self._norm(0)
 
     @property
     def branch_norm(self) -> nn.Module | None:
-        return self._slot("branch_norm")
+        return self._norm(1)
 
     @property
     def output_norm(self) -> nn.Module | None:
-        return self._slot("output_norm")
+        return self._norm(2)
 
     @property
     def gate_value(self) -> Tensor | None:

@@ -6,7 +6,7 @@ sublayer connection in it:
 - forward statistics of the residual stream (the connection's output): mean, std (population,
   correction 0) and RMS = sqrt(mean(x^2));
 - the L2 norm of the gradient of the loss with respect to that stream, ||dL/dx||, through a tensor
-  hook registered on the output during the forward;
+  hook registered during the forward (on the output, or on the tensor a point names, below);
 - the L2 norms of each weight matrix and of its gradient ``p.grad`` (read at :meth:`Probe.snapshot`).
 
 These are the quantities Xiong et al. 2020 ("On Layer Normalization in the Transformer
