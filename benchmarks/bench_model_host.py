@@ -26,6 +26,7 @@ import pstats
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from machine import cpu_model
@@ -43,9 +44,10 @@ def python_calls(step) -> int:
 
 
 def measure(reps: int, warmup: int) -> dict[str, dict[str, float]]:
-    """For each (placement, fused) of :data:`CONFIGS`: ``ms``, the median step time (steps interleaved),
-    and ``calls``, the Python calls of one step. Imports addnorm here, in the child process whose path
-    picks the tree."""
+    """For each (placement, fused) of :data:`CONFIGS`: ``ms``, the median wall time of a step (steps
+    interleaved), ``cpu_ms``, the median CPU time this process spent in it (not counting time it was
+    descheduled while other work ran), and ``calls``, the Python calls of one step. Imports addnorm
+    here, in the child process whose path picks the tree."""
     import torch
     from bench_training_throughput import VOCAB, make_step
 
@@ -68,12 +70,16 @@ def measure(reps: int, warmup: int) -> dict[str, dict[str, float]]:
     for _ in range(warmup):
         for step in steps.values():
             step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    wall: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
     for i in range(reps):
         for name in list(steps) if i % 2 == 0 else list(steps)[::-1]:
-            times[name].append(steps[name]())
+            t0 = time.process_time()
+            wall[name].append(steps[name]())
+            cpu[name].append(time.process_time() - t0)
     return {
-        "ms": {name: statistics.median(t) * 1e3 for name, t in times.items()},
+        "ms": {name: statistics.median(t) * 1e3 for name, t in wall.items()},
+        "cpu_ms": {name: statistics.median(t) * 1e3 for name, t in cpu.items()},
         "calls": {name: python_calls(step) for name, step in steps.items()},
     }
 
@@ -114,15 +120,19 @@ def main(argv: list[str] | None = None) -> None:
         for label, src in trees.items():
             runs[label].append(_child(src, args.reps, args.warmup))
     # per tree, the best round's median (the round least disturbed by other work on the machine)
-    best = {label: {k: min(r["ms"][k] for r in rs) for k in rs[0]["ms"]} for label, rs in runs.items()}
+    best = {
+        label: {m: {k: min(r[m][k] for r in rs) for k in rs[0][m]} for m in ("ms", "cpu_ms")}
+        for label, rs in runs.items()
+    }
     calls = {label: rs[0]["calls"] for label, rs in runs.items()}
     import torch
 
     labels = list(trees)
-    ratio_head = [f"{labels[1]} / {labels[0]}"] if len(labels) == 2 else []
-    head = (
-        [f"{label} (ms)" for label in labels] + ratio_head + [f"{label} (Python calls)" for label in labels]
-    )
+    pair = len(labels) == 2
+    head = []
+    for metric in ("wall ms", "CPU ms"):
+        head += [f"{label} {metric}" for label in labels] + ([f"{metric} ratio"] if pair else [])
+    head += [f"{label} Python calls" for label in labels]
     lines = [
         "# The model's own Python per training step (tiny LM, one CPU thread)",
         "",
@@ -132,21 +142,21 @@ def main(argv: list[str] | None = None) -> None:
         f"LanguageModel d_model {D_MODEL}, {HEADS} heads, d_ff {D_FF}, {LAYERS} layers, vocab 256, "
         f"batch {BATCH} x seq {SEQ}, dropout {DROPOUT}, float32; step = forward + cross-entropy + backward "
         f"+ AdamW (bench_training_throughput's step). {args.warmup} warmup + {args.reps} interleaved "
-        "timed steps per configuration; median ms, "
-        + (
-            f"best of {args.rounds} alternating rounds per tree."
-            if args.baseline is not None
-            else "one round."
-        )
-        + " Python calls: cProfile's count of function calls in one step (torch's Python included), "
-        "which other work on the machine does not change.",
+        "timed steps per configuration, median"
+        + (f", best of {args.rounds} alternating rounds per tree" if pair else "")
+        + ": wall time, and the CPU time of the process (which time spent descheduled while other work "
+        "runs does not inflate). Python calls: cProfile's count of function calls in one step (torch's "
+        "Python included), which other work on the machine does not change."
+        + (f" Ratios: {labels[1]} / {labels[0]}." if pair else ""),
         "",
         "| placement / add_norm | " + " | ".join(head) + " |",
         "| --- " * (len(head) + 1) + "|",
     ]
-    for key in best[labels[0]]:
-        cells = [f"{best[label][key]:.2f}" for label in labels]
-        cells += [f"{best[labels[1]][key] / best[labels[0]][key]:.3f}"] if len(labels) == 2 else []
+    for key in best[labels[0]]["ms"]:
+        cells = []
+        for metric in ("ms", "cpu_ms"):
+            cells += [f"{best[label][metric][key]:.2f}" for label in labels]
+            cells += [f"{best[labels[1]][metric][key] / best[labels[0]][metric][key]:.3f}"] if pair else []
         cells += [str(calls[label][key]) for label in labels]
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
