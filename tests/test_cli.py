@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 import addnorm as an
 from addnorm import cli
-from addnorm.ops.numpy_ref import layer_norm
+from addnorm.explain import layer_norm
 
 runner = CliRunner()
 

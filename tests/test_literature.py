@@ -240,8 +240,8 @@ def test_qk_norm_option():
 def test_ngpt_keeps_hidden_states_on_the_unit_sphere():
     lm = an.LanguageModel(cfg(placement="ngpt", n_layers=3), 20)
     outs = []
-    for layer in lm.layers:
-        layer.register_forward_hook(lambda m, i, o: outs.append(o))
+    for layer in lm.layers:  # each layer's output: its last connection's stream out
+        layer.ff_block.stream_out.register_forward_hook(lambda m, i, o: outs.append(o))
     lm(torch.randint(0, 20, (2, 7)))
     assert len(outs) == 3
     for o in outs:

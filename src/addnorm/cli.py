@@ -71,7 +71,7 @@ def explain(
     eps: float = typer.Option(1e-5, "--eps", help="LayerNorm's epsilon."),
 ) -> None:
     """Work through one Post-LN Add & Norm, y = LayerNorm(x + F(x)), step by step."""
-    from .ops.numpy_ref import explain_add_norm
+    from .explain import explain_add_norm
 
     xs, fxs = _floats(x, "--x"), _floats(fx, "--fx")
     if len(xs) != len(fxs):

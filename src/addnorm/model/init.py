@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ..addnorm import AddNorm
 from ..registry import Registry
 from .attention import MultiHeadAttention
 from .feedforward import FeedForward
@@ -158,8 +159,6 @@ def admin_init(model: nn.Module, *inputs, **kwargs) -> list[torch.Tensor]:
     """Admin's profiling pass (Liu et al. 2020): run ``model(*inputs, **kwargs)`` once with every omega
     at 1, record the output variance of each branch in execution order, and set, within each stack,
     omega_i = sqrt(1 + sum_{j<i} Var[F_j]). Returns the omegas set (one per connection)."""
-    from ..addnorm import AddNorm
-
     conns = [m for m in model.modules() if isinstance(m, AddNorm) and m.omega is not None]
     if not conns:
         raise ValueError("model: has no Admin connections (placement='admin') to initialise")

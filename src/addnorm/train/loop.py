@@ -94,28 +94,28 @@ def _update_ratios(model, before: dict[str, torch.Tensor], layer_names: list[str
 
 
 def _residual_picture(model, task, batch, step: int) -> list[tuple[int, str, float]]:
-    """RMS of x, F(x) and x + F(x) at the FFN connection of the middle layer (the Add of Add & Norm)."""
+    """RMS of x, F(x) and x + F(x) at the FFN connection of the middle layer (the Add of Add & Norm),
+    read at its ``stream_in`` and ``branch`` observation points."""
     conns = [m for name, m in model.named_modules() if isinstance(m, AddNorm) and name.endswith("ff_block")]
     if not conns:
         return []
     conn = conns[len(conns) // 2]
     seen: dict[str, torch.Tensor] = {}
 
-    def keep_x(module, args):
-        seen.setdefault("x", args[0])
+    def keeper(key: str):
+        return lambda module, args, out: seen.setdefault(key, out)
 
-    def keep_f(module, args, out):
-        seen.setdefault("f", out)
-
-    h1 = conn.register_forward_pre_hook(keep_x)
-    h2 = conn.branch.register_forward_hook(keep_f)
+    handles = [
+        conn.stream_in.register_forward_hook(keeper("x")),
+        conn.branch.register_forward_hook(keeper("f")),
+    ]
     try:
         with torch.no_grad():
             task.loss(model, batch)
     finally:
-        h1.remove()
-        h2.remove()
-    if "x" not in seen or "f" not in seen or isinstance(seen["x"], tuple):
+        for handle in handles:
+            handle.remove()
+    if "x" not in seen or "f" not in seen:
         return []
     rms = lambda t: t.float().pow(2).mean().sqrt().item()  # noqa: E731
     x, f = seen["x"], seen["f"]
