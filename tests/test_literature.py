@@ -282,6 +282,7 @@ def test_every_placement_trains_without_nan_at_depth_6(placement):
 
 
 def test_every_placement_and_norm_is_documented():
+    import re
     from pathlib import Path
 
     text = (Path(__file__).parents[1] / "docs" / "placements.md").read_text()
@@ -289,3 +290,14 @@ def test_every_placement_and_norm_is_documented():
         assert f"\n## {name}\n" in text, name
     for name in an.NORMS:
         assert f"| `{name}` |" in text, name
+    # every placement names the reference implementation it was compared against, and that
+    # repository's commit is recorded
+    sections = dict(re.findall(r"(?m)^## ([^\n]+)\n(.*?)(?=^## |\Z)", text, re.S))
+    commits = set(re.findall(r"(?m)^\| `([\w.-]+/[\w.-]+)`", sections["Reference commits"]))
+    assert {"microsoft/torchscale", "NVIDIA/ngpt", "BryceZhuo/HybridNorm"} <= commits
+    for name in an.PLACEMENTS:
+        refs = re.findall(r"(?m)^- Reference: (.*?)(?=^- |^\Z|\Z)", sections[name], re.S)
+        assert len(refs) == 1, f"{name}: expected one '- Reference:' bullet"
+        repos = set(re.findall(r"`([\w-]+/[\w-]+)`", refs[0]))  # owner/name, not a path to a file
+        assert repos, f"{name}: its reference names no repository"
+        assert repos <= commits, f"{name}: {repos - commits} missing from the commit table"

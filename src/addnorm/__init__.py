@@ -12,6 +12,7 @@ from .model import (
     UnsupportedModuleError,
     admin_init,
     from_torch,
+    to_torch,
 )
 from .norms import NORMS, BatchNorm, DyT, L2Norm, LayerNorm, NoNorm, RMSNorm, ScaleNorm, build_norm
 from .ops import add_norm
@@ -51,4 +52,5 @@ __all__ = [
     "from_torch",
     "get_placement",
     "register_placement",
+    "to_torch",
 ]
