@@ -77,7 +77,10 @@ def execute(config: dict, on_step: Callable[[int, float], None] | None = None) -
 
 
 class Executor:
-    """Base of every executor: ``submit`` runs, iterate ``results``; ``map`` is both at once."""
+    """Base of every executor: ``submit`` runs, iterate ``results``; ``map`` is both at once.
+    ``workers`` says how many runs are in flight at once (the progress display's ETA uses it)."""
+
+    workers: int = 1
 
     def submit(self, run: PlannedRun) -> None:
         raise NotImplementedError

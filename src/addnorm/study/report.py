@@ -21,12 +21,12 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import MaxNLocator  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter, MaxNLocator, NullFormatter  # noqa: E402
 
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, compute_findings, outcome  # noqa: E402
 from .store import Store  # noqa: E402
 
-MAX_INLINE = 8  # more series than this: legend outside the axes, curves in small multiples
+MAX_INLINE = 6  # more series than this: legend outside the axes, curves in small multiples
 MARKERS = "osD^vP*Xh<>"
 plt.rcParams.update({"font.size": 9, "axes.titlesize": 10, "axes.labelsize": 9, "legend.fontsize": 8})
 
@@ -66,6 +66,25 @@ def _legend(fig, axes, n: int, title: str | None = None) -> None:
 def _layer_axis(ax) -> None:
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel("layer (1 = nearest the input)")
+
+
+def _log_axis(ax, values: list[float]) -> None:
+    """A log y axis with plain tick labels that spans at least a factor of 2, so a constant profile
+    reads as flat instead of magnifying rounding noise into a zigzag."""
+    ax.set_yscale("log")
+    positive = [v for v in values if v > 0 and math.isfinite(v)]
+    if positive:
+        lo, hi = min(positive), max(positive)
+        if hi / lo < 2:
+            mid = math.sqrt(lo * hi)
+            ax.set_ylim(min(lo, mid / 1.42) / 1.05, max(hi, mid * 1.42) * 1.05)
+    ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
+    low, high = ax.get_ylim()
+    if high / low < 12:  # within about a decade the minor ticks need labels; beyond, they would collide
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+    else:
+        ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _robust_top(values: list[float], steps: list[int]) -> tuple[float, float] | None:
@@ -127,7 +146,10 @@ def _facets(labels: list[str]) -> tuple[dict[str, tuple[str, str]], list[str], l
         split = {lab: ("", lab) for lab in labels}
     else:
         n = len(parts[0])
-        colour = max(range(n), key=lambda i: len(dict.fromkeys(p[i] for p in parts)))
+        colour = max(  # most distinct values; on a tie the placement, which the findings compare
+            range(n),
+            key=lambda i: (len(dict.fromkeys(p[i] for p in parts)), parts[0][i].startswith("placement=")),
+        )
         split = {
             lab: (", ".join(x for i, x in enumerate(p) if i != colour), p[colour])
             for lab, p in zip(labels, parts, strict=True)
@@ -172,8 +194,8 @@ def _mean_curve(store: Store, group: list[dict], name: str):
 def _curves(store: Store, runs: list[dict], experiment: str) -> list[tuple[str, str]]:
     """Loss curves per variant (mean over seeds, shaded min-max): train and held-out side by side, or
     one figure per metric in small multiples when there are many variants."""
-    names = [n for n in ("train_loss", "val_loss") if any(store.metric(r["id"], n) for r in runs)]
-    if not names:
+    names = [n for n in ("train_loss", "val_loss") if any(len(store.metric(r["id"], n)) >= 2 for r in runs)]
+    if not names:  # nothing that makes a curve (e.g. runs of one step that only probe the initialisation)
         return []
     groups = _by_variant(runs, experiment)
     split, facets, series = _facets(list(groups))
@@ -278,15 +300,17 @@ def _per_layer(store: Store, runs: list[dict], experiment: str, metrics: list[st
         return None
     fig, axes = _grid(len(facets) * len(shown), width=4.4, height=3.1, max_cols=len(shown))
     panel = {(f, m): axes[i * len(shown) + j] for i, f in enumerate(facets) for j, m in enumerate(shown)}
+    plotted: dict = defaultdict(list)
     for (label, m), (xs, ys, n) in data.items():
         facet, name_ = split[label]
         colour, marker = colours[name_]
         seeds = f" ({n} seeds)" if n > 1 and len(series) <= MAX_INLINE else ""
         panel[(facet, m)].plot(xs, ys, color=colour, marker=marker, ms=3.5, label=name_ + seeds)
+        plotted[(facet, m)] += ys
     moment = "at initialisation" if when == "init" else f"at step {max(steps_seen)}"
     for (facet, m), ax in panel.items():
         _layer_axis(ax)
-        ax.set_yscale("log")
+        _log_axis(ax, plotted[(facet, m)])
         ax.set_ylabel(LAYER_PANELS[m][1] + " (log)")
         ax.set_title(LAYER_PANELS[m][1] + (f"\n{facet}" if facet else ""))
         ax.grid(alpha=0.3, which="both")
@@ -486,7 +510,7 @@ def _ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> str:
     if not drawn:
         plt.close(fig)
         return table
-    ax.set_yscale("log")
+    _log_axis(ax, [y for line in ax.get_lines() for y in line.get_ydata()])
     _layer_axis(ax)
     ax.set_ylabel("residual-stream RMS (log)")
     ax.set_title(f"activation growth per layer at the end of training, {deepest} layers")
@@ -512,9 +536,14 @@ def _configuration(spec: dict, base: dict, runs: list[dict]) -> str:
     """The base config, each experiment's settings and sweep, and the runs' provenance."""
     base = base or spec.get("base") or {}
     given = set((spec.get("base") or {}).keys())
-    base_rows = "".join(
-        f"<tr><th>{html.escape(k)}</th><td{' class=given' if k in given else ''}>{html.escape(_value(v))}</td></tr>"
+    cells = [
+        f"<th>{html.escape(k)}</th><td{' class=given' if k in given else ''}>{html.escape(_value(v))}</td>"
         for k, v in base.items()
+    ]
+    half = (len(cells) + 1) // 2  # two columns of key: value
+    base_rows = "".join(
+        f"<tr>{cells[i]}{cells[i + half] if i + half < len(cells) else '<td></td><td></td>'}</tr>"
+        for i in range(half)
     )
     exp_rows = []
     for name, exp in (spec.get("experiments") or {}).items():

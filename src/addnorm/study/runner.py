@@ -24,8 +24,8 @@ from .store import Store
 # evaluation; both constants fitted on a 2-core AMD EPYC with one torch thread per run (small models
 # are dominated by per-op host time, which the first term carries). An estimate for --dry-run and the
 # ETA's first guess, not a promise: the ETA corrects itself from measured run times.
-HOST_S_PER_LAYER_STEP = 2.4e-3
-FLOPS_PER_S = 6.0e9
+HOST_S_PER_LAYER_STEP = 3.4e-3
+FLOPS_PER_S = 5.7e10
 
 
 def run_flops(config: RunConfig) -> float:
@@ -81,11 +81,12 @@ class StudyProgress:
         todo: list[PlannedRun],
         stream: TextIO | None = None,
         enabled: bool = True,
+        workers: int = 1,
     ) -> None:
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.tty = enabled and self.stream.isatty()
-        self.total, self.done = total, done
+        self.total, self.done, self.workers = total, done, max(1, workers)
         self.cost = {run.run_id: estimate_seconds(run.config) for run in todo}
         self.remaining = sum(self.cost.values())
         self.spent, self.partial = 0.0, {}
@@ -113,12 +114,14 @@ class StudyProgress:
         return f"[{self.done}/{self.total}] runs"
 
     def eta(self) -> str:
-        """Time left: the measured rate of work so far applied to the work left."""
+        """Time left: the cost model's estimate shared over the workers until a run has finished, then
+        the measured rate of work so far applied to the work left."""
         elapsed = time.perf_counter() - self.start
-        work = self.spent + sum(self.partial.values())
-        if work <= 0 or elapsed < 5.0:  # too early for a rate worth showing
-            return "?"
-        return fmt_time(elapsed / work * max(self.remaining - sum(self.partial.values()), 0.0))
+        partial = sum(self.partial.values())
+        left = max(self.remaining - partial, 0.0)
+        if self.spent <= 0:  # no finished run yet: the model's guess
+            return "~" + fmt_time(left / self.workers)
+        return fmt_time(elapsed / (self.spent + partial) * left)
 
     def step(self, run: PlannedRun, step: int, loss: float) -> None:
         self.partial[run.run_id] = self.cost.get(run.run_id, 0.0) * (step + 1) / run.config.steps
@@ -228,8 +231,15 @@ def run_study(
             if pruned:
                 notes.append(f"{pruned} stale runs pruned")
             stream.write(f"study {spec.name!r}: {len(planned)} runs ({', '.join(notes)}) in {out}\n")
-        bar = StudyProgress(len(planned), len(planned) - len(todo), todo, stream=stream, enabled=progress)
         executor = executor or make_executor(workers, threads, runs=len(todo))
+        bar = StudyProgress(
+            len(planned),
+            len(planned) - len(todo),
+            todo,
+            stream=stream,
+            enabled=progress,
+            workers=executor.workers,
+        )
         failed = []
         try:
             for run, result in executor.map(todo, on_step=bar.step if progress else None):
