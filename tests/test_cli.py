@@ -223,3 +223,24 @@ def test_version_and_python_dash_m(tmp_path):
         timeout=120,
     )
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --x")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_packaging_metadata_license_and_readme_facts():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from addnorm.study import load_spec
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["version"] == an.__version__
+    assert meta["license"] == {"text": "Apache-2.0"} and meta["license-files"] == ["LICENSE"]
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text  # the whole licence, not a stub
+    assert {"Homepage", "Repository", "Issues"} <= set(meta["urls"])
+    assert any(dep.startswith("rich") for dep in meta["dependencies"])
+    readme = (ROOT / "README.md").read_text()
+    quick = len(load_spec("quick").expand())
+    assert f"it trains {quick} small" in readme, "README: the quick preset's run count is stale"

@@ -196,12 +196,20 @@ class ProcessExecutor(Executor):
                     except Exception as err:  # noqa: BLE001 - a worker that died (e.g. out of memory)
                         result = RunResult(status=FAILED, error=f"worker died: {type(err).__name__}: {err}")
                     yield run, result
+        except BaseException:  # interrupted (Ctrl-C) or abandoned: the runs in flight are not waited for
+            self.close(kill=True)
+            raise
         finally:
             self.close()
 
-    def close(self) -> None:
-        """Cancel what has not started and shut the pool down."""
+    def close(self, kill: bool = False) -> None:
+        """Cancel what has not started and shut the pool down; ``kill`` stops the runs in flight too."""
         if self._pool is not None:
+            if kill:
+                for process in list(
+                    getattr(self._pool, "_processes", {}).values()
+                ):  # no public API before 3.14
+                    process.terminate()
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         if self._queue is not None:

@@ -42,10 +42,8 @@ def git_state() -> tuple[str | None, bool | None]:
 
 
 @functools.lru_cache(maxsize=1)
-def device_name() -> str:
-    """The GPU's name when training runs on one, else the CPU model."""
-    if torch.cuda.is_available():
-        return torch.cuda.get_device_name()
+def cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo (or what ``platform`` knows)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -53,6 +51,11 @@ def device_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def device_name() -> str:
+    """The GPU's name when training runs on one, else the CPU model."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_model()
 
 
 def provenance() -> dict:
