@@ -182,6 +182,9 @@ def test_ablations_need_the_difference_to_beat_the_spread(tmp_path):
         for run_id in deep_no_res:  # no residual is now better at 8 layers
             set_loss(store, run_id, 1.5)
         assert one(store, RESIDUAL).verdict == NOT_SUPPORTED
+        for run_id, value in zip(deep_no_norm, (1.5, 1.51, 1.49), strict=True):  # no norm better when deep
+            set_loss(store, run_id, value)
+        assert one(store, NO_NORM).verdict == NOT_SUPPORTED
         store.db.execute(
             f"UPDATE runs SET status = 'diverged', final_val_loss = NULL WHERE id IN ({','.join('?' * 3)})",
             deep_no_norm,

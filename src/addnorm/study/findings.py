@@ -235,7 +235,8 @@ def warmup_claim(runs, layer_rows) -> list[Finding]:
             "warmup by the rule and Pre-LN is not"
         )
         seeds = _seeds(post[0], post[warm], pre[0], pre[warm])
-        out.append(Finding(claim, source, evidence, verdict, scale(rest, seeds, ("warmup",)), caveat, seeds))
+        where = scale(rest, seeds, ("warmup", "placement"))
+        out.append(Finding(claim, source, evidence, verdict, where, caveat, seeds))
     return out or [Finding(claim, source, "needs post and pre runs with and without warmup", NOT_TESTED)]
 
 
@@ -485,10 +486,12 @@ def no_norm_claim(runs, layer_rows) -> list[Finding]:
         return [
             Finding(claim, source, "needs runs with norm none and layernorm at the same settings", NOT_TESTED)
         ]
-    signs = [differ(a, b) for _, a, b in pairs]
-    verdict = SUPPORTED if 1 in signs else NOT_SUPPORTED if all(s == -1 for s in signs) else INCONCLUSIVE
+    diverged = any(a.diverged > 0 and b.diverged == 0 for _, a, b in pairs)
+    deepest = differ(pairs[-1][1], pairs[-1][2])  # pairs are sorted by depth
+    verdict = SUPPORTED if diverged or deepest == 1 else NOT_SUPPORTED if deepest == -1 else INCONCLUSIVE
     evidence = _depth_text(pairs, "no norm", "LayerNorm") + (
-        ". Supported when the no-norm runs diverge or are worse by the rule at some depth"
+        ". Supported when a no-norm run diverges (and no LayerNorm run does) or when no norm is worse by "
+        "the rule at the deepest depth measured"
     )
     sc, seeds = _depth_scale(pairs)
     return [Finding(claim, source, evidence, verdict, sc, caveat, seeds)]
