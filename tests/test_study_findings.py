@@ -219,3 +219,14 @@ def test_failed_runs_are_not_evidence(tmp_path):
         save_arm(store, [2.0, 2.01, 1.99], n_layers=2)
         save(store, 0.0, status="failed", n_layers=2, norm="batchnorm")
         assert one(store, BATCHNORM).verdict == NOT_TESTED
+
+
+def test_runs_that_start_alike_are_one_seed_not_two(tmp_path):
+    """Warmup does not change the initialisation: two runs of seed 0 are one sample, not a spread of 0."""
+    with Store(tmp_path / "s.sqlite") as store:
+        for warmup in (0, 50):
+            save(
+                store, 2.0, placement="pre", n_layers=4, warmup=warmup, steps=100, grads=[1.0, 0.9, 0.8, 0.5]
+            )
+        (finding,) = verdicts(store)[PRE_GRAD]
+        assert finding.seeds == [0] and finding.verdict == INCONCLUSIVE and "(seeds 0)" in finding.evidence

@@ -308,24 +308,36 @@ class Profile:
         return ""
 
 
+# Settings that do not change a model or its first batch: runs differing only in these start alike.
+TRAINING_ONLY = (
+    "lr", "warmup", "schedule", "steps", "eval_every", "eval_batches", "probe_every", "diverge_factor",
+    "weight_decay", "grad_clip",
+)  # fmt: skip
+
+
 def gradient_profiles(runs, layer_rows) -> dict[tuple[str, str], Profile]:
-    """(placement, init) -> Profile at the deepest depth measured for it."""
-    found: dict[tuple[str, str], list[dict]] = defaultdict(list)
+    """(placement, init) -> Profile at the deepest depth measured for it, one sample per seed: runs that
+    differ only in training settings (warmup, learning rate, ...) share their initialisation and count
+    once, so they never pass for independent seeds."""
+    groups: dict[tuple[str, str], dict[str, dict[int, dict]]] = defaultdict(lambda: defaultdict(dict))
     for r in _results(runs):
+        cfg = r["config"]
         if layer_rows.get(r["id"]):
-            found[(str(r["config"].get("placement")), str(r["config"].get("init")))].append(r)
+            start = repr(sorted((k, repr(v)) for k, v in cfg.items() if k not in (*TRAINING_ONLY, "seed")))
+            groups[(str(cfg.get("placement")), str(cfg.get("init")))][start].setdefault(cfg.get("seed", 0), r)
     out = {}
-    for key, candidates in found.items():
-        depth = max(r["config"].get("n_layers", 0) for r in candidates)
+    for key, starts in groups.items():
+        # the deepest setting, and among equally deep ones the one with the most seeds
+        by_seed = max(
+            starts.values(), key=lambda g: (next(iter(g.values()))["config"].get("n_layers", 0), len(g))
+        )
         ratios, seeds, growth, gain, cfg = [], [], [], [], {}
-        for r in sorted(candidates, key=lambda r: r["config"].get("seed", 0)):
-            if r["config"].get("n_layers") != depth:
-                continue
+        for seed, r in sorted(by_seed.items()):
             p = ffn_grad_profile(layer_rows[r["id"]])
             if len(p) < 2 or p[0] <= 0 or p[-1] <= 0:
                 continue
             ratios.append(p[-1] / p[0])
-            seeds.append(r["config"].get("seed", 0))
+            seeds.append(seed)
             rms = stream_rms_profile(layer_rows[r["id"]])
             if len(rms) >= 2 and rms[0] > 0:
                 growth.append(rms[-1] / rms[0])

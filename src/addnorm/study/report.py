@@ -39,14 +39,17 @@ def _png(fig) -> str:
 
 
 def palette(n: int) -> list[tuple[str, str]]:
-    """(colour, marker) for ``n`` series: tab10 up to 10, tab20 (darker shades first, so neighbours
-    differ) up to 20, and markers on top of the colours beyond that."""
+    """(colour, marker) for ``n`` series: tab10 up to 10; past that tab20 (darker shades first, so
+    neighbours differ) with a marker per series, distinct pairs up to 20 x 11."""
     if n <= 10:
         colours = [plt.get_cmap("tab10")(i) for i in range(10)]
     else:
         cmap = plt.get_cmap("tab20")
         colours = [cmap(i) for i in range(0, 20, 2)] + [cmap(i) for i in range(1, 20, 2)]
-    return [(colours[i % len(colours)], MARKERS[(i // len(colours)) % len(MARKERS)]) for i in range(n)]
+    if n <= 10:
+        return [(colours[i], "o") for i in range(n)]
+    # past ten series a marker per series as well, so neighbours differ in two ways
+    return [(colours[i % len(colours)], MARKERS[i % len(MARKERS)]) for i in range(n)]
 
 
 def _legend(fig, axes, n: int, title: str | None = None) -> None:
@@ -321,7 +324,7 @@ def _per_layer(store: Store, runs: list[dict], experiment: str, metrics: list[st
 
 def _final_vs(runs: list[dict], experiment: str, axis: str, xlog: bool = False):
     """Final held-out loss against ``axis`` (learning rate, warmup, depth), one line per other setting:
-    the mean over seeds, with each seed as a faint point."""
+    the mean over seeds, each seed a faint point; small multiples when there are many lines."""
     lines: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
     for r in runs:
         label = ", ".join(
@@ -330,8 +333,13 @@ def _final_vs(runs: list[dict], experiment: str, axis: str, xlog: bool = False):
         lines[label or "all"][r["config"][axis]].append(outcome(r))
     finite = [y for pts in lines.values() for ys in pts.values() for y in ys if math.isfinite(y)]
     cap = max(finite) * 1.1 if finite else 1.0
-    fig, ax = plt.subplots(figsize=(7.5, 4.2), layout="constrained")
-    for (label, pts), (colour, marker) in zip(lines.items(), palette(len(lines)), strict=True):
+    split, facets, series = _facets(list(lines))
+    styles = dict(zip(series, palette(len(series)), strict=True))
+    fig, axes = _grid(len(facets), width=7.5 if len(facets) == 1 else 5.2, height=4.2, max_cols=2)
+    panel = dict(zip(facets, axes, strict=True))
+    for label, pts in lines.items():
+        facet, name = split[label]
+        ax, (colour, marker) = panel[facet], styles[name]
         xs = sorted(pts)
         means = []
         for x in xs:
@@ -342,16 +350,18 @@ def _final_vs(runs: list[dict], experiment: str, axis: str, xlog: bool = False):
                 ax.scatter([x] * len(ok), ok, color=colour, alpha=0.35, s=10)
             if len(ok) < len(ys):
                 ax.annotate("diverged", (x, cap), fontsize=7, ha="center", va="bottom")
-        ax.plot(xs, means, color=colour, marker=marker, label=label)
-    if xlog:
-        ax.set_xscale("log")
-    if axis in ("n_layers", "warmup"):
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax.set_xlabel(axis)
-    ax.set_ylabel("final held-out loss (nats)")
-    ax.set_title(f"{experiment}: final loss vs {axis} (mean over seeds; diverged runs drawn at the top)")
-    ax.grid(alpha=0.3)
-    _legend(fig, [ax], len(lines))
+        ax.plot(xs, means, color=colour, marker=marker, label=name)
+    for facet, ax in panel.items():
+        if xlog:
+            ax.set_xscale("log")
+        if axis in ("n_layers", "warmup"):
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel(axis)
+        ax.set_ylabel("final held-out loss (nats)")
+        ax.set_title(facet)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"{experiment}: final loss vs {axis} (mean over seeds; diverged runs drawn at the top)")
+    _legend(fig, axes, len(series))
     return f"{experiment}: final loss vs {axis}", _png(fig)
 
 

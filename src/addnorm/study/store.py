@@ -185,7 +185,7 @@ class Store:
         return json.loads(row["base"]) if row and row["base"] else {}
 
     def runs(self) -> list[dict]:
-        """The current plan's stored runs, each with ``config`` and ``provenance`` decoded and
+        """The current plan's stored runs in the spec's order, each with ``config`` and ``provenance`` decoded and
         ``experiments`` as its (experiment, label) memberships in the plan. A database without a plan
         (written before plans were kept) gives every run with the memberships stored with it."""
         plan = self.planned()
@@ -193,6 +193,7 @@ class Store:
         for run_id, experiment, label in plan:
             members.setdefault(run_id, []).append((experiment, label))
         out = []
+        order = {run_id: i for i, (run_id, _, _) in reversed(list(enumerate(plan)))}
         for row in self.db.execute("SELECT * FROM runs ORDER BY started"):
             d = dict(row)
             if plan and d["id"] not in members:
@@ -202,7 +203,7 @@ class Store:
             stored = [tuple(x) for x in json.loads(d["experiments"])]
             d["experiments"] = members.get(d["id"], stored)
             out.append(d)
-        return out
+        return sorted(out, key=lambda d: order.get(d["id"], len(order))) if plan else out
 
     def metric(self, run_id: str, name: str) -> list[tuple[int, float]]:
         rows = self.db.execute(
