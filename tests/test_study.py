@@ -230,14 +230,14 @@ def test_interrupted_study_resumes_where_it_stopped(tmp_path, monkeypatch):
     monkeypatch.setattr(executors, "train", interrupt_third)
     spec = parse_spec(tiny_spec(placement=["post", "pre"], seed=[0, 1]))
     with pytest.raises(KeyboardInterrupt):
-        run(spec, tmp_path)
+        run(spec, tmp_path, report=False)
     with Store(tmp_path / "study.sqlite") as store:
         assert len(store.runs()) == 2
     calls.clear()
     monkeypatch.setattr(
         executors, "train", lambda cfg, on_step=None: (calls.append(cfg.run_id), real(cfg))[1]
     )
-    outcome = run(spec, tmp_path)
+    outcome = run(spec, tmp_path, report=False)
     assert outcome.skipped == 2 and outcome.ran == 2 and len(calls) == 2
     with Store(tmp_path / "study.sqlite") as store:
         assert len(store.runs()) == 4

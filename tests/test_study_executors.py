@@ -80,10 +80,15 @@ def test_process_pool_matches_in_process_and_returns_failures(tmp_path):
     assert {r.run_id for r in runs} <= set(steps)  # progress came back from the workers
     failed = there[broken[0].run_id]
     assert failed.status == "failed" and "is neither a file nor a folder" in failed.error
+    assert pool._pool is None  # results() shut the pool down once everything came back
 
 
-def test_study_with_workers_writes_every_run(tmp_path):
-    outcome = run_study(spec(seed=[0, 1, 2]), tmp_path, workers=2, progress=False, report=False)
-    assert outcome.ran == 3
+def test_study_with_a_pool_writes_every_run_and_its_failure(tmp_path):
+    study = parse_spec({"name": "ex", "base": dict(TINY), "experiments": {
+        "main": {"sweep": {"seed": [0, 1, 2]}},
+        "broken": {"set": {"corpus": str(tmp_path / "missing")}},
+    }})  # fmt: skip
+    outcome = run_study(study, tmp_path, workers=2, progress=False, report=False)
+    assert outcome.ran == 4 and len(outcome.failed) == 1
     with Store(tmp_path / "study.sqlite") as store:
-        assert [r["status"] for r in store.runs()] == ["done"] * 3
+        assert sorted(r["status"] for r in store.runs()) == ["done"] * 3 + ["failed"]
