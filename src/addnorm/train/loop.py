@@ -13,7 +13,6 @@ import torch
 
 from ..addnorm import AddNorm
 from ..model import admin_init
-from ..placements import PLACEMENTS
 from ..probe import Probe
 from ..tasks import build_task
 from .config import RunConfig
@@ -26,7 +25,8 @@ DONE, DIVERGED, FAILED = "done", "diverged", "failed"
 @dataclass
 class RunResult:
     """What a run produced: status, final numbers, per-step metrics (step, name, value) and per-layer
-    rows in the Probe's format (plus ``update_ratio`` rows)."""
+    rows in the Probe's format (plus ``update_ratio`` rows), and where it ran (``provenance``, filled by the
+    study's executors)."""
 
     status: str
     steps_done: int = 0
@@ -36,6 +36,7 @@ class RunResult:
     final: dict = field(default_factory=dict)
     metrics: list[tuple[int, str, float]] = field(default_factory=list)
     layer_metrics: list[dict] = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)
 
 
 def _device() -> torch.device:
@@ -128,9 +129,10 @@ def train(cfg: RunConfig, *, on_step: Callable[[int, float], None] | None = None
     device = _device()
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, **({"corpus": cfg.corpus} if cfg.task == "lm" else {"symbols": cfg.symbols}))
-    model = task.build_model(cfg.model_config()).to(device)
+    model = task.build_model(cfg.model).to(device)
     gen = torch.Generator().manual_seed(cfg.seed)
-    if PLACEMENTS[cfg.placement].init == "admin":  # Admin's profiling pass sets omega from data
+    # Admin's profiling pass sets omega from data
+    if any(p.init == "admin" for p in cfg.model.placements_for(cfg.model.n_layers)):
         profile = task.batch(
             "train", cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1)
         )
