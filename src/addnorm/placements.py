@@ -20,6 +20,7 @@ connections leaves the residual stream unnormalised and so needs one more norm a
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .registry import Registry
@@ -47,7 +48,7 @@ class Placement:
     sublayer_norm: bool = False
     attention_norm: str | None = None
     stream: str = "standard"
-    layers: tuple[str, str, float] | None = None
+    layers: tuple[str | Placement, str | Placement, float | int] | None = None
     attention_connection: tuple[str, str] | None = None
     norm: str | None = None
     init: str | None = None
@@ -67,6 +68,30 @@ class Placement:
             raise ValueError(
                 f"attention_norm: expected one of {ATTENTION_NORMS}, got {self.attention_norm!r}"
             )
+        if self.layers is not None:
+            split = self.layers[2] if len(self.layers) == 3 else None
+            if isinstance(split, bool) or not (
+                (isinstance(split, int) and split >= 0) or (isinstance(split, float) and 0.0 <= split <= 1.0)
+            ):
+                raise ValueError(
+                    "layers: expected (bottom, top, split), split a fraction in [0, 1] (float) or a layer "
+                    f"count (int >= 0), got {self.layers!r}"
+                )
+
+    def layer_placements(self, n_layers: int, fraction: float | None = None) -> list[Placement]:
+        """The placement of each of ``n_layers`` layers: this one repeated, or, for a placement with
+        ``layers=(bottom, top, split)``, ``bottom`` for the first ceil(split * L) layers when split is a
+        float fraction (Mix-LN; ``fraction`` overrides it) or for the first ``split`` layers when it is an
+        int count (HybridNorm*), ``top`` for the rest."""
+        if self.layers is None:
+            return [self] * n_layers
+        bottom, top, split = self.layers
+        if isinstance(split, float):
+            split = split if fraction is None else fraction
+            n_bottom = min(n_layers, math.ceil(split * n_layers - 1e-9))
+        else:
+            n_bottom = min(n_layers, split)
+        return [get_placement(bottom)] * n_bottom + [get_placement(top)] * (n_layers - n_bottom)
 
     @property
     def final_norm(self) -> bool:
