@@ -7,15 +7,16 @@ x = connection input, F = sublayer, N = norm, D = dropout on the branch. One con
     s = alpha * (h if residual_from == "normed_input" else x) + f
     y = N3(s) if output_norm else s
 
-then ``gate`` scales f (ReZero's scalar, LayerScale's vector), ``omega`` replaces alpha by a
+then ``gate`` scales f (ReZero's scalar, LayerScale's vector), ``layer_gate`` shares one gate
+between the connections of a layer (ReZero's ``resweight``), ``omega`` replaces alpha by a
 per-feature vector (Admin), ``sublayer_norm`` puts a norm inside each sublayer (Sub-LN),
 ``attention_norm`` normalises queries/keys(/values) inside attention, ``stream`` names designs that
 change the residual stream itself (B2T, ResiDual, nGPT) and ``layers`` names the per-layer placements
-that a stack expands this one into (Mix-LN); ``attention_connection`` gives the attention sublayer its
-own (placement, norm) (HybridNorm) and ``norm`` forces a norm (nGPT's unit L2 norm). ``init`` names
-the depth-aware initialisation (``addnorm.model.init``). ``final_norm`` says whether a stack of such
-connections leaves the residual stream unnormalised and so needs one more norm after the last layer
-(by default ``not output_norm``).
+that a stack expands this one into (Mix-LN, HybridNorm*); ``attention_connection`` gives the
+attention sublayer its own (placement, norm) (HybridNorm) and ``norm`` forces a norm (nGPT's unit L2
+norm). ``init`` names the depth-aware initialisation (``addnorm.model.init``). ``final_norm`` says
+whether a stack of such connections leaves the residual stream unnormalised and so needs one more
+norm after the last layer (by default ``not output_norm``).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class Placement:
     residual_from: str = "input"
     alpha: float = 1.0
     gate: str = "none"
+    layer_gate: bool = False
     omega: bool = False
     sublayer_norm: bool = False
     attention_norm: str | None = None
@@ -205,24 +207,26 @@ register_placement(
 register_placement(
     Placement(
         "admin",
-        "y = N(x * omega + D(F(x))), omega_i^2 = 1 + sum_{j<i} Var[F_j] from a profiling pass",
+        "y = N(x * omega + D(F(x))), omega_0 = 1, omega_{i+1}^2 = Var[omega_i x_i] + Var[D(F_i(x_i))] "
+        "from a profiling pass",
         "Liu et al. 2020, Understanding the Difficulty of Training Transformers (Admin)",
         output_norm=True,
         omega=True,
         init="admin",
         description="Post-LN whose residual is rescaled per feature by omega, set by one profiling "
-        "forward pass so that no layer's update dominates (addnorm.admin_init).",
+        "forward pass in training mode so that no layer's update dominates (addnorm.admin_init).",
     ),
 )
 register_placement(
     Placement(
         "rezero",
-        "y = x + a * D(F(x)), a = 0 at initialisation, no norm",
+        "y = x + a * D(F(x)), one a per layer, a = 0 at initialisation, no norm",
         "Bachlechner et al. 2020, ReZero is All You Need",
         gate="rezero",
+        layer_gate=True,
         needs_final_norm=False,
-        description="No normalization at all: one learned scalar per connection, zero at init, so "
-        "every layer starts as the identity.",
+        description="No normalization at all: one learned scalar per layer, shared by its "
+        "connections and zero at init, so every layer starts as the identity.",
     ),
 )
 register_placement(
@@ -266,12 +270,15 @@ register_placement(
 register_placement(
     Placement(
         "b2t",
-        "h = N(x + D(F1(x))); y = N(h + D(F2(h)) + x): the layer input skips to the last norm",
+        "h = N(x + D(F1(x))); y = N(h + D(F2(h)) + x): the layer input skips to the last norm; "
+        "weights scaled by L^(-1/2) at init",
         "Takase et al. 2023, B2T Connection: Serving Stability and Performance in Deep Transformers",
         output_norm=True,
         stream="b2t",
+        init="b2t",
         description="Post-LN with a bottom-to-top connection: each layer's input is added before "
-        "its last norm, an identity path that bypasses the layer's inner norms.",
+        "its last norm, an identity path that bypasses the layer's inner norms; every weight "
+        "matrix starts scaled by L^(-1/2).",
     ),
     aliases=("bottom_to_top",),
 )
@@ -288,18 +295,43 @@ register_placement(
     ),
     aliases=("residual", "resiDual"),
 )
-register_placement(
+HYBRIDNORM = register_placement(
     Placement(
         "hybridnorm",
-        "attention: y = x + D(Attn_QKVnorm(x)); FFN: y = N(x + D(FFN(x)))",
-        "Zhuo et al. 2025, HybridNorm: Towards Stable and Efficient Transformer Training",
-        output_norm=True,
+        "attention: y = x + D(Attn_QKVnorm(x)); FFN: y = N(x) + D(FFN(N(x)))",
+        "Zhuo et al. 2025, HybridNorm: Towards Stable and Efficient Transformer Training via Hybrid "
+        "Normalization",
+        input_norm=True,
+        residual_from="normed_input",
         attention_norm="qkv",
         attention_connection=("pre", "none"),
         description="Queries, keys and values are normalised inside attention (no norm on its "
-        "residual), while the FFN keeps Post-Norm.",
+        "residual); the FFN reads a normalised stream and adds to it (the residual taken after the "
+        "norm), so a stack ends with a final norm.",
     ),
     aliases=("hybrid_norm",),
+)
+HYBRIDNORM_STAR_FIRST = Placement(
+    "hybridnorm_star_first",
+    "y = x + D(F(N(x))), attention with QKV-norm",
+    "Zhuo et al. 2025 (HybridNorm*'s first layer)",
+    input_norm=True,
+    attention_norm="qkv",
+    description="Pre-Norm with queries, keys and values normalised inside attention.",
+)
+register_placement(
+    Placement(
+        "hybridnorm_star",
+        "layer 0: Pre-Norm with QKV-norm; layers 1..L-1: hybridnorm",
+        "Zhuo et al. 2025, HybridNorm (HybridNorm*)",
+        input_norm=True,
+        residual_from="normed_input",
+        attention_norm="qkv",
+        layers=(HYBRIDNORM_STAR_FIRST, HYBRIDNORM, 1),
+        description="HybridNorm whose first layer is Pre-Norm (attention and FFN), keeping the "
+        "QKV-norm; the authors' variant for the first block.",
+    ),
+    aliases=("hybridnorm*", "hybrid_norm_star"),
 )
 register_placement(
     Placement(

@@ -16,7 +16,8 @@ GATED_ACTIVATIONS = ("swiglu",)
 class FeedForward(nn.Module):
     """FFN(x) = W2 D(act(W1 x + b1)) + b2; for ``swiglu``: W2 D(silu(W1a x) * W1b x) with W1 = [W1a; W1b].
 
-    ``inner_norm`` (Sub-LN) normalises the hidden activations before W2.
+    ``inner_norm`` (Sub-LN) normalises the hidden activations after the activation dropout and before
+    W2: W2 N(D(act(W1 x))), as torchscale's ``FeedForwardNetwork``.
     ``w1`` is (d_ff, d) — (2 d_ff, d) for SwiGLU — and ``w2`` is (d, d_ff), as ``linear1``/``linear2``
     of ``nn.TransformerEncoderLayer``.
     """
@@ -50,9 +51,10 @@ class FeedForward(nn.Module):
             hidden = F.silu(gate) * value
         else:
             hidden = self._act(hidden)
+        hidden = self.dropout(hidden)
         if self.inner_norm is not None:
             hidden = self.inner_norm(hidden)
-        return self.w2(self.dropout(hidden))
+        return self.w2(hidden)
 
     def extra_repr(self) -> str:
         return f"activation={self.activation!r}"
