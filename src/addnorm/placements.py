@@ -10,13 +10,14 @@ x = connection input, F = sublayer, N = norm, D = dropout on the branch. One con
 then ``gate`` scales f (ReZero's scalar, LayerScale's vector), ``layer_gate`` shares one gate
 between the connections of a layer (ReZero's ``resweight``), ``omega`` replaces alpha by a
 per-feature vector (Admin), ``sublayer_norm`` puts a norm inside each sublayer (Sub-LN),
-``attention_norm`` normalises queries/keys(/values) inside attention, ``stream`` names designs that
-change the residual stream itself (B2T, ResiDual, nGPT) and ``layers`` names the per-layer placements
-that a stack expands this one into (Mix-LN, HybridNorm*); ``attention_connection`` gives the
-attention sublayer its own (placement, norm) (HybridNorm) and ``norm`` forces a norm (nGPT's unit L2
-norm). ``init`` names the depth-aware initialisation (``addnorm.model.init``). ``final_norm`` says
-whether a stack of such connections leaves the residual stream unnormalised and so needs one more
-norm after the last layer (by default ``not output_norm``).
+``attention_norm`` normalises queries/keys(/values) inside attention (``"ngpt"``: unit queries and keys
+times s_qk, softmax scale sqrt(d_head)), ``ffn_scale`` scales the FFN hidden units per feature (nGPT's
+s_u, s_v), ``stream`` names designs that change the residual stream itself (B2T, ResiDual, nGPT) and
+``layers`` names the per-layer placements that a stack expands this one into (Mix-LN, HybridNorm*);
+``attention_connection`` gives the attention sublayer its own (placement, norm) (HybridNorm) and
+``norm`` forces a norm (nGPT's unit L2 norm). ``init`` names the depth-aware initialisation
+(``addnorm.model.init``). ``final_norm`` says whether a stack of such connections leaves the residual
+stream unnormalised and so needs one more norm after the last layer (by default ``not output_norm``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from .registry import Registry
 RESIDUAL_SOURCES = ("input", "normed_input")
 GATES = ("none", "rezero", "layerscale", "ngpt")
 STREAMS = ("standard", "b2t", "resi_dual", "ngpt")
-ATTENTION_NORMS = (None, "qk", "qkv")
+ATTENTION_NORMS = (None, "qk", "qkv", "ngpt")
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class Placement:
     omega: bool = False
     sublayer_norm: bool = False
     attention_norm: str | None = None
+    ffn_scale: bool = False
     stream: str = "standard"
     layers: tuple[str | Placement, str | Placement, float | int] | None = None
     attention_connection: tuple[str, str] | None = None
@@ -336,16 +338,22 @@ register_placement(
 register_placement(
     Placement(
         "ngpt",
-        "h = Norm(h + alpha * (Norm(F(h)) - h)), Norm = unit L2 norm, alpha init 0.05",
+        "h = Norm(h + |alpha| * (Norm(F(h)) - h)), Norm = unit L2 norm, alpha init 0.05; unit "
+        "q, k times s_qk, softmax scale sqrt(d_head); s_u, s_v on the FFN; s_z on the logits; "
+        "weights renormalised after every step (addnorm.ngpt_normalize_)",
         "Loshchilov et al. 2024, nGPT: Normalized Transformer with Representation Learning on the "
         "Hypersphere",
         branch_norm=True,
         output_norm=True,
         gate="ngpt",
+        attention_norm="ngpt",
+        ffn_scale=True,
         stream="ngpt",
         norm="l2",
-        description="Hidden states live on the unit sphere: each layer moves them toward the "
-        "normalised sublayer output by a learned per-feature step alpha.",
+        init="ngpt",
+        description="Hidden states and the embedding-side vectors of every matrix live on the unit "
+        "sphere: each layer moves the state toward the normalised sublayer output by a learned "
+        "per-feature step alpha; learned scales replace the norms' gains.",
     ),
     aliases=("normalized_transformer",),
 )

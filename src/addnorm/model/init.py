@@ -16,6 +16,7 @@ from ..addnorm import AddNorm
 from ..registry import Registry
 from .attention import MultiHeadAttention
 from .feedforward import FeedForward
+from .ngpt import sublayer_matrices, unit_
 
 INITS: Registry = Registry("init")
 
@@ -163,6 +164,17 @@ def _init_b2t(module: nn.Module, depth: Depth) -> None:
         for m in module.modules():
             if isinstance(m, nn.Linear):
                 m.weight.mul_(scale)
+
+
+@PLACEMENT_INITS.register("ngpt")
+def _init_ngpt(module: nn.Module, depth: Depth) -> None:
+    """nGPT: each matrix drawn from N(0, 1) and its d_model-sized vectors normalised to unit length
+    (the authors draw N(0, 1/sqrt(d)) and normalise; only the direction remains)."""
+    matrices = sublayer_matrices(module)
+    with torch.no_grad():
+        for weight, _ in matrices:
+            weight.normal_()
+    unit_(matrices)
 
 
 @PLACEMENT_INITS.register("admin")

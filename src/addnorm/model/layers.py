@@ -74,6 +74,7 @@ def _structure(p: Placement) -> tuple:
         p.stream,
         p.sublayer_norm,
         p.attention_norm,
+        p.ffn_scale,
         p.layer_gate,
         p.attention_connection,
         p.init,
@@ -145,6 +146,7 @@ class _Layer(nn.Module):
             cfg.bias,
             **self._kw,
             inner_norm=self._norm(cfg.d_ff) if p.sublayer_norm else None,
+            scale_hidden=p.ffn_scale,
         )
 
     def _initialise(self, depth: Depth) -> None:
