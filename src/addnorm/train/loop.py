@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..addnorm import AddNorm
-from ..model import admin_init
+from ..model import admin_init, ngpt_matrices, ngpt_normalize_
 from ..probe import Probe
 from ..tasks import build_task
 from .config import RunConfig
@@ -138,6 +138,7 @@ def train(cfg: RunConfig, *, on_step: Callable[[int, float], None] | None = None
         )
         admin_init(model, *task.model_inputs(profile.to(device)))
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    on_sphere = bool(ngpt_matrices(model))  # nGPT: matrices back on the unit sphere after each step
     result = RunResult(status=DONE)
     probe_steps = {0, cfg.steps - 1}
     if cfg.probe_every:
@@ -182,6 +183,8 @@ def train(cfg: RunConfig, *, on_step: Callable[[int, float], None] | None = None
             {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim >= 2} if probing else None
         )
         opt.step()
+        if on_sphere:
+            ngpt_normalize_(model)
         if probing:
             result.layer_metrics += _update_ratios(model, before, layer_names, step)
         result.metrics += [
