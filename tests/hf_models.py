@@ -28,11 +28,7 @@ def tiny(model_type: str, *, dropout: bool = False, **sizes) -> nn.Module:
     from addnorm.hf import tiny_model
 
     if not dropout:
-        off = {
-            "gpt2": {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0},
-            "bert": {"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0},
-        }
-        sizes = {**off.get(model_type, {}), **sizes}
+        sizes.setdefault("dropout", 0.0)
     sizes.setdefault("vocab", VOCAB)
     sizes.setdefault("layers", LAYERS)
     return perturbed(tiny_model(model_type, **sizes)).eval()

@@ -10,6 +10,10 @@ from .architectures import ARCHITECTURES, require_transformers
 __all__ = ["tiny_config", "tiny_model"]
 
 _LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+_DROPOUTS = {
+    "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
+    "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+}
 
 
 def tiny_config(
@@ -21,10 +25,12 @@ def tiny_config(
     vocab: int = 100,
     intermediate: int | None = None,
     positions: int = 128,
+    dropout: float | None = None,
     **overrides,
 ):
     """A ``transformers`` config of ``model_type`` with these sizes (``intermediate`` defaults to
-    2 * hidden; Llama-family key/value heads are half the heads); ``overrides`` set any other field."""
+    2 * hidden; Llama-family key/value heads are half the heads); ``dropout`` sets every dropout rate of
+    the family (default: its own); ``overrides`` set any other field."""
     transformers = require_transformers()
     model_type = ARCHITECTURES.resolve(model_type) if isinstance(model_type, str) else model_type
     for name, value in (("layers", layers), ("hidden", hidden), ("heads", heads), ("vocab", vocab)):
@@ -49,6 +55,8 @@ def tiny_config(
         fields["intermediate_size"] = ffn
     if model_type in _LLAMA_FAMILY:
         fields.update(num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads)
+    if dropout is not None:
+        fields.update(dict.fromkeys(_DROPOUTS.get(model_type, ("attention_dropout",)), float(dropout)))
     fields.update(overrides)
     return transformers.AutoConfig.for_model(model_type, **fields)
 
