@@ -105,32 +105,42 @@ def tokens_for(setup: Setup, device: torch.device) -> torch.Tensor:
 
 
 def run_cpu(setup: Setup, reps: int, warmup: int, rounds: int) -> dict:
-    """Plain and fused, interleaved step by step; per variant the best round's median step time."""
+    """Plain and fused, interleaved step by step; per variant the best round's median wall time of a
+    step, and the median CPU time of this process in a step (which time spent descheduled while other
+    work runs on the machine does not inflate)."""
     torch.set_num_threads(1)
     device = torch.device("cpu")
     tokens = tokens_for(setup, device)
     models = {v: build(v, setup, device) for v in ("plain", "fused")}
     steps = {v: make_step(m, tokens, gpu=False, compiled=False) for v, m in models.items()}
     medians: dict[str, list[float]] = {v: [] for v in steps}
+    cpu_medians: dict[str, list[float]] = {v: [] for v in steps}
     for _ in range(rounds):
         for _ in range(warmup):
             for step in steps.values():
                 step()
-        times: dict[str, list[float]] = {v: [] for v in steps}
+        wall: dict[str, list[float]] = {v: [] for v in steps}
+        cpu: dict[str, list[float]] = {v: [] for v in steps}
         for i in range(reps):
             for v in list(steps) if i % 2 == 0 else list(steps)[::-1]:
-                times[v].append(steps[v]())
-        for v, t in times.items():
-            medians[v].append(statistics.median(t))
+                t0 = time.process_time()
+                wall[v].append(steps[v]())
+                cpu[v].append(time.process_time() - t0)
+        for v in steps:
+            medians[v].append(statistics.median(wall[v]))
+            cpu_medians[v].append(statistics.median(cpu[v]))
     tok = setup.batch * setup.seq
     best = {v: min(m) for v, m in medians.items()}
+    best_cpu = {v: min(m) for v, m in cpu_medians.items()}
     return {
         "mode": "eager",
         "params": sum(p.numel() for p in models["plain"].parameters()),
         "ms": {v: best[v] * 1e3 for v in best},
+        "cpu_ms": {v: best_cpu[v] * 1e3 for v in best_cpu},
         "round_ms": {v: [m * 1e3 for m in ms] for v, ms in medians.items()},
         "tokens_per_s": {v: tok / best[v] for v in best},
         "fused_over_plain": best["plain"] / best["fused"],
+        "fused_over_plain_cpu_time": best_cpu["plain"] / best_cpu["fused"],
     }
 
 
@@ -183,12 +193,15 @@ def report(
     else:
         what += (
             f", float32, one torch thread; {warmup} warmup + {reps} timed steps interleaved, median, best of "
-            f"{rounds} rounds."
+            f"{rounds} rounds; tokens/s from wall time, and the process's CPU time per step (which time "
+            "spent descheduled while other work runs does not inflate)."
         )
     variants = list(rows[0]["tokens_per_s"])
     head = [f"{v} tokens/s" for v in variants] + [f"{v}/plain" for v in variants if v != "plain"]
     if gpu:
         head += [f"{v} peak GiB" for v in variants]
+    else:
+        head += [f"{v} CPU ms/step" for v in variants] + ["fused/plain by CPU time"]
     lines = [
         f"# Hugging Face Llama training step: untouched vs addnorm.hf.fuse ({'GPU' if gpu else 'CPU'})",
         "",
@@ -205,6 +218,9 @@ def report(
         cells += [f"{t[v] / t['plain']:.3f}x" for v in variants if v != "plain"]
         if gpu:
             cells += [f"{row['peak_gib'][v]:.2f}" for v in variants]
+        else:
+            cells += [f"{row['cpu_ms'][v]:.1f}" for v in variants]
+            cells.append(f"{row['fused_over_plain_cpu_time']:.3f}x")
         lines.append(f"| {row['mode']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

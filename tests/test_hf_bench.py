@@ -53,7 +53,8 @@ def test_cpu_benchmark_runs_and_writes_its_table(bench, tmp_path):
     assert row["fused_over_plain"] == pytest.approx(row["ms"]["plain"] / row["ms"]["fused"])
     assert json.loads((tmp_path / "hf_step_cpu.json").read_text())["setup"] == TINY
     md = (tmp_path / "hf_step_cpu.md").read_text()
-    assert "| eager |" in md and "fused/plain" in md and "one torch thread" in md
+    assert "| eager |" in md and "fused/plain by CPU time" in md and "one torch thread" in md
+    assert row["fused_over_plain_cpu_time"] == pytest.approx(row["cpu_ms"]["plain"] / row["cpu_ms"]["fused"])
 
 
 def test_gpu_table_has_tokens_and_peak_memory_per_variant(bench):
