@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= triton,dev
+EXTRAS ?= triton,hf,dev
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.addnorm-installed
 ARGS ?= study

@@ -1,17 +1,7 @@
-"""What the benchmarks record about the machine they ran on."""
+"""What the benchmarks record about the machine they ran on (the study's provenance reads it the same way)."""
 
 from __future__ import annotations
 
-import platform
-from pathlib import Path
+from addnorm.study.provenance import cpu_model
 
-
-def cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo (or what platform knows)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+__all__ = ["cpu_model"]

@@ -131,3 +131,23 @@ def test_errors_name_the_argument():
         an.AddNorm(4, dropout=1.5)
     with pytest.raises(ValueError, match="dropout_at"):
         an.AddNorm(4, dropout_at="somewhere")
+
+
+@pytest.mark.parametrize("value", ["yes", 1, 0, None, 1.0])
+def test_boolean_options_reject_non_booleans(value):
+    """A truthy string or a number is not read as a flag: a one-line TypeError names the argument."""
+    for make in (
+        lambda: an.AddNorm(4, residual=value),
+        lambda: an.AddNorm(4, fused=value),
+        lambda: an.SublayerConnection(4, pre_norm=value),
+    ):
+        with pytest.raises(TypeError, match=r"^(residual|fused|pre_norm): expected True or False, got "):
+            make()
+    conn = an.SublayerConnection(4, pre_norm=False)
+    with pytest.raises(TypeError, match="^fused: expected True or False"):
+        conn.fused = value
+    with pytest.raises(TypeError, match="^pre_norm: expected True or False"):
+        conn.pre_norm = value
+    assert conn.fused is True and conn.pre_norm is False  # a rejected value changes nothing
+    conn.pre_norm, conn.fused = True, False
+    assert conn.placement.name == "pre" and conn.fused is False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,9 @@ from typer.testing import CliRunner
 
 import addnorm as an
 from addnorm import cli
-from addnorm.ops.numpy_ref import layer_norm
+from addnorm.explain import layer_norm
+from addnorm.study.findings import GROWTH, trend
+from addnorm.tasks import read_corpus
 
 runner = CliRunner()
 
@@ -31,9 +34,29 @@ def test_list_names_every_placement_and_norm_with_formula_and_citation():
         assert name in result.output
         assert placement.formula in result.output
         assert placement.citation in result.output
-    for name, cls in an.NORMS.items():
-        assert name in result.output
-        assert cls.__doc__.strip().splitlines()[0] in result.output
+    lines = result.output.split("Norms (over the last dimension):")[1].strip().splitlines()
+    assert len(lines) == len(an.NORMS)
+    for line, (name, cls) in zip(lines, an.NORMS.items(), strict=True):
+        shown = line.split(None, 1)[1]
+        doc = " ".join(cls.__doc__.split()).replace("``", "")
+        assert line.split()[0] == name and doc.startswith(shown)  # the docstring's opening, whole words
+        assert shown.endswith(".") and shown.count("(") == shown.count(")"), shown  # a complete sentence
+
+
+def test_first_sentence_reads_across_line_breaks_and_abbreviations():
+    doc = """Projection onto the unit sphere: y = x / max(||x||_2, eps) (nGPT, Loshchilov et
+    al. 2024), e.g. for nGPT. Takes the common signature.
+
+    More text."""
+    assert cli.first_sentence(doc) == (
+        "Projection onto the unit sphere: y = x / max(||x||_2, eps) (nGPT, Loshchilov et al. 2024), "
+        "e.g. for nGPT."
+    )
+    assert cli.first_sentence("One scalar g initialised to\n    sqrt(dim). ``affine=False`` fixes g.") == (
+        "One scalar g initialised to sqrt(dim)."
+    )
+    assert cli.first_sentence("No period at all\n\nsecond paragraph.") == "No period at all"
+    assert cli.first_sentence(None) == ""
 
 
 def _numbers_after(output: str, label: str) -> list[float]:
@@ -60,6 +83,20 @@ def test_explain_steps_match_reference(x, fx):
     expected = [(v - mean) / math.sqrt(var + 1e-5) for v in z]
     assert _numbers_after(result.output, "y = (z - mu)") == pytest.approx(expected, rel=1e-3, abs=1e-4)
     assert expected == pytest.approx(list(layer_norm(z)), rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("x", "fx"),
+    [("1,2,3", "0.5,-1,1.5"), ("1,2,3", "-1,-2,-3"), ("1,2,3,4", "0,0,0,-4"), ("0.3,0.1", "-0.3,-0.1")],
+)
+def test_explain_aligns_its_columns_and_never_prints_negative_zero(x, fx):
+    result = invoke("explain", "--x", x, "--fx", fx)
+    assert result.exit_code == 0, result.output
+    assert not re.search(r"-0(\.0+)?(?![.\d])", result.output), result.output
+    steps = result.output.splitlines()[1:-1]
+    assert len(steps) == 7 and len({ln.rindex(" = ") for ln in steps}) == 1, result.output  # one '=' column
+    starts = ("x ", "F(x) ", "z = x + F(x)", "mu = sum(z)", "var = sum(", "sigma = sqrt", "y = (z - mu)")
+    assert len({ln.index(f, 2) for ln, f in zip(steps, starts, strict=True)}) == 1, result.output  # formulas
 
 
 def test_explain_accepts_negative_first_value():
@@ -90,14 +127,19 @@ def test_library_errors_are_one_line_exit_2(args, needle, tmp_path):
 
 
 def _direct_ffn_grad_norms(placement: str, seed: int, **kw) -> list[float]:
-    """Oracle without the Probe: build the same model and batch, read p.grad directly."""
+    """Oracle without the Probe or the task's loss: same model and batch, torch's cross-entropy, p.grad."""
     torch.manual_seed(seed)
     cfg = an.TransformerConfig(
         d_model=kw["d_model"], n_heads=kw["n_heads"], d_ff=4 * kw["d_model"], n_layers=kw["n_layers"],
         dropout=0.0, placement=placement, init="xavier", max_len=kw["seq"],
     )  # fmt: skip
     model = an.LanguageModel(cfg, 256)
-    tokens = cli._batch(cli.stdlib_corpus(cli._CORPUS_BYTES), kw["batch"], kw["seq"], seed)
+    data = torch.frombuffer(bytearray(read_corpus(None)), dtype=torch.uint8).long()
+    train = data[: int(0.9 * data.numel())]  # the lm task's training split
+    starts = torch.randint(
+        0, train.numel() - kw["seq"] - 1, (kw["batch"],), generator=torch.Generator().manual_seed(seed)
+    )
+    tokens = torch.stack([train[s : s + kw["seq"] + 1] for s in starts.tolist()])
     logits = model(tokens[:, :-1])
     torch.nn.functional.cross_entropy(logits.reshape(-1, 256), tokens[:, 1:].reshape(-1)).backward()
     return [
@@ -153,8 +195,52 @@ def test_console_script_runs(tmp_path):
     assert len(bad.stderr.strip().splitlines()) == 1
 
 
-def test_verdict_words():
+def test_verdict_words_share_the_study_thresholds():
     assert cli.verdict(2.0) == "grows toward the top layers"
     assert cli.verdict(0.5) == "shrinks toward the top layers"
     assert cli.verdict(1.0) == "nearly flat across depth"
     assert "undefined" in cli.verdict(float("nan"))
+    # one definition: inspect's words and the study's findings switch at the same ratios
+    for ratio in (GROWTH * 0.99, GROWTH * 1.01, 1 / GROWTH * 0.99, 1 / GROWTH * 1.01, 0.6, 1.9):
+        assert (
+            cli.verdict(ratio).split()[0]
+            in {"grows": "grows", "shrinks": "shrinks", "flat": "nearly"}[trend(ratio)]
+        )
+    assert cli.verdict(0.6) == "shrinks toward the top layers"  # was "flat" under the study's old 0.5-2
+
+
+def test_version_and_python_dash_m(tmp_path):
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"addnorm {an.__version__}"
+    ran = subprocess.run(
+        [sys.executable, "-m", "addnorm", "--version"], capture_output=True, text=True, timeout=120
+    )
+    assert ran.returncode == 0 and ran.stdout.strip() == f"addnorm {an.__version__}"
+    bad = subprocess.run(
+        [sys.executable, "-m", "addnorm", "explain", "--x", "1,a"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error: --x")
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_packaging_metadata_license_and_readme_facts():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+    from addnorm.study import load_spec
+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["version"] == an.__version__
+    assert meta["license"] == {"text": "Apache-2.0"} and meta["license-files"] == ["LICENSE"]
+    license_text = (ROOT / "LICENSE").read_text()
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert "END OF TERMS AND CONDITIONS" in license_text  # the whole licence, not a stub
+    assert {"Homepage", "Repository", "Issues"} <= set(meta["urls"])
+    assert any(dep.startswith("rich") for dep in meta["dependencies"])
+    readme = (ROOT / "README.md").read_text()
+    quick = len(load_spec("quick").expand())
+    assert f"it trains {quick} small" in readme, "README: the quick preset's run count is stale"

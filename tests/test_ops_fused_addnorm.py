@@ -11,6 +11,8 @@ from torch import nn
 
 import addnorm as an
 import addnorm.addnorm as addnorm_module
+from addnorm.model.stream import Connection, Stream
+from addnorm.ops import policy
 from addnorm.placements import Placement
 
 POST_LAYERSCALE = Placement(
@@ -115,19 +117,36 @@ def test_other_structures_stay_unfused(placement, norm, kwargs, count_fused):
     assert count_fused == []
 
 
-def test_hooked_norm_and_extra_residual_stay_unfused(count_fused):
+def test_hooks_never_change_the_path(count_fused):
+    """A hook on the output norm neither unfuses the connection nor fires (the op computes the norm
+    from its parameters): the observation points are what to hook, and they see the same y."""
     fused, _ = _pair(8, "post", "layernorm")
     seen = []
-    handle = fused.output_norm.register_forward_hook(lambda m, a, o: seen.append(o.shape))
+    handles = [
+        fused.output_norm.register_forward_hook(lambda m, a, o: seen.append("norm")),
+        fused.stream_out.register_forward_hook(lambda m, a, o: seen.append(o)),
+    ]
     x = torch.randn(2, 8)
-    fused(x, nn.Identity())
-    assert seen and count_fused == []
-    handle.remove()
-    fused(x, nn.Identity(), extra_residual=x)
-    fused(x, nn.Identity(), return_branch=True)
-    assert count_fused == []
-    fused(x, nn.Identity())
-    assert len(count_fused) == 1
+    y = fused(x, nn.Identity())
+    assert len(count_fused) == 1 and len(seen) == 1 and seen[0] is y
+    for handle in handles:
+        handle.remove()
+    torch.testing.assert_close(fused(x, nn.Identity()), y)
+    assert len(count_fused) == 2
+
+
+@pytest.mark.parametrize("placement", ["b2t", "resi_dual"])
+def test_b2t_and_resi_dual_adds_that_need_their_branch_or_an_extra_input_stay_unfused(placement, count_fused):
+    """B2T's last add takes the layer input too, and ResiDual's branch also joins the second stream:
+    neither is one add_norm call. B2T's first connection is a plain Post-LN one and fuses."""
+    torch.manual_seed(0)
+    cfg = an.TransformerConfig(d_model=8, n_heads=2, d_ff=16, n_layers=2, dropout=0.0, placement=placement)
+    model = an.Encoder(cfg).double()
+    _perturb(model)
+    x = torch.randn(2, 5, 8, dtype=torch.float64)
+    fused = _outputs_and_grads(model, lambda m: m(x))
+    assert count_fused == (["layernorm"] * 2 if placement == "b2t" else [])
+    _assert_same(fused, _outputs_and_grads(_unfused_copy(model), lambda m: m(x)))
 
 
 def test_fused_dropout_trains_and_reproduces():
@@ -211,9 +230,10 @@ def _assert_same(a, b):
 @pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
 @pytest.mark.parametrize("placement", ["pre", "layerscale", "sandwich", "normed_residual"])
 def test_pre_ln_stack_fuses_every_add_with_the_next_norm(placement, norm, count_prenorm):
-    """A Pre-LN language model of L layers has 2L adds: 2L - 1 meet the next sublayer's input norm
-    (prenorm=True, within a layer and across layers) and the last meets the final norm; outputs and
-    gradients equal the unfused modules' in float64."""
+    """A Pre-LN language model of L layers has 2L adds, 2L add_norm calls: 2L - 1 meet the next
+    sublayer's input norm (within a layer and across layers) and the last meets the final norm, all
+    returning (N(s), s) (the last s for the last connection's stream_out point); outputs and gradients
+    equal the unfused modules' in float64."""
     torch.manual_seed(0)
     layers = 3
     cfg = an.TransformerConfig(
@@ -227,7 +247,7 @@ def test_pre_ln_stack_fuses_every_add_with_the_next_norm(placement, norm, count_
         model.train(train), ref.train(train)
         count_prenorm.clear()
         fused = _outputs_and_grads(model, lambda m: m(tokens))
-        assert count_prenorm == [True] * (2 * layers - 1) + [False]
+        assert count_prenorm == [True] * (2 * layers)
         count_prenorm.clear()
         _assert_same(fused, _outputs_and_grads(ref, lambda m: m(tokens)))
         assert count_prenorm == []
@@ -241,7 +261,7 @@ def test_encoder_decoder_and_mixed_stacks_fuse_their_pre_ln_boundaries(count_pre
     src, tgt = torch.randint(1, 30, (2, 6)), torch.randint(1, 30, (2, 5))
     fused = _outputs_and_grads(model, lambda m: m(src, tgt))
     # encoder: 2 layers x 2 adds; decoder: 2 layers x 3 adds; each stack's last add meets its final norm
-    assert count_prenorm == [True] * 3 + [False] + [True] * 5 + [False]
+    assert count_prenorm == [True] * 4 + [True] * 6
     _assert_same(fused, _outputs_and_grads(_unfused_copy(model), lambda m: m(src, tgt)))
 
     # Mix-LN: post layers fuse their own add + norm, pre layers hand theirs on
@@ -250,34 +270,61 @@ def test_encoder_decoder_and_mixed_stacks_fuse_their_pre_ln_boundaries(count_pre
     _perturb(mixed)
     x = torch.randn(2, 5, 16, dtype=torch.float64)
     fused = _outputs_and_grads(mixed, lambda m: m(x))
-    assert count_prenorm == [False, False, True, True, True, False]
+    assert count_prenorm == [False, False, True, True, True, True]
     _assert_same(fused, _outputs_and_grads(_unfused_copy(mixed), lambda m: m(x)))
 
 
-def test_hooks_see_tensors_and_probe_values_are_unchanged(count_prenorm):
-    """A hooked layer or connection gets and gives tensors (the held-back add is done before it), so
-    Probe's statistics are those of the unfused model."""
+def test_fusion_asks_the_op_policy_with_the_stream_device_and_dropout(monkeypatch, count_prenorm):
+    """Every fusable add asks ops.policy.fused_op_preferred(device, dropout=...) with the stream's device
+    and whether its branch dropout is active in that call; where the policy declines, the model runs
+    exactly the unfused modules (the same nn.Dropout masks for the same seed)."""
+    asked = []
+
+    def decline(device, *, dropout):
+        asked.append((device, dropout))
+        return False
+
+    monkeypatch.setattr(policy, "fused_op_preferred", decline)
+    torch.manual_seed(5)
+    cfg = an.TransformerConfig(d_model=16, n_heads=2, d_ff=32, n_layers=2, dropout=0.1, placement="pre")
+    model = an.LanguageModel(cfg, vocab=40)
+    ref = _unfused_copy(model)
+    tokens = torch.randint(0, 40, (2, 7))
+    for train in (True, False):
+        asked.clear()
+        outs = []
+        for m in (model, ref):
+            m.train(train)
+            torch.manual_seed(6)
+            outs.append(_outputs_and_grads(m, lambda m: m(tokens)))
+        assert asked == [(torch.device("cpu"), train)] * 4  # 2 layers x 2 adds, the fused model only
+        assert torch.equal(outs[0][0], outs[1][0])
+        assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1], strict=True))
+    assert count_prenorm == []
+
+
+def test_probe_reads_the_fused_streams_as_the_unfused_model_has_them(count_prenorm):
+    """Probed, the fused model still fuses every boundary, and Probe's statistics and stream gradient
+    norms (a held add's gradient read from the op's residual input) are the unfused model's."""
     torch.manual_seed(2)
     cfg = an.TransformerConfig(d_model=16, n_heads=2, d_ff=32, n_layers=3, dropout=0.0, placement="pre")
     model = an.LanguageModel(cfg, vocab=40).double().eval()
+    _perturb(model)
     ref = _unfused_copy(model)
     tokens = torch.randint(0, 40, (2, 9))
-    seen = []
-    handle = model.layers[1].register_forward_hook(lambda m, a, o: seen.append((type(a[0]), type(o))))
-    fused = _outputs_and_grads(model, lambda m: m(tokens))
-    handle.remove()
-    assert seen == [(torch.Tensor, torch.Tensor)]
-    # within each layer the first add meets the second input norm; layer 0's last add is done unfused
-    # before the hooked layer 1, which does not hold its own back; layer 2's meets the final norm
-    assert count_prenorm == [True, True, True, False]
-    _assert_same(fused, _outputs_and_grads(ref, lambda m: m(tokens)))
-
     rows = []
     for m in (model, ref):
         with an.Probe(m) as probe:
             _outputs_and_grads(m, lambda m: m(tokens))
             rows.append(probe.snapshot())
+    assert count_prenorm == [True] * 6
     assert len(rows[0]) == len(rows[1]) > 0
+    assert {r["metric"] for r in rows[0] if r["param"] is None} == {
+        "grad_norm",
+        "act_mean",
+        "act_std",
+        "act_rms",
+    }
     for a, b in zip(rows[0], rows[1], strict=True):
         assert (a["layer"], a["sublayer"], a["metric"], a["param"]) == (
             b["layer"],
@@ -288,7 +335,7 @@ def test_hooks_see_tensors_and_probe_values_are_unchanged(count_prenorm):
         assert a["value"] == pytest.approx(b["value"], rel=1e-9, abs=1e-12)
 
 
-def test_pending_add_in_mixed_precision_keeps_the_unfused_dtypes():
+def test_held_add_in_mixed_precision_keeps_the_unfused_dtypes():
     """Branch in bfloat16, stream in float32 (autocast's pattern): s and N(s) are float32 as the unfused
     add and norm give them."""
     torch.manual_seed(3)
@@ -297,10 +344,10 @@ def test_pending_add_in_mixed_precision_keeps_the_unfused_dtypes():
     _perturb(nxt)
     x = torch.randn(4, 24)
     branch = torch.nn.Linear(24, 24).to(torch.bfloat16)
-    pending = conn(x, lambda h: branch(h.to(torch.bfloat16)), defer_add=True)
-    assert isinstance(pending, addnorm_module.PendingAdd)
-    y, s = pending.normalize(nxt.input_norm, return_stream=True)
-    s_ref = pending.resolve()
+    stream = Connection(conn)(Stream(x), lambda h: branch(h.to(torch.bfloat16)))
+    assert stream.held is not None  # held back for the next norm
+    s, y = stream.read(nxt.input_norm)
+    s_ref = stream.tensor()
     assert s.dtype == s_ref.dtype == torch.float32 and y.dtype == torch.float32
     torch.testing.assert_close(s, s_ref)
     torch.testing.assert_close(y, nxt.input_norm(s_ref))
@@ -311,11 +358,11 @@ def test_layer_called_alone_returns_a_tensor_in_every_layout():
     layer = an.EncoderLayer(cfg.replace(batch_first=False)).double().eval()
     x = torch.randn(5, 2, 16, dtype=torch.float64)
     expected = layer(x)
-    torch.testing.assert_close(layer(x, defer_add=True), expected)  # seq-first: not deferred
-    torch.testing.assert_close(layer(x[:, 0], defer_add=True), layer(x[:, 0]))  # unbatched
-    pending = layer(x.transpose(0, 1), batch_first=True, defer_add=True)
-    assert isinstance(pending, addnorm_module.PendingAdd)
-    torch.testing.assert_close(pending.resolve().transpose(0, 1), expected)
+    assert isinstance(expected, torch.Tensor)
+    torch.testing.assert_close(layer(x[:, 0]), expected[:, 0])  # unbatched
+    stream = layer(Stream(x.transpose(0, 1)))  # as a stack calls it: batch-first, and a stream back
+    assert isinstance(stream, Stream) and stream.held is not None
+    torch.testing.assert_close(stream.tensor().transpose(0, 1), expected)
 
 
 def test_compiled_pre_ln_model_traces_the_held_back_adds_without_graph_breaks():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import math
 
 import pytest
@@ -9,6 +11,8 @@ import torch
 from torch import nn
 
 import addnorm as an
+import addnorm.addnorm as addnorm_module
+from addnorm.ops import policy
 from addnorm.probe import METRICS, Probe
 
 VOCAB = 50
@@ -69,7 +73,13 @@ def test_auto_layers_and_sublayers_of_language_model():
 
 def test_recorded_values_match_independent_computation():
     model, tokens = _lm("pre", n_layers=2), _tokens(1)
-    # oracle: capture each ff_block's output and its gradient with retain_grad
+    # oracle: the same model with every add unfused, so each ff connection's output s is a tensor of its
+    # own that the next norm and the next add read; capture it and its gradient with retain_grad. The
+    # probed model fuses each add with the next norm, where s and N(s) leave one op.
+    oracle = copy.deepcopy(model)
+    for m in oracle.modules():
+        if isinstance(m, an.AddNorm):
+            m.fused = False
     outs = {}
 
     def keep(i):
@@ -79,11 +89,15 @@ def test_recorded_values_match_independent_computation():
 
         return hook
 
-    handles = [layer.ff_block.register_forward_hook(keep(i)) for i, layer in enumerate(model.layers)]
-    probe = Probe(model)
-    _run(model, tokens, probe)
+    handles = [
+        layer.ff_block.stream_out.register_forward_hook(keep(i)) for i, layer in enumerate(oracle.layers)
+    ]
+    _run(oracle, tokens)
     for h in handles:
         h.remove()
+    probe = Probe(model)
+    _run(model, tokens, probe)
+    model = oracle  # the weight gradients below are the oracle's (the same up to rounding)
     rows = probe.snapshot(step=7)
     assert {r["metric"] for r in rows} == set(METRICS)
     assert all(r["step"] == 7 for r in rows)
@@ -203,6 +217,36 @@ def test_no_grad_forward_and_repeated_steps():
     assert all(math.isnan(v) for v in probe.activation_rms())
 
 
+def test_a_layer_list_elsewhere_than_model_layers_is_found():
+    """Without AddNorm connections or ``model.layers``, the layers are the longest ModuleList of modules of
+    one class (Hugging Face keeps them at ``transformer.h``, ``bert.encoder.layer``, ...)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ff = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return x + self.ff(x)
+
+    model = nn.Module()
+    model.heads = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    model.body = nn.Module()
+    model.body.h = nn.ModuleList(Block() for _ in range(3))
+    model.mixed = nn.ModuleList([Block(), nn.Linear(4, 4), Block(), Block()])  # not one class
+    probe = Probe(model)
+    assert probe.layer_names == ["body.h.0", "body.h.1", "body.h.2"]
+    x = torch.randn(2, 4, requires_grad=True)
+    with probe:
+        y = x
+        for block in model.body.h:
+            y = block(y)
+        y.square().sum().backward()
+    assert probe.weight_grad_norms(None) == pytest.approx(
+        [b.ff.weight.grad.norm().item() for b in model.body.h]
+    )
+
+
 def test_bad_arguments():
     model = _lm()
     with pytest.raises(TypeError, match="model"):
@@ -217,3 +261,52 @@ def test_bad_arguments():
         Probe(nn.Linear(3, 3))
     with pytest.raises(ValueError, match="param"):
         Probe(model).weight_grad_norms("ff", "w9")
+
+
+def _hook_every_point(model: nn.Module) -> list:
+    """Forward hooks on every connection's observation points that read (and keep) what they see, as the
+    training loop's activation statistics do."""
+    seen = []
+    handles = [
+        point.register_forward_hook(lambda _m, _a, out: seen.append(out.detach().float().square().mean()))
+        for m in model.modules()
+        if isinstance(m, an.AddNorm)
+        for point in (m.stream_in, m.branch, m.stream_out)
+    ]
+    return handles
+
+
+@pytest.mark.parametrize("op_preferred", [True, False], ids=["op", "unfused-modules"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("placement", ["pre", "post", "b2t", "resi_dual"])
+def test_probed_and_unprobed_training_steps_are_bit_identical(placement, dtype, op_preferred, monkeypatch):
+    """Dropout 0.1, fused on, training: a step under Probe (and hooks on every observation point) gives
+    bit-identical logits and gradients to the same step unobserved, whichever path the op policy picks;
+    the op runs exactly when the policy prefers it."""
+    monkeypatch.setattr(policy, "fused_op_preferred", lambda device, *, dropout: op_preferred)
+    calls = []
+    op = addnorm_module.add_norm
+    monkeypatch.setattr(addnorm_module, "add_norm", lambda *a, **k: calls.append(1) or op(*a, **k))
+    torch.manual_seed(0)
+    cfg = an.TransformerConfig(d_model=16, n_heads=2, d_ff=32, n_layers=3, dropout=0.1, placement=placement)
+    model = an.LanguageModel(cfg, VOCAB).to(dtype).train()
+    tokens = _tokens(4)
+
+    def step(observed: bool):
+        torch.manual_seed(1)
+        model.zero_grad(set_to_none=True)
+        handles = _hook_every_point(model) if observed else []
+        with Probe(model) if observed else contextlib.nullcontext() as probe:
+            logits = model(tokens[:, :-1])
+            nn.functional.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
+        for h in handles:
+            h.remove()
+        if observed:
+            assert all(math.isfinite(v) for v in probe.stream_grad_norms())
+        return logits.detach(), [p.grad for p in model.parameters()]
+
+    plain, observed = step(False), step(True)
+    assert torch.equal(plain[0], observed[0])
+    for a, b in zip(plain[1], observed[1], strict=True):
+        assert torch.equal(a, b)
+    assert bool(calls) == (op_preferred and placement != "resi_dual")

@@ -1,5 +1,7 @@
-"""Study specs, store, resume after interruption (exception and kill -9), failures, findings, report, CLI."""
+"""Study specs, identity, store, resume after interruption (exception and kill -9), stale runs, retries,
+findings, report, CLI."""
 
+import csv
 import os
 import signal
 import sqlite3
@@ -13,7 +15,8 @@ from typer.testing import CliRunner
 
 from addnorm.cli import app
 from addnorm.study import Store, compute_findings, executors, load_spec, parse_spec, preset_names, run_study
-from addnorm.train import RunConfig, RunResult
+from addnorm.study.spec import apply_overrides
+from addnorm.train import RunConfig
 
 TINY = dict(
     d_model=16,
@@ -36,6 +39,11 @@ def tiny_spec(**sweep):
     }
 
 
+def run(spec, out, **kw):
+    """run_study in this process (tests stay fast: no worker start-up)."""
+    return run_study(spec, out, workers=1, progress=False, **kw)
+
+
 def test_every_preset_validates_and_expands_with_stable_ids():
     names = preset_names()
     assert {"quick", "gradient-flow", "warmup", "lr-sweep", "depth", "ablations", "dropout"} <= set(names)
@@ -53,6 +61,17 @@ def test_every_preset_validates_and_expands_with_stable_ids():
     }
 
 
+def test_quick_preset_runs_three_seeds_for_every_compared_arm():
+    runs = load_spec("quick").expand()
+    arms: dict = {}
+    for r in runs:
+        key = repr(sorted((k, repr(v)) for k, v in r.config.to_dict().items() if k != "seed"))
+        arms.setdefault(key, set()).add(r.config.seed)
+    assert min(len(seeds) for seeds in arms.values()) >= 3
+    flow = [r for r in runs if r.experiment == "gradient_flow"]
+    assert {r.config.init for r in flow} == {"torch", "xavier", "gpt2"}
+
+
 def test_literature_preset_covers_every_placement():
     from addnorm import PLACEMENTS
 
@@ -61,10 +80,52 @@ def test_literature_preset_covers_every_placement():
         assert {r.config.placement for r in runs if r.experiment == experiment} == set(PLACEMENTS)
 
 
-def test_overrides_and_spec_errors(tmp_path):
-    spec = load_spec("quick", ["steps=7", "base.eval_batches=3", "experiments.warmup.set.lr=0.01"])
-    assert all(r.config.eval_batches == 3 for r in spec.expand())
-    assert {r.config.lr for r in spec.expand() if r.experiment == "warmup"} == {0.01}
+def test_aliases_are_the_same_run_and_the_findings_see_them(tmp_path):
+    a = RunConfig(placement="Post-LN", norm="LN", init="Xavier", activation="ReLU", task="char_lm", lr=1)
+    b = RunConfig(placement="post", norm="layernorm", init="xavier", activation="relu", task="lm", lr=1.0)
+    assert a.run_id == b.run_id and a.to_dict() == b.to_dict() and a.placement == "post"
+    spec = tiny_spec(placement=["Post-LN", "pre_norm"], warmup=[0, 2], seed=[0, 1, 2])
+    spec["base"]["eval_every"] = 0
+    run(parse_spec(spec), tmp_path, report=False)
+    with Store(tmp_path / "study.sqlite") as store:
+        assert {r["config"]["placement"] for r in store.runs()} == {"post", "pre"}
+        (warm,) = [f for f in compute_findings(store) if f.claim.startswith("Pre-LN trains without warmup")]
+    assert warm.verdict != "not tested by this study"
+
+
+def test_overrides_reach_everywhere_and_typos_are_errors():
+    spec = load_spec("quick", ["steps=120", "base.eval_batches=3", "experiments.warmup.set.lr=0.01"])
+    runs = spec.expand()
+    assert {r.config.steps for r in runs} == {120}  # experiments that set their own steps included
+    assert {r.config.eval_batches for r in runs} == {1, 3}  # gradient_flow sets its own
+    assert {r.config.lr for r in runs if r.experiment == "warmup"} == {0.01}
+    one_seed = load_spec("quick", ["seed=5"]).expand()
+    assert {r.config.seed for r in one_seed} == {5}  # a sweep over the key collapses to the value
+    with pytest.raises(ValueError, match=r"--set experiments.ablation.set.steps: no experiment 'ablation'"):
+        load_spec("quick", ["experiments.ablation.set.steps=20"])
+    with pytest.raises(ValueError, match=r"--set stepz: unknown key"):
+        load_spec("quick", ["stepz=20"])
+    with pytest.raises(ValueError, match=r"--set base.stepz: unknown run key 'stepz'"):
+        load_spec("quick", ["base.stepz=20"])
+    with pytest.raises(
+        ValueError, match=r"--set experiments.warmup.sett.lr: 'sett' is not an experiment key"
+    ):
+        load_spec("quick", ["experiments.warmup.sett.lr=1"])
+    with pytest.raises(
+        ValueError, match=r"warmup: 200 warmup steps need more than that many steps, got steps=60"
+    ):
+        load_spec("warmup", ["steps=60", "eval_every=10"])
+    with pytest.raises(ValueError, match=r"eval_every: 100 is more than steps=50"):
+        load_spec("ablations", ["steps=50", "warmup=0"])
+    data = {
+        "name": "x",
+        "base": {},
+        "experiments": {"a": {"sweep": {"variant": [{"label": "v", "lr": 1.0}]}}},
+    }
+    assert apply_overrides(data, ["lr=0.5"])["experiments"]["a"]["sweep"]["variant"][0]["lr"] == 0.5
+
+
+def test_spec_errors_name_the_key():
     with pytest.raises(ValueError, match=r"base.stepz: unknown key; allowed keys: task"):
         parse_spec({"name": "x", "base": {"stepz": 3}, "experiments": {"a": {}}})
     with pytest.raises(ValueError, match=r"experiments.a.sweep.placement: expected a non-empty list"):
@@ -90,8 +151,8 @@ def _count_calls(monkeypatch):
 def test_end_to_end_study_writes_database_and_report_and_resumes(tmp_path, monkeypatch):
     calls = _count_calls(monkeypatch)
     spec = parse_spec(tiny_spec(placement=["post", "pre"], warmup=[0, 2]))
-    outcome = run_study(spec, tmp_path, progress=False)
-    assert outcome.total == outcome.ran == 4 and len(calls) == 4
+    outcome = run(spec, tmp_path)
+    assert outcome.total == outcome.ran == 4 and len(calls) == 4 and not outcome.failed
     with Store(tmp_path / "study.sqlite") as store:
         runs = store.runs()
         assert {r["status"] for r in runs} == {"done"} and len(runs) == 4
@@ -101,13 +162,59 @@ def test_end_to_end_study_writes_database_and_report_and_resumes(tmp_path, monke
     html = (tmp_path / "report.html").read_text()
     assert "Findings" in html and "data:image/png;base64," in html
     assert "Pre-LN trains without warmup where Post-LN needs it" in html
-    again = run_study(spec, tmp_path, progress=False)
+    again = run(spec, tmp_path)
     assert again.ran == 0 and again.skipped == 4 and len(calls) == 4  # nothing recomputed
     with Store(tmp_path / "study.sqlite") as store:
         assert {r["id"]: r["finished"] for r in store.runs()} == finished  # nothing lost or rewritten
+
+
+def test_provenance_is_stored_with_each_run_and_reported(tmp_path):
+    run(parse_spec(tiny_spec(placement=["pre"])), tmp_path)
+    with Store(tmp_path / "study.sqlite") as store:
+        (stored,) = store.runs()
+    prov = stored["provenance"]
+    assert {"addnorm", "git_commit", "torch", "python", "device", "threads", "date"} <= set(prov)
+    import torch
+
+    import addnorm
+
+    assert prov["addnorm"] == addnorm.__version__ and prov["torch"] == torch.__version__
+    assert isinstance(prov["threads"], int) and prov["threads"] >= 1 and prov["date"].startswith("20")
+    page = (tmp_path / "report.html").read_text()
+    assert "Provenance" in page and prov["torch"] in page and prov["device"] in page
+    assert "Base configuration" in page and "<th>d_model</th><td class=given>16</td>" in page
+
+
+def test_tidy_export_has_one_column_per_config_key(tmp_path):
+    run(parse_spec(tiny_spec(placement=["post", "pre"])), tmp_path, report=False)
+    with Store(tmp_path / "study.sqlite") as store:
         paths = store.export_csv(tmp_path / "csv")
-    assert [p.name for p in paths] == ["runs.csv", "metrics.csv", "layer_metrics.csv"]
-    assert len((tmp_path / "csv" / "runs.csv").read_text().splitlines()) == 5
+    assert [p.name for p in paths] == ["runs.csv", "experiments.csv", "metrics.csv", "layer_metrics.csv"]
+    with (tmp_path / "csv" / "runs.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert len(rows) == 2 and {r["placement"] for r in rows} == {"post", "pre"}
+    assert set(RunConfig.keys()) <= set(rows[0]) and rows[0]["d_model"] == "16"
+    assert rows[0]["provenance_torch"] and rows[0]["started"].endswith("+00:00")
+    with (tmp_path / "csv" / "experiments.csv").open() as fh:
+        assert [r["experiment"] for r in csv.DictReader(fh)] == ["main", "main"]
+
+
+def test_stale_runs_stay_out_of_the_report_until_pruned(tmp_path):
+    spec = tiny_spec(placement=["post", "pre"], seed=[0, 1])
+    run(parse_spec(spec), tmp_path)
+    spec["base"]["steps"] = 6  # the spec is edited: four new runs
+    outcome = run(parse_spec(spec), tmp_path)
+    assert outcome.ran == 4 and outcome.stale == 4
+    with Store(tmp_path / "study.sqlite") as store:
+        assert len(store.runs()) == 4 and {r["config"]["steps"] for r in store.runs()} == {6}
+        assert len(store.stale_ids()) == 4
+    page = (tmp_path / "report.html").read_text()
+    assert "4 runs (4 done)" in page and "4 stored runs are not part of this spec" in page
+    pruned = run(parse_spec(spec), tmp_path, prune=True)
+    assert pruned.pruned == 4 and pruned.stale == 0 and pruned.ran == 0
+    with sqlite3.connect(tmp_path / "study.sqlite") as con:
+        assert con.execute("SELECT COUNT(*) FROM runs").fetchone()[0] == 4
+        assert con.execute("SELECT COUNT(DISTINCT run_id) FROM metrics").fetchone()[0] == 4
 
 
 def test_interrupted_study_resumes_where_it_stopped(tmp_path, monkeypatch):
@@ -123,23 +230,25 @@ def test_interrupted_study_resumes_where_it_stopped(tmp_path, monkeypatch):
     monkeypatch.setattr(executors, "train", interrupt_third)
     spec = parse_spec(tiny_spec(placement=["post", "pre"], seed=[0, 1]))
     with pytest.raises(KeyboardInterrupt):
-        run_study(spec, tmp_path, progress=False)
+        run(spec, tmp_path, report=False)
     with Store(tmp_path / "study.sqlite") as store:
         assert len(store.runs()) == 2
     calls.clear()
     monkeypatch.setattr(
         executors, "train", lambda cfg, on_step=None: (calls.append(cfg.run_id), real(cfg))[1]
     )
-    outcome = run_study(spec, tmp_path, progress=False)
+    outcome = run(spec, tmp_path, report=False)
     assert outcome.skipped == 2 and outcome.ran == 2 and len(calls) == 2
     with Store(tmp_path / "study.sqlite") as store:
         assert len(store.runs()) == 4
 
 
-def test_failed_and_diverged_runs_are_recorded_and_the_study_goes_on(tmp_path, monkeypatch):
+def test_failed_runs_are_retried_and_diverged_runs_kept(tmp_path, monkeypatch):
     real = executors.train
+    calls = []
 
     def fail_post(cfg, on_step=None):
+        calls.append(cfg.placement)
         if cfg.placement == "post":
             raise RuntimeError("boom in post")
         return real(cfg, on_step=on_step)
@@ -149,47 +258,45 @@ def test_failed_and_diverged_runs_are_recorded_and_the_study_goes_on(tmp_path, m
     spec["experiments"]["wild"] = {
         "set": {"lr": 50.0, "norm": "none", "steps": 30, "diverge_factor": 1.5, "eval_every": 0}
     }
-    run_study(parse_spec(spec), tmp_path, progress=False)
+    outcome = run(parse_spec(spec), tmp_path)
+    assert outcome.failed == ["main: placement=post (RuntimeError: boom in post)"]
     with Store(tmp_path / "study.sqlite") as store:
         by_status = {r["status"]: r for r in store.runs()}
     assert by_status["failed"]["error"] == "RuntimeError: boom in post"
     assert by_status["done"]["config"]["placement"] == "pre"
     assert by_status["diverged"]["diverged_step"] is not None
     assert "diverged" in (tmp_path / "report.html").read_text()
-
-
-def _fake(store, placement, warmup, val_loss, status="done"):
-    cfg = RunConfig(placement=placement, warmup=warmup, lr=0.003).to_dict()
-    result = RunResult(
-        status=status,
-        final={"train_loss": val_loss, "val_loss": val_loss, "val_metric": 0.0, "metric": "bits_per_byte"}
-        if status == "done"
-        else {},
-    )
-    run_id = RunConfig(**cfg).run_id
-    store.save_run("fake", run_id, [("warmup", f"{placement} {warmup}")], cfg, result, time.time())
-    return run_id
-
-
-def test_findings_are_computed_from_the_database(tmp_path):
+    calls.clear()
+    monkeypatch.setattr(executors, "train", real)
+    again = run(parse_spec(spec), tmp_path)
+    assert again.ran == 1 and not again.failed  # only the failed run, now fixed; the diverged one is kept
     with Store(tmp_path / "study.sqlite") as store:
-        post0 = _fake(store, "post", 0, 3.0)
-        _fake(store, "post", 100, 2.0)
-        _fake(store, "pre", 0, 1.9)
-        _fake(store, "pre", 100, 1.9)
-        verdicts = {f.claim: f for f in compute_findings(store)}
-        warm = verdicts["Pre-LN trains without warmup where Post-LN needs it"]
-        assert warm.verdict == "supported" and "3.000" in warm.evidence
-        assert (
-            verdicts["Pre-LN without a final norm is worse than with it"].verdict
-            == "not tested by this study"
-        )
-        store.db.execute("UPDATE runs SET final_val_loss = 1.8 WHERE id = ?", (post0,))
-        store.db.commit()
-        warm = {f.claim: f for f in compute_findings(store)}[
-            "Pre-LN trains without warmup where Post-LN needs it"
-        ]
-        assert warm.verdict == "not supported" and "1.800" in warm.evidence
+        assert sorted(r["status"] for r in store.runs()) == ["diverged", "done", "done"]
+
+
+def test_cli_exits_nonzero_when_a_run_failed_after_writing_the_rest(tmp_path, monkeypatch):
+    real = executors.train
+
+    def fail_post(cfg, on_step=None):
+        if cfg.placement == "post":
+            raise RuntimeError("boom")
+        return real(cfg, on_step=on_step)
+
+    monkeypatch.setattr(executors, "train", fail_post)
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(tiny_spec(placement=["post", "pre"])))
+    out = tmp_path / "out"
+    result = CliRunner().invoke(app, ["study", str(path), "--out", str(out), "--quiet", "--workers", "1"])
+    assert result.exit_code == 1
+    assert "1 run(s) failed" in result.output and "main: placement=post (RuntimeError: boom)" in result.output
+    assert (out / "report.html").is_file()
+    with Store(out / "study.sqlite") as store:
+        assert sorted(r["status"] for r in store.runs()) == ["done", "failed"]
+    monkeypatch.setattr(executors, "train", lambda cfg, on_step=None: (_ for _ in ()).throw(OSError("disk")))
+    every = CliRunner().invoke(
+        app, ["study", str(path), "--out", str(tmp_path / "o2"), "--quiet", "--workers", "1"]
+    )
+    assert every.exit_code == 1 and "2 run(s) failed" in every.output
 
 
 def test_cli_study_report_export_and_errors(tmp_path):
@@ -197,7 +304,8 @@ def test_cli_study_report_export_and_errors(tmp_path):
     spec_path.write_text(yaml.safe_dump(tiny_spec(placement=["pre"])))
     runner = CliRunner()
     out = tmp_path / "out"
-    result = runner.invoke(app, ["study", str(spec_path), "--out", str(out), "--quiet", "--set", "steps=3"])
+    args = ["study", str(spec_path), "--out", str(out), "--quiet", "--set", "steps=3", "--workers", "1"]
+    result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "report:" in result.output and (out / "report.html").exists()
     (out / "report.html").unlink()
@@ -221,7 +329,18 @@ def test_killed_study_loses_only_the_run_in_flight(tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(spec))
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "addnorm.cli", "study", str(path), "--out", str(out), "--quiet"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "addnorm",
+        "study",
+        str(path),
+        "--out",
+        str(out),
+        "--quiet",
+        "--workers",
+        "1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     db = out / "study.sqlite"
     deadline = time.time() + 120
@@ -242,7 +361,7 @@ def test_killed_study_loses_only_the_run_in_flight(tmp_path):
     with Store(db) as store:
         before = {r["id"]: r["finished"] for r in store.runs()}
     assert 2 <= len(before) < 6
-    result = CliRunner().invoke(app, ["study", str(path), "--out", str(out), "--quiet"])
+    result = CliRunner().invoke(app, ["study", str(path), "--out", str(out), "--quiet", "--workers", "1"])
     assert result.exit_code == 0, result.output
     assert f"({len(before)} already stored, {6 - len(before)} run now)" in result.output
     with Store(db) as store:
@@ -255,10 +374,11 @@ def test_report_ranks_placements_when_a_study_compares_several(tmp_path):
         "main": {"sweep": {"placement": ["post", "pre", "rezero"]}, "rank": True},
         "lrs": {"sweep": {"placement": ["post", "pre", "rezero"], "lr": [0.001, 0.01]}, "rank": True},
     }}  # fmt: skip
-    run_study(parse_spec(spec), tmp_path, progress=False)
+    run(parse_spec(spec), tmp_path)
     html = (tmp_path / "report.html").read_text()
-    assert "<h2>Ranking</h2>" in html and "tolerated learning rates" in html
-    ranking = html[html.index("<h2>Ranking</h2>") : html.index("</table>", html.index("<h2>Ranking</h2>"))]
+    assert "Ranking</h2>" in html and "tolerated learning rates" in html
+    start = html.index("Ranking</h2>")
+    ranking = html[start : html.index("</table>", start)]
     assert all(f"<td>{p}</td>" in ranking for p in ("post", "pre", "rezero"))
     with Store(tmp_path / "study.sqlite") as store:
         main = [r for r in store.runs() if any(e == "main" for e, _ in r["experiments"])]
@@ -269,5 +389,5 @@ def test_report_ranks_placements_when_a_study_compares_several(tmp_path):
 def test_report_ranks_only_experiments_marked_for_ranking(tmp_path):
     spec = {"name": "norank", "base": dict(TINY), "experiments": {
         "main": {"sweep": {"placement": ["post", "pre", "rezero"]}}}}  # fmt: skip
-    run_study(parse_spec(spec), tmp_path, progress=False)
-    assert "<h2>Ranking</h2>" not in (tmp_path / "report.html").read_text()
+    run(parse_spec(spec), tmp_path)
+    assert "Ranking</h2>" not in (tmp_path / "report.html").read_text()

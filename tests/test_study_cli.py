@@ -1,18 +1,24 @@
-"""The study commands registered on a Typer app: run, resume, report, export, and one-line errors."""
+"""The study commands registered on a Typer app: run, resume, report, export, dry run, presets, keys,
+progress, findings table, and one-line errors."""
 
 from __future__ import annotations
 
 import io
+import re
+from pathlib import Path
 
 import typer
 import yaml
 from typer.testing import CliRunner
 
-from addnorm.study import Store, parse_spec
+from addnorm.study import Store, load_spec, parse_spec
 from addnorm.study.cli import register
-from addnorm.study.runner import Progress
+from addnorm.study.runner import StudyProgress
+from addnorm.study.spec import spec_keys_markdown
+from addnorm.train import RunConfig, RunResult
 
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=3, batch_size=4, seq_len=16, eval_every=0)
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "study-spec.md"
 
 
 def make_app() -> typer.Typer:
@@ -38,19 +44,22 @@ def test_register_adds_study_report_export():
     assert names == {"study", "report", "export"}
 
 
-def test_study_runs_resumes_reports_and_exports(tmp_path):
+def test_study_runs_resumes_reports_exports_and_prints_findings(tmp_path):
     app, runner = make_app(), CliRunner()
     spec, out = write_spec(tmp_path, placement=["post", "pre"]), tmp_path / "out"
-    args = ["study", str(spec), "--out", str(out), "--quiet", "--csv", "--set", "seed=5"]
+    args = ["study", str(spec), "--out", str(out), "--csv", "--set", "seed=5", "--workers", "1"]
     first = runner.invoke(app, args)
     assert first.exit_code == 0, first.output
     assert "2 runs (0 already stored, 2 run now)" in first.output
+    assert "Findings" in first.output and "┃ verdict" in first.output  # the table
+    assert "not tested by this study" in first.output
+    assert "Rule: a difference counts when" in first.output
     assert (out / "report.html").is_file() and (out / "csv" / "layer_metrics.csv").is_file()
     with Store(out / "study.sqlite") as store:
         runs = store.runs()
         assert {r["config"]["seed"] for r in runs} == {5}  # --set reached every run
         finished = {r["id"]: r["finished"] for r in runs}
-    second = runner.invoke(app, args)
+    second = runner.invoke(app, [*args, "--quiet"])
     assert second.exit_code == 0 and "2 runs (2 already stored, 0 run now)" in second.output
     with Store(out / "study.sqlite") as store:
         assert {r["id"]: r["finished"] for r in store.runs()} == finished
@@ -59,7 +68,38 @@ def test_study_runs_resumes_reports_and_exports(tmp_path):
     exported = runner.invoke(app, ["export", str(out), "--to", str(tmp_path / "x")])
     assert exported.exit_code == 0 and (tmp_path / "x" / "runs.csv").is_file()
     rows = (tmp_path / "x" / "runs.csv").read_text().splitlines()
-    assert len(rows) == 3 and rows[0].startswith("id,study,")
+    assert len(rows) == 3 and rows[0].startswith("id,status,") and ",placement," in rows[0]
+
+
+def test_dry_run_lists_runs_settings_and_cost_without_running(tmp_path):
+    app, runner = make_app(), CliRunner()
+    spec, out = write_spec(tmp_path, placement=["post", "Pre-LN"], lr=[0.001, 0.01]), tmp_path / "out"
+    result = runner.invoke(app, ["study", str(spec), "--out", str(out), "--dry-run", "--workers", "2"])
+    assert result.exit_code == 0, result.output
+    assert (
+        "4 runs, 0 already stored" in result.output
+        and "4 to run on 2 worker(s) x 1 torch thread(s)" in result.output
+    )
+    assert "estimated" in result.output and not (out / "study.sqlite").exists()
+    assert '"placement": "pre"' in result.output.replace("\n", "")  # the canonical, resolved config
+    for run in parse_spec(yaml.safe_load(spec.read_text())).expand():
+        assert run.run_id in result.output
+
+
+def test_show_keys_and_the_generated_spec_reference():
+    app, runner = make_app(), CliRunner()
+    shown = runner.invoke(app, ["study", "--show", "quick"])
+    assert shown.exit_code == 0 and yaml.safe_load(shown.output)["name"] == "quick"
+    assert load_spec("quick").expand()  # the template it printed is a valid spec
+    keys = runner.invoke(app, ["study", "--keys"])
+    assert keys.exit_code == 0
+    for key in RunConfig.keys():
+        assert re.search(rf"^{key} ", keys.output, re.M), key
+    markdown = runner.invoke(app, ["study", "--keys", "--markdown"])
+    assert markdown.output == spec_keys_markdown()
+    assert DOCS.read_text() == spec_keys_markdown(), "docs/study-spec.md is stale: regenerate it"
+    bad = runner.invoke(app, ["study", "--show", "quik"])
+    assert bad.exit_code == 2 and "unknown preset 'quik'" in bad.output
 
 
 def test_errors_are_one_line_with_exit_code_2(tmp_path):
@@ -74,6 +114,9 @@ def test_errors_are_one_line_with_exit_code_2(tmp_path):
         yaml.safe_dump({"name": "x", "experiments": {"a": {"sweep": {"norm": ["lyernorm"]}}}}): (
             "norm: unknown norm 'lyernorm'; expected one of: layernorm"
         ),
+        yaml.safe_dump({"name": "x", "base": {"steps": 10, "warmup": 10}, "experiments": {"a": None}}): (
+            "warmup: 10 warmup steps need more than that many steps, got steps=10"
+        ),
     }
     for text, expected in cases.items():
         bad.write_text(text)
@@ -84,7 +127,10 @@ def test_errors_are_one_line_with_exit_code_2(tmp_path):
     for args, expected in (
         (["study", "quik"], "unknown preset 'quik'"),
         (["study", "quick", "--set", "steps"], "--set: expected key=value"),
-        (["study", "quick", "--workers", "0"], "--workers: expected a positive integer"),
+        (["study", "quick", "--set", "experiments.ablation.set.steps=20"], "no experiment 'ablation'"),
+        (["study", "quick", "--workers", "0"], "--workers: expected a positive integer or 'auto'"),
+        (["study", "quick", "--workers", "many"], "--workers: expected a positive integer or 'auto'"),
+        (["study", "quick", "--threads", "0"], "--threads: expected a positive integer"),
         (["report", str(tmp_path / "nowhere")], "no study database"),
         (["export", str(tmp_path / "nowhere")], "no study database"),
     ):
@@ -100,14 +146,41 @@ def test_list_names_every_preset():
         assert f"{name}: " in result.output
 
 
+def _run():
+    (run,) = parse_spec({"name": "p", "base": dict(TINY), "experiments": {"a": None}}).expand()
+    return run
+
+
 def test_progress_prints_plain_lines_when_not_a_terminal():
     stream = io.StringIO()  # not a TTY
-    (run,) = parse_spec({"name": "p", "base": dict(TINY), "experiments": {"a": None}}).expand()
-    bar = Progress(total=2, remaining_cost=2.0, stream=stream)
+    run = _run()
+    bar = StudyProgress(total=2, done=0, todo=[run], stream=stream)
     bar.step(run, 0, 5.5)
     bar.step(run, 1, 5.0)  # within PLAIN_EVERY seconds of the last line: not printed
-    bar.finished(run, "done", "val loss 4.000")
+    bar.finished(run, RunResult("done", final={"val_loss": 4.0}, wall_s=1.0))
+    bar.close()
     lines = stream.getvalue().splitlines()
-    assert "\r" not in stream.getvalue() and len(lines) == 2
+    assert "\r" not in stream.getvalue() and "\x1b" not in stream.getvalue() and len(lines) == 2
     assert lines[0].startswith("[0/2] a: a | step 1/3 loss 5.500 | ETA")
-    assert lines[1].startswith("[1/2] a: a -> done val loss 4.000 | ETA")
+    assert lines[1].startswith("[1/2] a: a -> done val loss 4.000 (1s) | ETA")
+
+
+class FakeTerminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_on_a_narrow_terminal_fits_its_width(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    stream = FakeTerminal()
+    run = _run()
+    long = type(run)(run.experiment, "variant=" + "a very long label " * 8, run.config)
+    bar = StudyProgress(total=1, done=0, todo=[long], stream=stream)
+    for step in range(3):
+        bar.step(long, step, 5.0 - step)
+    bar.finished(long, RunResult("done", final={"val_loss": 4.0}, wall_s=1.0))
+    bar.close()
+    visible = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", stream.getvalue())
+    lines = [ln for chunk in visible.split("\r") for ln in chunk.split("\n") if ln.strip()]
+    assert lines and max(len(ln) for ln in lines) <= 80, max(lines, key=len)
+    assert any("-> done val loss 4.000" in ln for ln in lines)

@@ -1,11 +1,25 @@
-"""Every finding's verdict follows the stored numbers: change them in the database, the verdict changes."""
+"""Every finding's verdict follows the stored numbers under the stated rule: change them in the database,
+the verdict changes; seeds that disagree make it inconclusive."""
 
 from __future__ import annotations
 
+import math
 import time
 
+import pytest
+
 from addnorm.study import Store, compute_findings
-from addnorm.study.findings import NOT_SUPPORTED, NOT_TESTED, SUPPORTED
+from addnorm.study.findings import (
+    GROWTH,
+    INCONCLUSIVE,
+    NOT_SUPPORTED,
+    NOT_TESTED,
+    SUPPORTED,
+    Arm,
+    differ,
+    pooled_std,
+    trend,
+)
 from addnorm.train import RunConfig, RunResult
 
 WARMUP = "Pre-LN trains without warmup where Post-LN needs it"
@@ -15,22 +29,20 @@ RESIDUAL = "Removing the residual connection fails beyond about 6 layers"
 NO_NORM = "Removing the normalization is unstable"
 BATCHNORM = "BatchNorm generalises worse than LayerNorm"
 FINAL_NORM = "Pre-LN without a final norm is worse than with it"
+SEEDS = (0, 1, 2)
 
 
-def save(store, val_loss, status="done", grads=None, **config):
+def save(store, val_loss, status="done", grads=None, rms=None, **config):
     cfg = RunConfig(**config).to_dict()
     rows = [
-        {
-            "step": 0,
-            "layer": layer,
-            "layer_name": f"layers.{layer}",
-            "sublayer": "ff",
-            "metric": "weight_grad_norm",
-            "param": "ff.w1.weight",
-            "value": g,
-        }
+        {"step": 0, "layer": layer, "layer_name": f"layers.{layer}", "sublayer": "ff",
+         "metric": "weight_grad_norm", "param": "ff.w1.weight", "value": g}
         for layer, g in enumerate(grads or [])
-    ]
+    ] + [
+        {"step": 0, "layer": layer, "layer_name": f"layers.{layer}", "sublayer": "",
+         "metric": "act_rms", "param": None, "value": v}
+        for layer, v in enumerate(rms or [])
+    ]  # fmt: skip
     final = {"train_loss": val_loss, "val_loss": val_loss, "val_metric": 0.0, "metric": "bits_per_byte"}
     result = RunResult(status=status, final=final if status == "done" else {}, layer_metrics=rows)
     run_id = RunConfig(**cfg).run_id
@@ -38,8 +50,34 @@ def save(store, val_loss, status="done", grads=None, **config):
     return run_id
 
 
-def verdicts(store):
-    return {f.claim: f for f in compute_findings(store)}
+def save_arm(store, losses, **config) -> list[str]:
+    """One run per seed with the given held-out losses."""
+    return [save(store, loss, seed=seed, **config) for seed, loss in zip(SEEDS, losses, strict=True)]
+
+
+def verdicts(store) -> dict[str, list]:
+    out: dict[str, list] = {}
+    for f in compute_findings(store):
+        out.setdefault(f.claim, []).append(f)
+    return out
+
+
+def one(store, claim):
+    (finding,) = verdicts(store)[claim]
+    return finding
+
+
+def xavier(findings):
+    (finding,) = [f for f in findings if "init xavier" in f.evidence]
+    return finding
+
+
+def set_top_gradient(store, run_id, value):
+    query = (
+        "UPDATE layer_metrics SET value = ? WHERE run_id = ? AND layer = 3 AND metric = 'weight_grad_norm'"
+    )
+    store.db.execute(query, (value, run_id))
+    store.db.commit()
 
 
 def set_loss(store, run_id, value):
@@ -47,61 +85,148 @@ def set_loss(store, run_id, value):
     store.db.commit()
 
 
+def test_the_rule_in_closed_form():
+    a, b = Arm([2.0, 2.2, 2.4], [0, 1, 2]), Arm([1.0, 1.1, 1.2], [0, 1, 2])
+    # pooled sd = sqrt((2 * 0.04 + 2 * 0.01) / 4) = sqrt(0.025); difference 1.2 > 2 * 0.158
+    assert pooled_std(a, b) == pytest.approx(math.sqrt(0.025))
+    assert differ(a, b) == 1 and differ(b, a) == -1
+    close = Arm([1.25, 1.05, 1.4], [0, 1, 2])  # difference 0.133 < 2 * pooled sd
+    assert differ(close, b) == 0
+    assert differ(Arm([2.0], [0]), Arm([1.0], [0])) == 0  # one seed: no spread, no verdict
+    diverged, fine = Arm([math.inf] * 3, [0, 1, 2]), Arm([3.0, 3.1, 2.9], [0, 1, 2])
+    assert differ(diverged, fine) == 1 and differ(Arm([math.inf, 1.0, 1.0], [0, 1, 2]), fine) == 0
+    assert [trend(r) for r in (GROWTH * 1.01, 1.0, 1 / GROWTH / 1.01, float("nan"))] == [
+        "grows", "flat", "shrinks", "undefined",
+    ]  # fmt: skip
+
+
 def test_an_empty_study_tests_nothing(tmp_path):
     with Store(tmp_path / "s.sqlite") as store:
-        found = verdicts(store)
-    assert len(found) == 7 and {f.verdict for f in found.values()} == {NOT_TESTED}
+        found = compute_findings(store)
+    assert len(found) == 7 and {f.verdict for f in found} == {NOT_TESTED}
 
 
-def test_gradient_profiles(tmp_path):
+def test_gradient_profiles_per_init_with_the_mechanism(tmp_path):
     with Store(tmp_path / "s.sqlite") as store:
-        save(store, 2.0, placement="post", n_layers=4, grads=[1.0, 1.5, 2.0, 3.0])
-        pre = save(store, 2.0, placement="pre", n_layers=4, grads=[1.0, 1.1, 0.9, 1.0])
+        for seed, top in zip(SEEDS, (3.0, 3.3, 2.7), strict=True):
+            save(
+                store,
+                2.0,
+                placement="post",
+                n_layers=4,
+                seed=seed,
+                grads=[1.0, 1.5, 2.0, top],
+                rms=[1, 1, 1, 1],
+            )
+        pre = [
+            save(
+                store,
+                2.0,
+                placement="pre",
+                n_layers=4,
+                seed=s,
+                grads=[1, 1.1, 0.9, top],
+                rms=[1, 1.5, 2, 2.1],
+            )
+            for s, top in zip(SEEDS, (1.0, 1.05, 0.95), strict=True)
+        ]
+        save(store, 2.0, placement="pre", init="gpt2", n_layers=4, seed=0, grads=[1.0, 1.0, 1.0, 1.0])
         found = verdicts(store)
-        assert found[POST_GRAD].verdict == SUPPORTED and "3.00" in found[POST_GRAD].evidence
-        assert found[PRE_GRAD].verdict == SUPPORTED
-        store.db.execute(
-            "UPDATE layer_metrics SET value = 0.1 WHERE run_id = ? AND layer = 3", (pre,)
-        )  # the top layer's gradient collapses
-        store.db.commit()
-        found = verdicts(store)
-        assert found[PRE_GRAD].verdict == NOT_SUPPORTED and "0.10" in found[PRE_GRAD].evidence
+        post = found[POST_GRAD][0]
+        assert (
+            post.verdict == SUPPORTED
+            and "per seed 3.00, 3.30, 2.70" in post.evidence
+            and post.seeds == [0, 1, 2]
+        )
+        assert "init xavier" in post.evidence and "4 layers" in post.scale and "seeds 0, 1, 2" in post.scale
+        pre_x, pre_gpt2 = sorted(found[PRE_GRAD], key=lambda f: "gpt2" in f.evidence)
+        assert (
+            pre_x.verdict == SUPPORTED and "predicts 1/2.10 = 0.48, measured 1.00" in pre_x.evidence
+        )  # stream RMS 1 -> 2.1
+        assert pre_gpt2.verdict == INCONCLUSIVE and "init gpt2" in pre_gpt2.evidence  # one seed only
+        # the seeds disagree: one shrinks, one is flat, one grows -> inconclusive
+        for run_id, top in zip(pre, (0.5, 1.0, 2.0), strict=True):
+            set_top_gradient(store, run_id, top)
+        assert xavier(verdicts(store)[PRE_GRAD]).verdict == INCONCLUSIVE
+        for run_id in pre:  # every seed's top-layer gradient collapses: clearly not flat
+            set_top_gradient(store, run_id, 0.1)
+        pre_x = xavier(verdicts(store)[PRE_GRAD])
+        assert pre_x.verdict == NOT_SUPPORTED and "0.10" in pre_x.evidence
 
 
-def test_residual_norm_batchnorm_and_final_norm_ablations(tmp_path):
+def test_ablations_need_the_difference_to_beat_the_spread(tmp_path):
     with Store(tmp_path / "s.sqlite") as store:
-        for depth, base, no_res, no_norm, bn in ((2, 2.0, 2.05, 2.0, 2.3), (8, 1.8, 3.0, 2.5, 2.1)):
-            save(store, base, n_layers=depth)
-            save(store, no_res, n_layers=depth, residual=False)
-            save(store, no_norm, n_layers=depth, norm="none")
-            save(store, bn, n_layers=depth, norm="batchnorm")
-        deep_no_res = RunConfig(n_layers=8, residual=False).run_id
-        deep_no_norm = RunConfig(n_layers=8, norm="none").run_id
-        save(store, 1.9, n_layers=6, final_norm="auto")
-        no_final = save(store, 2.2, n_layers=6, final_norm=False)
-        found = verdicts(store)
-        assert {found[c].verdict for c in (RESIDUAL, NO_NORM, BATCHNORM, FINAL_NORM)} == {SUPPORTED}
-        assert "8 layers: loss without/with residual = 1.67" in found[RESIDUAL].evidence
-        set_loss(store, deep_no_res, 1.8)
-        set_loss(store, deep_no_norm, 1.8)
-        set_loss(store, no_final, 1.85)
-        found = verdicts(store)
-        assert {found[c].verdict for c in (RESIDUAL, NO_NORM, FINAL_NORM)} == {NOT_SUPPORTED}
+        deep_no_res, deep_no_norm = [], []
+        for depth, base, no_res, no_norm, bn in ((2, 2.0, 2.1, 2.0, 2.3), (8, 1.8, 3.0, 2.5, 2.1)):
+            save_arm(store, [base - 0.01, base, base + 0.01], n_layers=depth)
+            ids = save_arm(store, [no_res - 0.01, no_res, no_res + 0.01], n_layers=depth, residual=False)
+            ids_nn = save_arm(store, [no_norm - 0.01, no_norm, no_norm + 0.01], n_layers=depth, norm="none")
+            save_arm(store, [bn - 0.01, bn, bn + 0.01], n_layers=depth, norm="batchnorm")
+            if depth == 8:
+                deep_no_res, deep_no_norm = ids, ids_nn
+        save_arm(store, [1.89, 1.9, 1.91], n_layers=6, final_norm="auto")
+        no_final = save_arm(store, [2.19, 2.2, 2.21], n_layers=6, final_norm=False)
+        found = {c: one(store, c) for c in (RESIDUAL, NO_NORM, BATCHNORM, FINAL_NORM)}
+        assert {f.verdict for f in found.values()} == {SUPPORTED}
+        assert "8 layers: with residual 1.800 ± 0.010 (3 seeds), without residual 3.000 ± 0.010" in (
+            found[RESIDUAL].evidence
+        )
+        assert "pooled sd" in found[BATCHNORM].evidence and "seeds 0, 1, 2" in found[BATCHNORM].scale
+        # the seeds of the no-final-norm arm now straddle the other arm: inconclusive
+        for run_id, value in zip(no_final, (1.7, 1.95, 2.2), strict=True):
+            set_loss(store, run_id, value)
+        assert one(store, FINAL_NORM).verdict == INCONCLUSIVE
+        for run_id, value in zip(no_final, (1.79, 1.8, 1.81), strict=True):  # clearly better without
+            set_loss(store, run_id, value)
+        assert one(store, FINAL_NORM).verdict == NOT_SUPPORTED
+        for run_id in deep_no_res:  # no residual is now better at 8 layers
+            set_loss(store, run_id, 1.5)
+        assert one(store, RESIDUAL).verdict == NOT_SUPPORTED
+        for run_id, value in zip(deep_no_norm, (1.5, 1.51, 1.49), strict=True):  # no norm better when deep
+            set_loss(store, run_id, value)
+        assert one(store, NO_NORM).verdict == NOT_SUPPORTED
         store.db.execute(
-            "UPDATE runs SET status = 'diverged', final_val_loss = NULL WHERE id = ?", (deep_no_norm,)
+            f"UPDATE runs SET status = 'diverged', final_val_loss = NULL WHERE id IN ({','.join('?' * 3)})",
+            deep_no_norm,
         )
         store.db.commit()
-        found = verdicts(store)
-        assert found[NO_NORM].verdict == SUPPORTED and "1 no-norm run(s) diverged" in found[NO_NORM].evidence
+        no_norm = one(store, NO_NORM)
+        assert no_norm.verdict == SUPPORTED and "diverged (3 of 3 seeds)" in no_norm.evidence
 
 
-def test_warmup_needs_both_placements(tmp_path):
+def test_warmup_needs_both_placements_and_agreeing_seeds(tmp_path):
     with Store(tmp_path / "s.sqlite") as store:
-        save(store, 3.0, placement="post", warmup=0)
-        save(store, 2.0, placement="post", warmup=50)
-        assert verdicts(store)[WARMUP].verdict == NOT_TESTED  # no Pre-LN runs yet
-        save(store, 2.0, placement="pre", warmup=0)
-        pre_warm = save(store, 2.0, placement="pre", warmup=50)
-        assert verdicts(store)[WARMUP].verdict == SUPPORTED
-        set_loss(store, pre_warm, 1.5)  # now Pre-LN needs warmup too
-        assert verdicts(store)[WARMUP].verdict == NOT_SUPPORTED
+        post_cold = save_arm(store, [3.0, 3.1, 2.9], placement="post", warmup=0)
+        save_arm(store, [2.0, 2.05, 1.95], placement="post", warmup=50)
+        assert one(store, WARMUP).verdict == NOT_TESTED  # no Pre-LN runs yet
+        save_arm(store, [1.9, 1.95, 1.85], placement="pre", warmup=0)
+        pre_warm = save_arm(store, [1.9, 1.92, 1.88], placement="pre", warmup=50)
+        finding = one(store, WARMUP)
+        assert finding.verdict == SUPPORTED and "Post-LN 3.000 ± 0.100 (3 seeds)" in finding.evidence
+        assert finding.seeds == [0, 1, 2] and "lr 0.001" in finding.scale
+        for run_id, value in zip(post_cold, (1.6, 2.1, 3.6), strict=True):  # seeds disagree
+            set_loss(store, run_id, value)
+        assert one(store, WARMUP).verdict == INCONCLUSIVE
+        for run_id, value in zip(post_cold, (3.0, 3.1, 2.9), strict=True):
+            set_loss(store, run_id, value)
+        for run_id in pre_warm:  # now Pre-LN clearly needs warmup too
+            set_loss(store, run_id, 1.5)
+        assert one(store, WARMUP).verdict == NOT_SUPPORTED
+
+
+def test_failed_runs_are_not_evidence(tmp_path):
+    with Store(tmp_path / "s.sqlite") as store:
+        save_arm(store, [2.0, 2.01, 1.99], n_layers=2)
+        save(store, 0.0, status="failed", n_layers=2, norm="batchnorm")
+        assert one(store, BATCHNORM).verdict == NOT_TESTED
+
+
+def test_runs_that_start_alike_are_one_seed_not_two(tmp_path):
+    """Warmup does not change the initialisation: two runs of seed 0 are one sample, not a spread of 0."""
+    with Store(tmp_path / "s.sqlite") as store:
+        for warmup in (0, 50):
+            save(
+                store, 2.0, placement="pre", n_layers=4, warmup=warmup, steps=100, grads=[1.0, 0.9, 0.8, 0.5]
+            )
+        (finding,) = verdicts(store)[PRE_GRAD]
+        assert finding.seeds == [0] and finding.verdict == INCONCLUSIVE and "(seeds 0)" in finding.evidence

@@ -1,16 +1,23 @@
-"""The report: self-contained HTML built from the database alone, plots only where the data exists."""
+"""The report: self-contained HTML built from the database alone, plots only where the data exists, and
+readable with many series (distinct colours, legends outside, small multiples, clipped spikes)."""
 
 from __future__ import annotations
 
 import re
 
 from addnorm.study import Store, build_report, parse_spec, run_study
+from addnorm.study.report import MAX_INLINE, _facets, _robust_top, palette
 
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=4, batch_size=4, seq_len=16, eval_batches=1)
 
 
 def figures(page: str) -> list[str]:
     return re.findall(r'<img alt="([^"]*)" src="data:image/png;base64,', page)
+
+
+def section(page: str, name: str, end: str | None = None) -> str:
+    start = page.index(f"<h2 id='{name}'>")
+    return page[start : page.index(f"<h2 id='{end}'>") if end else None]
 
 
 def test_plots_follow_the_data(tmp_path):
@@ -22,23 +29,29 @@ def test_plots_follow_the_data(tmp_path):
             "noeval": {"set": {"eval_every": 0, "seed": 7}},
         },
     }
-    run_study(parse_spec(spec), tmp_path, progress=False)
+    run_study(parse_spec(spec), tmp_path, workers=1, progress=False)
     page = (tmp_path / "report.html").read_text()
     assert not re.search(r'src="(?!data:)', page)  # nothing to fetch: one self-contained file
-    lrs = figures(page[page.index("<h2>lrs</h2>") : page.index("<h2>noeval</h2>")])
-    assert "final loss vs lr" in lrs and "final loss vs warmup" not in lrs
-    assert {"loss curves", "per layer: FFN weight-gradient norm", "per layer: residual stream RMS"} <= set(
-        lrs
+    lrs = figures(section(page, "lrs", "noeval"))
+    assert "lrs: final loss vs lr" in lrs and not any("vs warmup" in f for f in lrs)
+    assert "lrs: training loss and held-out loss, mean over seeds (shaded: min to max)" in lrs
+    init = [f for f in lrs if f.endswith("at initialisation")]
+    assert init == [
+        "lrs: per-layer FFN weight-gradient norm, residual-stream gradient norm, residual-stream RMS at "
+        "initialisation"
+    ]  # the stream's RMS beside the gradient profile
+    assert any(f.startswith("lrs: per-layer") and f.endswith("at step 3") for f in lrs)
+    assert "lrs: RMS of x, F(x), x + F(x)" in lrs
+    noeval = figures(section(page, "noeval"))
+    assert (
+        not any("vs lr" in f for f in noeval)
+        and "noeval: training loss, mean over seeds (shaded: min to max)" in noeval
     )
-    assert {"per layer: residual-stream gradient norm", "per layer: FFN update / weight (mean)"} <= set(lrs)
-    assert "x, F(x), x + F(x)" in lrs
-    noeval = figures(page[page.index("<h2>noeval</h2>") :])
-    assert "final loss vs lr" not in noeval and "loss curves" in noeval
 
 
 def test_report_is_rebuilt_from_the_database_alone(tmp_path):
     spec = {"name": "r", "base": {**TINY, "eval_every": 0}, "experiments": {"a": {"sweep": {"seed": [0, 1]}}}}
-    run_study(parse_spec(spec), tmp_path, progress=False)
+    run_study(parse_spec(spec), tmp_path, workers=1, progress=False)
     first = (tmp_path / "report.html").read_text()
     (tmp_path / "report.html").unlink()
     with Store(tmp_path / "study.sqlite") as store:  # a stored number changes: the report follows
@@ -48,3 +61,29 @@ def test_report_is_rebuilt_from_the_database_alone(tmp_path):
     second = build_report(tmp_path).read_text()
     assert "12.345" in second and "12.345" not in first
     assert second.count("<tr>") == first.count("<tr>")
+
+
+def test_many_series_get_distinct_styles_and_small_multiples():
+    styles = palette(16)
+    assert len(set(styles)) == 16 and len({c for c, _ in styles}) == 16  # 16 colours for 16 placements
+    assert len(set(palette(64))) == 64  # markers on top of the colours beyond 20
+    placements = [f"p{i}" for i in range(16)]
+    labels = [f"placement={p}, n_layers={n}, warmup={w}" for p in placements for n in (2, 8) for w in (0, 50)]
+    split, facets, series = _facets(labels)
+    assert series == [f"placement={p}" for p in placements]  # colour: the axis with the most values
+    assert facets == [
+        "n_layers=2, warmup=0",
+        "n_layers=2, warmup=50",
+        "n_layers=8, warmup=0",
+        "n_layers=8, warmup=50",
+    ]
+    few = [f"placement={p}" for p in placements[:MAX_INLINE]]
+    assert _facets(few)[1] == [""]  # few series: one panel
+
+
+def test_first_step_spikes_are_clipped_not_plotted_to_scale():
+    steps = list(range(100))
+    values = [30.0] + [2.0 + 0.01 * (100 - s) for s in steps[1:]]  # one first-step spike of 30
+    clip, highest = _robust_top(values, steps)
+    assert 3.0 < clip < 4.0 and highest == 30.0
+    assert _robust_top([2.0 + 0.01 * s for s in steps], steps) is None  # nothing to clip

@@ -111,10 +111,12 @@ def test_divergence_is_recorded_not_raised():
 
 
 def test_run_config_errors_name_the_key():
-    with pytest.raises(ValueError, match="n_layers: expected a positive integer, got 0"):
+    with pytest.raises(ValueError, match="n_layers: expected a positive int, got 0"):
         RunConfig(n_layers=0)
     with pytest.raises(ValueError, match="placement: unknown placement 'postt'"):
         RunConfig(placement="postt")
-    with pytest.raises(ValueError, match="dropout_at: expected one of branch, after_add, none"):
+    with pytest.raises(ValueError, match="dropout_at: expected one of branch, after_add"):
         RunConfig(dropout_at="everywhere")
+    with pytest.raises(TypeError, match="stepz: unknown run setting; expected one of: task"):
+        RunConfig(stepz=3)
     assert RunConfig().run_id == RunConfig().run_id != RunConfig(seed=1).run_id

@@ -7,10 +7,9 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
-from torch.nn.modules import module as nn_module
 
 from .norms import NORMS, LayerNorm, RMSNorm, build_norm
-from .ops import add_norm
+from .ops import add_norm, policy
 from .placements import Placement, get_placement
 
 DROPOUT_SITES = ("branch", "after_add")
@@ -36,53 +35,39 @@ def _check_same_shape(x: Tensor, fx: object, what: str = "sublayer") -> Tensor:
     return fx
 
 
-def hooked(module: nn.Module) -> bool:
-    """Whether calling ``module`` runs forward hooks (its own or global ones), which must see tensors."""
-    return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or nn_module._global_forward_hooks
-        or nn_module._global_forward_pre_hooks
-    )
+def check_bool(name: str, value: object) -> bool:
+    """``value`` if it is True or False, else a one-line ``TypeError`` naming the argument (an option such
+    as ``fused="no"`` or ``residual=0`` would otherwise be read by its truthiness)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: expected True or False, got {value!r} ({type(value).__name__})")
+    return value
 
 
-def fusable_norm(norm: nn.Module | None) -> bool:
-    """A norm that :func:`addnorm.ops.add_norm` computes itself: exactly LayerNorm or RMSNorm, unhooked."""
-    return type(norm) in (LayerNorm, RMSNorm) and not hooked(norm)
+_OP_NORMS = {LayerNorm: "layernorm", RMSNorm: "rmsnorm"}
+_OP_GATES = ("none", "rezero", "layerscale")
 
 
-class PendingAdd:
-    """A residual add held back until the norm that next reads the stream, so both run as one fused op.
+def op_norm(norm: nn.Module | None) -> str | None:
+    """The ``norm=`` under which :func:`addnorm.ops.add_norm` computes ``norm`` itself: ``"layernorm"`` or
+    ``"rmsnorm"`` for exactly addnorm's LayerNorm or RMSNorm (a subclass may compute something else),
+    else None."""
+    return _OP_NORMS.get(type(norm))
 
-    Stands for the stream s = alpha * residual + g * D(branch), with alpha, gate g and dropout D those of
-    ``conn``. In a Pre-LN stack the add closing sublayer i meets the input norm of sublayer i+1 (in the
-    same layer or the next) or the stack's final norm: ``add_norm(..., prenorm=True)`` returns
-    (N(s), s) in one pass instead of an add kernel and a norm kernel. Stacks pass these between layers;
-    :meth:`resolve` gives the tensor s (unfused) wherever a tensor is needed.
+
+class ObservationPoint(nn.Module):
+    """A point of the residual stream that hooks read (:class:`addnorm.Probe`, activation statistics):
+    the identity, called on every step whether or not anything is hooked, so observing never changes
+    the computation.
+
+    Called as ``point(t)`` on the tensor at that point. Where the stream s leaves a fused op together
+    with the next norm (a held-back add, :mod:`addnorm.model.stream`), no tensor carries the whole
+    gradient dL/ds: the norm's share stays inside the op. The point is then called as
+    ``point(s, grad_from=r, grad_scale=alpha)``: ``r`` is the op's residual input, read by that op only,
+    and dL/ds = dL/dr / alpha. Hooks registered ``with_kwargs=True`` see both.
     """
 
-    __slots__ = ("residual", "branch", "conn")
-
-    def __init__(self, residual: Tensor, branch: Tensor, conn: AddNorm) -> None:
-        self.residual, self.branch, self.conn = residual, branch, conn
-
-    def resolve(self) -> Tensor:
-        """The stream s as a tensor (the add alone, unfused)."""
-        return self.conn.add(self.branch, self.residual)
-
-    def normalize(self, norm: nn.Module | None, *, return_stream: bool = False):
-        """N(s), or (N(s), s) with ``return_stream``: one fused op when ``norm`` is a plain LayerNorm or
-        RMSNorm (see :func:`fusable_norm`), else the add then ``norm`` (None: the identity)."""
-        if self.conn.fused and fusable_norm(norm):
-            return self.conn.add_then_norm(self.branch, self.residual, norm, prenorm=return_stream)
-        s = self.resolve()
-        y = norm(s) if norm is not None else s
-        return (y, s) if return_stream else y
-
-
-def resolve(x: Tensor | PendingAdd) -> Tensor:
-    """The stream as a tensor, doing a held-back add if there is one."""
-    return x.resolve() if isinstance(x, PendingAdd) else x
+    def forward(self, x: Tensor, grad_from: Tensor | None = None, grad_scale: float = 1.0) -> Tensor:
+        return x
 
 
 class AddNorm(nn.Module):
@@ -94,7 +79,7 @@ class AddNorm(nn.Module):
 
     e.g. ``post``: N(x + D(F(x))) (Vaswani et al. 2017), ``pre``: x + D(F(N(x))) (Xiong et al. 2020).
     g is 1, ReZero's scalar (init 0) or LayerScale's vector; Admin replaces alpha by a vector omega;
-    nGPT uses s = h + a * (f - h) with a per-feature step a (init 0.05).
+    nGPT uses s = h + |a| * (f - h) with a per-feature step a (init 0.05).
 
     Args:
         d_model: feature size of x.
@@ -110,16 +95,19 @@ class AddNorm(nn.Module):
 
     ``conn.placement = "post"`` switches placement at run time between placements whose parameters
     are the same (same number of norms, same gate); otherwise it raises ``ValueError``.
-    ``conn.branch`` is an identity module applied to N2(F(h)): hook it to observe the branch.
 
-    ``fused=True`` (the default) computes "add, then norm" in one call of :func:`addnorm.ops.add_norm`
-    (Triton on CUDA) whenever the placement ends with an output norm (post, pre_post, deepnorm, ...)
-    that is a LayerNorm or RMSNorm, with the residual on and dropout on the branch; placements without
-    one (pre, layerscale, sandwich, ...) can hand their add on as a :class:`PendingAdd`
-    (``defer_add=True``, which layers and stacks use) to fuse it with the next input or final norm.
-    ``fused=False`` keeps the unfused modules, the readable reference. Same function, except that the
-    fused dropout mask comes from a counter-based hash of a seed drawn from torch's generator, not from
-    ``nn.Dropout``'s RNG stream: equally distributed, but a different mask for the same manual seed.
+    Observation points, to hook (never the norms, which the fused op may compute without calling):
+    ``conn.stream_in`` (the stream x), ``conn.branch`` (N2(F(h)), before dropout and gate) and
+    ``conn.stream_out`` (the connection's output y); see :class:`ObservationPoint`.
+
+    ``fused=True`` (the default) lets the connection's add run inside :func:`addnorm.ops.add_norm`
+    (Triton on CUDA) where :meth:`add_fusion` allows it: with its own output norm (post, pre_post,
+    deepnorm, ...) when that is a LayerNorm or RMSNorm, or, for placements without one (pre,
+    layerscale, sandwich, ...), with the norm that next reads the stream in a layer or stack
+    (:mod:`addnorm.model.stream`). ``fused=False`` keeps the unfused modules, the readable reference.
+    Same function, except that the fused dropout mask comes from a counter-based hash of a seed drawn
+    from torch's generator, not from ``nn.Dropout``'s RNG stream: equally distributed, but a different
+    mask for the same manual seed.
     """
 
     def __init__(
@@ -150,11 +138,11 @@ class AddNorm(nn.Module):
         p = get_placement(placement)
         self.d_model = d_model
         self.norm_name = NORMS.resolve(p.norm or norm)
-        self.residual = bool(residual)
+        self.residual = check_bool("residual", residual)
         self.dropout_at = dropout_at
         self.dropout = nn.Dropout(dropout)
         self.alpha = float(p.alpha if alpha is None else alpha)
-        self._placement = p
+        self._use(p)
         kw = {"device": device, "dtype": dtype}
         for attr in _NORM_ATTRS[: len(p.norm_slots)]:
             norm_module = build_norm(
@@ -174,8 +162,19 @@ class AddNorm(nn.Module):
             self.gate_init_value = NGPT_ALPHA_INIT if gate_init is None else gate_init
             self.gate = nn.Parameter(torch.full((d_model,), self.gate_scale, **kw))
         self.omega = nn.Parameter(torch.ones(d_model, **kw)) if p.omega else None
-        self.branch = nn.Identity()
-        self.fused = bool(fused)
+        self.stream_in = ObservationPoint()
+        self.branch = ObservationPoint()
+        self.stream_out = ObservationPoint()
+        self.fused = fused
+
+    @property
+    def fused(self) -> bool:
+        """Whether the add may run inside the fused op (where :meth:`add_fusion` allows)."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        self._fused = check_bool("fused", value)
 
     # --- placement ------------------------------------------------------------------------------
     @property
@@ -195,113 +194,139 @@ class AddNorm(nn.Module):
                 f"{old.gate!r}) to {new.name!r} ({len(new.norm_slots)} norm(s), gate {new.gate!r}) at run "
                 "time: they need different parameters; build a new AddNorm instead"
             )
-        self._placement = new
+        self._use(new)
 
-    def _slot(self, slot: str) -> nn.Module | None:
-        slots = self._placement.norm_slots
-        return getattr(self, _NORM_ATTRS[slots.index(slot)]) if slot in slots else None
+    def _use(self, placement: Placement) -> None:
+        """Take ``placement``, and note which norm module fills each of its slots (input, branch, output)."""
+        self._placement = placement
+        attrs = dict(zip(placement.norm_slots, _NORM_ATTRS, strict=False))
+        self._norm_attrs = tuple(attrs.get(slot) for slot in ("input_norm", "branch_norm", "output_norm"))
+
+    def _norm(self, index: int) -> nn.Module | None:
+        attr = self._norm_attrs[index]
+        return None if attr is None else self._modules[attr]
 
     @property
     def input_norm(self) -> nn.Module | None:
-        return self._slot("input_norm")
+        return self._norm(0)
 
     @property
     def branch_norm(self) -> nn.Module | None:
-        return self._slot("branch_norm")
+        return self._norm(1)
 
     @property
     def output_norm(self) -> nn.Module | None:
-        return self._slot("output_norm")
+        return self._norm(2)
 
     @property
     def gate_value(self) -> Tensor | None:
-        """The gate as applied: ReZero's scalar, LayerScale's vector, nGPT's step alpha."""
+        """The gate as applied: ReZero's scalar, LayerScale's vector, nGPT's step |alpha| (the stored
+        parameter times alpha_init / scale, made non-negative as in the authors' code)."""
         if self.gate is None or self._placement.gate != "ngpt":
             return self.gate
-        return self.gate * (self.gate_init_value / self.gate_scale)
+        return (self.gate * (self.gate_init_value / self.gate_scale)).abs()
 
-    # --- forward --------------------------------------------------------------------------------
-    def forward(
-        self,
-        x: Tensor | PendingAdd,
-        sublayer: Callable[[Tensor], Tensor],
-        *,
-        extra_residual: Tensor | None = None,
-        return_branch: bool = False,
-        defer_add: bool = False,
-    ) -> Tensor | tuple[Tensor, Tensor] | PendingAdd:
-        """y for input x; ``extra_residual`` is added to the sum (B2T's bottom-to-top input);
-        ``return_branch=True`` also returns the branch f as added (ResiDual's second stream).
+    # --- forward: tensors in, tensors out ---------------------------------------------------------
+    def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:
+        """y = N3(alpha * base + g * D(N2(F(N1(x))))), base = x or N1(x) (see the class docstring)."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x: expected a Tensor, got {type(x).__name__}")
+        if x.ndim == 0 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x: last dimension must be d_model={self.d_model}, got shape {tuple(x.shape)}")
+        x = self.stream_in(x)
+        n1 = self.input_norm
+        f, base = self.branch_of(x, n1(x) if n1 is not None else x, sublayer)
+        return self.add_and_norm(f, base, fuse=self.add_fusion(f, base) == "now")[0]
 
-        ``defer_add=True`` lets a connection without output norm (Pre-LN and kin) return a
-        :class:`PendingAdd` instead of doing its add, so that the add fuses with the next norm; ``x``
-        may be such a :class:`PendingAdd` (its add then fuses with this connection's input norm)."""
-        n1, n2, n3 = self.input_norm, self.branch_norm, self.output_norm
-        if isinstance(x, PendingAdd):
-            h, x = x.normalize(n1, return_stream=True) if n1 is not None else (x.resolve(),) * 2
-        else:
-            if not isinstance(x, Tensor):
-                raise TypeError(f"x: expected a Tensor, got {type(x).__name__}")
-            if x.ndim == 0 or x.shape[-1] != self.d_model:
-                raise ValueError(
-                    f"x: last dimension must be d_model={self.d_model}, got shape {tuple(x.shape)}"
-                )
-            h = n1(x) if n1 is not None else x
+    def branch_of(self, x: Tensor, h: Tensor, sublayer: Callable[[Tensor], Tensor]) -> tuple[Tensor, Tensor]:
+        """(f, base) for the stream x and its normed input h = N1(x): the branch f = N2(F(h)), through
+        the ``branch`` point, and the residual base, x or h (``residual_from``)."""
         if not callable(sublayer):
             raise TypeError(f"sublayer: expected a callable tensor -> tensor, got {type(sublayer).__name__}")
         f = _check_same_shape(h, sublayer(h))
+        n2 = self.branch_norm
         if n2 is not None:
             f = n2(f)
-        f = self.branch(f)
-        base = h if self._placement.residual_from == "normed_input" else x
-        if extra_residual is None and not return_branch and self._add_fusable(f, base):
-            if n3 is None and defer_add and not hooked(self):
-                return PendingAdd(base, f, self)
-            if fusable_norm(n3):
-                return self.add_then_norm(f, base, n3)  # y = N3(alpha * base + g * D(f)), one op
-        if self.dropout_at == "branch":
-            f = self.dropout(f)
-        s = self._combine(f, base)
-        if extra_residual is not None:
-            s = s + extra_residual
+        return self.branch(f), (h if self._placement.residual_from == "normed_input" else x)
+
+    def add_fusion(self, f: Tensor, base: Tensor) -> str | None:
+        """How this call's add s = alpha * base + g * D(f) runs: the one place fusion is decided.
+
+        ``"now"``: in one :func:`addnorm.ops.add_norm` call with the connection's output norm;
+        ``"next"`` (no output norm): held back, to run inside the op with the norm that next reads the
+        stream (:mod:`addnorm.model.stream`; where none does, or the op cannot compute it, the add runs
+        unfused then); None: the unfused modules. Fused when ``fused`` is on, the op computes this add
+        (residual on, dropout on the branch, a scalar alpha, gate none / ReZero / LayerScale, a stream
+        dtype it keeps: base's, or float32) and :func:`addnorm.ops.policy.fused_op_preferred` prefers
+        the op on the stream's device with this call's dropout. Hooks play no part.
+        """
+        if not (
+            self._fused
+            and self.residual
+            and self.dropout_at == "branch"
+            and self.omega is None
+            and self._placement.gate in _OP_GATES
+            and torch.promote_types(f.dtype, base.dtype) in (base.dtype, torch.float32)
+        ):
+            return None
+        if not policy.fused_op_preferred(base.device, dropout=self.training and self.dropout.p > 0):
+            return None
+        n3 = self.output_norm
+        if n3 is None:
+            return "next"
+        return "now" if op_norm(n3) is not None else None
+
+    def add_and_norm(
+        self, f: Tensor, base: Tensor, extra: Tensor | None = None, *, fuse: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """(y, d): y = N3(alpha * base + g * D(f) + extra) through the ``stream_out`` point, in one fused
+        op with ``fuse`` (``add_fusion`` said ``"now"``; no ``extra``), and d the branch as added (for
+        ResiDual's second stream; None when fused)."""
+        if fuse:
+            return self.stream_out(self.add_then_norm(f, base, self.output_norm)), None
+        s, d = self.add(f, base, extra)
+        n3 = self.output_norm
+        return self.stream_out(n3(s) if n3 is not None else s), d
+
+    def add(self, f: Tensor, base: Tensor, extra: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """(s, d), unfused: d = D(f) (dropout on the branch) or f, s = alpha * base + g * d + extra, then
+        D(s) with dropout after the add. Admin's omega replaces alpha; nGPT's s = base + a * (d - base);
+        without the residual s = d."""
+        d = self.dropout(f) if self.dropout_at == "branch" else f
+        s = self._combine(d, base)
+        if extra is not None:
+            s = s + extra
         if self.dropout_at == "after_add":
             s = self.dropout(s)
-        y = n3(s) if n3 is not None else s
-        return (y, f) if return_branch else y
+        return s, d
 
-    def _combine(self, f: Tensor, base: Tensor) -> Tensor:
-        """s from the branch f (after dropout) and the residual base: alpha * base + g * f (omega for
-        Admin, nGPT's base + a * (f - base)); f alone without the residual."""
+    def _combine(self, d: Tensor, base: Tensor) -> Tensor:
         if not self.residual:
-            return f
+            return d
         if self._placement.gate == "ngpt":
-            return base + self.gate_value * (f - base)
+            return base + self.gate_value * (d - base)
         if self.gate is not None:
-            f = self.gate * f
+            d = self.gate * d
         if self.omega is not None:
             base = base * self.omega
         elif self.alpha != 1.0:
             base = self.alpha * base
-        return base + f
-
-    def add(self, f: Tensor, base: Tensor) -> Tensor:
-        """The connection's add alone, unfused: s = alpha * base + g * D(f) (dropout on the branch)."""
-        return self._combine(self.dropout(f) if self.dropout_at == "branch" else f, base)
+        return base + d
 
     def add_then_norm(
         self, f: Tensor, base: Tensor, norm: nn.Module, *, prenorm: bool = False
     ) -> Tensor | tuple[Tensor, Tensor]:
-        """N(alpha * base + g * D(f)) for a LayerNorm/RMSNorm ``norm`` in one :func:`addnorm.ops.add_norm`
-        call; with ``prenorm`` also the stream s, as (N(s), s). s and y take the dtype that the unfused
-        add would give (base's, or float32 when f promotes it)."""
-        rms = isinstance(norm, RMSNorm)
+        """N(alpha * base + g * D(f)) for a LayerNorm/RMSNorm ``norm`` (see :func:`op_norm`) in one
+        :func:`addnorm.ops.add_norm` call; with ``prenorm`` also the stream s, as (N(s), s). s and y take
+        the dtype that the unfused add would give (base's, or float32 when f promotes it)."""
+        kind = op_norm(norm)
         dtype = torch.promote_types(f.dtype, base.dtype)
         return add_norm(
             f,
             base,
-            norm.gain if rms else norm.weight,
+            norm.gain if kind == "rmsnorm" else norm.weight,
             norm.bias,
-            norm="rmsnorm" if rms else "layernorm",
+            norm=kind,
             eps=norm.eps,
             prenorm=prenorm,
             alpha=self.alpha,
@@ -310,19 +335,6 @@ class AddNorm(nn.Module):
             training=self.training,
             residual_in_fp32=dtype == torch.float32,
             out_dtype=dtype,
-        )
-
-    def _add_fusable(self, f: Tensor, base: Tensor) -> bool:
-        """Whether the add can be the first half of :func:`addnorm.ops.add_norm`: fused on, the residual
-        on, dropout on the branch, a scalar alpha, a ReZero / LayerScale gate or none, and a stream
-        dtype the op can keep (base's, or float32)."""
-        return (
-            self.fused
-            and self.residual
-            and self.dropout_at == "branch"
-            and self._placement.gate in ("none", "rezero", "layerscale")
-            and self.omega is None
-            and torch.promote_types(f.dtype, base.dtype) in (base.dtype, torch.float32)
         )
 
     def extra_repr(self) -> str:
@@ -341,7 +353,9 @@ class SublayerConnection(AddNorm):
     """
 
     def __init__(self, d_model: int, dropout: float = 0.1, pre_norm: bool = True, **kwargs) -> None:
-        super().__init__(d_model, "pre" if pre_norm else "post", dropout=dropout, **kwargs)
+        super().__init__(
+            d_model, "pre" if check_bool("pre_norm", pre_norm) else "post", dropout=dropout, **kwargs
+        )
 
     @property
     def pre_norm(self) -> bool:
@@ -349,4 +363,4 @@ class SublayerConnection(AddNorm):
 
     @pre_norm.setter
     def pre_norm(self, value: bool) -> None:
-        self.placement = "pre" if value else "post"
+        self.placement = "pre" if check_bool("pre_norm", value) else "post"

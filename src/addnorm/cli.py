@@ -8,15 +8,28 @@ while Pre-LN's do not.
 from __future__ import annotations
 
 import json
-import math
+import re
 import sys
 from pathlib import Path
 
-import typer
+import matplotlib
 
-from .cli_errors import LIBRARY_ERRORS, fail, handle_errors
-from .study.cli import register as register_study_commands
-from .tasks.corpus import stdlib_corpus
+matplotlib.use("Agg")  # headless: figures only go to files
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+import typer  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter, MaxNLocator  # noqa: E402
+
+from . import __version__  # noqa: E402
+from .cli_errors import LIBRARY_ERRORS, fail, handle_errors  # noqa: E402
+from .explain import explain_add_norm  # noqa: E402
+from .model import TransformerConfig  # noqa: E402
+from .norms import NORMS  # noqa: E402
+from .placements import PLACEMENTS  # noqa: E402
+from .probe import Probe  # noqa: E402
+from .study.cli import register as register_study_commands  # noqa: E402
+from .study.findings import GROWTH, TREND_WORDS, ffn_grad_profile, trend  # noqa: E402
+from .tasks import build_task  # noqa: E402
 
 app = typer.Typer(
     name="addnorm",
@@ -25,6 +38,21 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"addnorm {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the version and exit."
+    ),
+) -> None:
+    """The transformer Add & Norm pattern: placements, norms, and how gradients flow through depth."""
 
 
 def _floats(text: str, option: str) -> list[float]:
@@ -37,18 +65,47 @@ def _floats(text: str, option: str) -> list[float]:
     return values
 
 
+def _num(value: float, spec: str = ".4g") -> str:
+    """``value`` formatted, with rounding noise and negative zero shown as 0 (never ``-0.0000``)."""
+    value = float(value)
+    text = format(value, spec)
+    if float(text) == 0.0:  # -1e-17 rounds to "-0.0000" under .4f, and -0.0 prints "-0"
+        text = format(0.0, spec)
+    return text
+
+
 def _fmt(values) -> str:
-    return "[" + ", ".join(f"{v:.4g}" for v in values) + "]"
+    scale = max((abs(float(v)) for v in values), default=0.0)
+    snapped = [0.0 if abs(float(v)) <= 1e-12 * max(scale, 1.0) else float(v) for v in values]
+    return "[" + ", ".join(_num(v) for v in snapped) + "]"
 
 
 # --- list -------------------------------------------------------------------------------------------
+_ABBREVIATIONS = ("al", "e.g", "i.e", "etc", "cf", "vs", "eq", "fig")
+
+
+def first_sentence(doc: str | None) -> str:
+    """The first sentence of a docstring, whatever its line breaks: up to the first period that ends a
+    sentence (followed by whitespace or the end, outside parentheses, not after "et al." or "e.g."),
+    or the first paragraph if no period ends one. RST literals (``x``) are shown as x."""
+    paragraph = re.split(r"\n\s*\n", (doc or "").strip(), maxsplit=1)[0]
+    text = " ".join(paragraph.split()).replace("``", "")
+    depth = 0
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if ch != "." or depth > 0 or (i + 1 < len(text) and not text[i + 1].isspace()):
+            continue
+        word = re.search(r"([\w.]+)$", text[:i])
+        if word and word.group(1).lower() in _ABBREVIATIONS:
+            continue
+        return text[: i + 1]
+    return text
+
+
 @app.command("list")
 @handle_errors
 def list_command() -> None:
     """Print every placement and norm with its formula and citation."""
-    from .norms import NORMS
-    from .placements import PLACEMENTS
-
     typer.echo("Placements (x = input, F = sublayer, N = norm, D = dropout):")
     width = max(len(name) for name in PLACEMENTS)
     for name, placement in PLACEMENTS.items():
@@ -58,8 +115,7 @@ def list_command() -> None:
     typer.echo("Norms (over the last dimension):")
     width = max(len(name) for name in NORMS)
     for name, cls in NORMS.items():
-        doc = (cls.__doc__ or "").strip().splitlines()
-        typer.echo(f"  {name:<{width}}  {doc[0] if doc else cls.__name__}")
+        typer.echo(f"  {name:<{width}}  {first_sentence(cls.__doc__) or cls.__name__}")
 
 
 # --- explain ----------------------------------------------------------------------------------------
@@ -71,8 +127,6 @@ def explain(
     eps: float = typer.Option(1e-5, "--eps", help="LayerNorm's epsilon."),
 ) -> None:
     """Work through one Post-LN Add & Norm, y = LayerNorm(x + F(x)), step by step."""
-    from .ops.numpy_ref import explain_add_norm
-
     xs, fxs = _floats(x, "--x"), _floats(fx, "--fx")
     if len(xs) != len(fxs):
         raise ValueError(f"--x and --fx must have the same length, got {len(xs)} and {len(fxs)} numbers")
@@ -80,36 +134,26 @@ def explain(
     d = len(xs)
     y_mean = float(s.normalised.mean())
     y_var = float(((s.normalised - y_mean) ** 2).mean())
-    lines = [
-        f"Add & Norm (post): y = LayerNorm(x + F(x)), d = {d}, gamma = 1, beta = 0, eps = {eps:g}",
-        f"   x                                   = {_fmt(s.x)}",
-        f"   F(x)                                = {_fmt(s.fx)}",
-        f"1. add:       z = x + F(x)             = {_fmt(s.z)}",
-        f"2. mean:      mu = sum(z) / {d:<12} = {float(s.mean):.4f}",
-        f"3. variance:  var = sum((z - mu)^2) / {d} = {float(s.var):.4f}",
-        f"4. std:       sigma = sqrt(var + eps)  = {float(s.std):.4f}",
-        f"5. normalise: y = (z - mu) / sigma     = {_fmt(s.normalised)}",
-        f"check: mean(y) = {y_mean:.4f}, var(y) = {y_var:.4f} (var(y) = var / (var + eps))",
+    steps = [
+        ("", "x", _fmt(s.x)),
+        ("", "F(x)", _fmt(s.fx)),
+        ("1. add:", "z = x + F(x)", _fmt(s.z)),
+        ("2. mean:", f"mu = sum(z) / {d}", _num(s.mean, ".4f")),
+        ("3. variance:", f"var = sum((z - mu)^2) / {d}", _num(s.var, ".4f")),
+        ("4. std:", "sigma = sqrt(var + eps)", _num(s.std, ".4f")),
+        ("5. normalise:", "y = (z - mu) / sigma", _fmt(s.normalised)),
     ]
+    w1 = max(len(a) for a, _, _ in steps)
+    w2 = max(len(b) for _, b, _ in steps)
+    lines = [f"Add & Norm (post): y = LayerNorm(x + F(x)), d = {d}, gamma = 1, beta = 0, eps = {eps:g}"]
+    lines += [f"{a:<{w1}} {b:<{w2}} = {c}" for a, b, c in steps]
+    lines.append(
+        f"check: mean(y) = {_num(y_mean, '.4f')}, var(y) = {_num(y_var, '.4f')} (var(y) = var / (var + eps))"
+    )
     typer.echo("\n".join(lines))
 
 
 # --- inspect ----------------------------------------------------------------------------------------
-_CORPUS_BYTES = 1 << 20
-
-
-def _batch(corpus: bytes, batch: int, seq: int, seed: int):
-    """A (batch, seq + 1) LongTensor of byte windows at random offsets: inputs [:, :-1], targets [:, 1:]."""
-    import torch
-
-    data = torch.frombuffer(bytearray(corpus), dtype=torch.uint8)
-    if data.numel() < seq + 1:
-        raise ValueError(f"--seq: the corpus has {data.numel()} bytes, fewer than seq + 1 = {seq + 1}")
-    gen = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, data.numel() - seq, (batch,), generator=gen)
-    return torch.stack([data[s : s + seq + 1] for s in starts.tolist()]).long()
-
-
 def ffn_grad_norms_at_init(
     placement: str,
     *,
@@ -123,24 +167,19 @@ def ffn_grad_norms_at_init(
     repeats: int = 3,
     norm: str = "layernorm",
     init: str = "xavier",
-    corpus: bytes | None = None,
+    corpus: str | None = None,
 ) -> dict[str, list[float]]:
     """Per-layer FFN weight-gradient norms of a byte-level LanguageModel after one backward at init.
 
-    Next-byte cross-entropy on windows of ``corpus`` (default: :func:`stdlib_corpus`); dropout 0;
-    averaged over ``repeats`` seeds (fresh model and batch each). Returns ``{"w1", "w2", "ff"}`` lists
-    (``ff`` = sqrt(||dW1||^2 + ||dW2||^2)), one value per layer.
+    The study's ``lm`` task builds the model and draws the batch (training split of ``corpus``, default
+    the Python standard library) and computes the loss; dropout 0; averaged over ``repeats`` seeds
+    (fresh model and batch each). Returns ``{"w1", "w2", "ff"}`` lists, one value per layer, ``ff`` =
+    sqrt(||dW1||^2 + ||dW2||^2) as the study's findings compute it.
     """
-    import torch
-    import torch.nn.functional as fn
-
-    from .model import LanguageModel, TransformerConfig
-    from .probe import Probe
-
     for name, value in (("layers", n_layers), ("seq", seq), ("batch", batch), ("repeats", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"--{name}: expected a positive int, got {value!r}")
-    corpus = stdlib_corpus(_CORPUS_BYTES) if corpus is None else corpus
+    task = build_task("lm", corpus=corpus)
     cfg = TransformerConfig(
         d_model=d_model,
         n_heads=n_heads,
@@ -150,47 +189,31 @@ def ffn_grad_norms_at_init(
         placement=placement,
         norm=norm,
         init=init,
-        max_len=max(seq, 1),
+        max_len=seq,
     )
     totals = {"w1": [0.0] * n_layers, "w2": [0.0] * n_layers, "ff": [0.0] * n_layers}
-    vocab = 256
     for r in range(repeats):
         torch.manual_seed(seed + r)
-        model = LanguageModel(cfg, vocab)
-        tokens = _batch(corpus, batch, seq, seed + r)
+        model = task.build_model(cfg)
+        tokens = task.batch("train", batch, seq, torch.Generator().manual_seed(seed + r))
         with Probe(model) as probe:
-            logits = model(tokens[:, :-1])
-            fn.cross_entropy(logits.reshape(-1, vocab), tokens[:, 1:].reshape(-1)).backward()
+            loss, _ = task.loss(model, tokens)
+            loss.backward()
         for key, values in (
             ("w1", probe.weight_grad_norms("ff", "w1")),
             ("w2", probe.weight_grad_norms("ff", "w2")),
-            ("ff", probe.weight_grad_norms("ff")),
+            ("ff", ffn_grad_profile(probe.snapshot(0))),
         ):
             totals[key] = [t + v / repeats for t, v in zip(totals[key], values, strict=True)]
     return totals
 
 
-GROWTH = 1.2  # a last/first ratio beyond this (or below 1/GROWTH) counts as a trend, not flat
-
-
 def verdict(ratio: float) -> str:
-    """Words for a last-layer / first-layer gradient-norm ratio."""
-    if not math.isfinite(ratio):
-        return "undefined (no gradient)"
-    if ratio > GROWTH:
-        return "grows toward the top layers"
-    if ratio < 1 / GROWTH:
-        return "shrinks toward the top layers"
-    return "nearly flat across depth"
+    """Words for a last-layer / first-layer gradient-norm ratio (the study's :func:`trend`)."""
+    return TREND_WORDS[trend(ratio)]
 
 
 def _plot(results: dict[str, dict[str, list[float]]], title: str, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import FormatStrFormatter, MaxNLocator
-
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, norms in results.items():
         layers = range(1, len(norms["ff"]) + 1)
@@ -225,22 +248,36 @@ def inspect(
     init: str = typer.Option("xavier", help="Initialisation: xavier, torch or gpt2."),
     corpus: Path | None = typer.Option(None, help="A text file to read as bytes (default: Python stdlib)."),
     out: Path = typer.Option(Path("addnorm-out"), help="Directory for inspect.png and inspect.json."),
+    hf: str | None = typer.Option(
+        None,
+        "--hf",
+        help="A Hugging Face model type (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gpt2, bert): "
+        "a tiny random-weight model of it, untouched and re-placed with each placement (addnorm[hf]).",
+    ),
 ) -> None:
     """FFN weight-gradient norm per layer at initialisation, per placement (Xiong et al. 2020)."""
-    from .placements import PLACEMENTS
-
     names = [PLACEMENTS.resolve(p) for p in placements.split(",") if p.strip()]
     if not names:
         raise ValueError(f"--placements: expected at least one placement name, got {placements!r}")
     names = list(dict.fromkeys(names))
-    text = None
-    if corpus is not None:
+    if corpus is not None and not corpus.exists():
+        raise ValueError(f"--corpus: no such file or folder {str(corpus)!r}")
+    if hf is not None:
+        sizes = {"layers": layers, "hidden": d_model, "heads": heads, "intermediate": d_ff or 4 * d_model}
+        task = build_task("lm", corpus=None if corpus is None else str(corpus))
+        batches = []
+        for r in range(repeats):  # (batch, seq + 1) byte windows, as the study's lm task draws them
+            b = task.batch("train", batch, seq, torch.Generator().manual_seed(seed + r))
+            batches.append(torch.cat([b.inputs, b.targets[:, -1:]], dim=1))
         try:
-            text = corpus.read_bytes()
-        except OSError as err:
-            raise ValueError(f"--corpus: cannot read {str(corpus)!r}: {err.strerror}") from None
+            _inspect_hf(hf, names, batches, sizes, seed, out)
+        except ImportError as err:
+            raise fail(err) from None
+        return
     kwargs = dict(n_layers=layers, d_model=d_model, n_heads=heads, d_ff=d_ff, seq=seq, batch=batch)
-    kwargs.update(seed=seed, repeats=repeats, norm=norm, init=init, corpus=text)
+    kwargs.update(
+        seed=seed, repeats=repeats, norm=norm, init=init, corpus=None if corpus is None else str(corpus)
+    )
     results = {name: ffn_grad_norms_at_init(name, **kwargs) for name in names}
     ratios = {name: r["ff"][-1] / r["ff"][0] for name, r in results.items()}
 
@@ -279,6 +316,29 @@ def inspect(
     meta.update(seed=seed, repeats=repeats, norm=norm, init=init, corpus=source)
     payload = {"config": meta, "placements": results, "last_over_first": ratios}
     js.write_text(json.dumps(payload, indent=2) + "\n")
+    typer.echo(f"plot: {png}")
+    typer.echo(f"data: {js}")
+
+
+def _inspect_hf(model_type: str, names: list[str], batches: list, sizes: dict, seed: int, out: Path) -> None:
+    """``inspect --hf``: the per-layer table and plot of :mod:`addnorm.hf.inspect`."""
+    from .hf import inspect as hf_inspect
+    from .hf.architectures import ARCHITECTURES
+
+    model_type = ARCHITECTURES.resolve(model_type)
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"--{name}: expected a positive int, got {value!r}")
+    placements = [hf_inspect.MODEL, *names]
+    results = hf_inspect.layer_statistics(model_type, placements, batches, seed=seed, **sizes)
+    shape = f"{len(batches)} x batch {batches[0].shape[0]}x{batches[0].shape[1] - 1}"
+    what = f"{model_type}, {sizes['layers']} layers, hidden {sizes['hidden']}, random weights, {shape} bytes"
+    typer.echo(f"Per-layer statistics at initialisation: {what}; '{hf_inspect.MODEL}' is its own Add & Norm")
+    typer.echo(hf_inspect.table(results))
+    out.mkdir(parents=True, exist_ok=True)
+    png, js = out / f"inspect-hf-{model_type}.png", out / f"inspect-hf-{model_type}.json"
+    hf_inspect.plot(results, f"{what}: per-layer statistics at initialisation", png)
+    hf_inspect.write_json(results, {"model_type": model_type, **sizes, "seed": seed}, js)
     typer.echo(f"plot: {png}")
     typer.echo(f"data: {js}")
 

@@ -6,7 +6,7 @@ sublayer connection in it:
 - forward statistics of the residual stream (the connection's output): mean, std (population,
   correction 0) and RMS = sqrt(mean(x^2));
 - the L2 norm of the gradient of the loss with respect to that stream, ||dL/dx||, through a tensor
-  hook registered on the output during the forward;
+  hook registered during the forward (on the output, or on the tensor a point names, below);
 - the L2 norms of each weight matrix and of its gradient ``p.grad`` (read at :meth:`Probe.snapshot`).
 
 These are the quantities Xiong et al. 2020 ("On Layer Normalization in the Transformer
@@ -15,7 +15,10 @@ while Pre-LN's stay flat. The hooks return ``None``, so outputs and gradients ar
 are removed when the ``with`` block ends (the recorded values stay readable).
 
 Depends only on ``torch.nn``: addnorm layers are recognised by duck typing — a module whose direct
-children include ``AddNorm`` connections (``self_attn_block``, ``cross_attn_block``, ``ff_block``).
+children include ``AddNorm`` connections (``self_attn_block``, ``cross_attn_block``, ``ff_block``),
+each observed at its ``stream_out`` point. A point may be called as ``point(s, grad_from=r,
+grad_scale=a)``: then the stream's gradient is r's divided by a (the stream left a fused op together
+with the next norm, so r, the op's residual input, carries it; see ``addnorm.addnorm.ObservationPoint``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,22 @@ def _addnorm_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, child) for name, child in module.named_children() if _is_addnorm(child)]
 
 
+def _layer_list(model: nn.Module) -> nn.ModuleList | None:
+    """The longest ModuleList of modules of one class: a model's layers where they live elsewhere than
+    ``model.layers`` (Hugging Face: ``model.layers``, ``transformer.h``, ``bert.encoder.layer``)."""
+    best = None
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len({type(m) for m in module}) == 1:
+            if best is None or len(module) > len(best):
+                best = module
+    return best
+
+
+def _wide(t: Tensor) -> Tensor:
+    """t in at least float32 for statistics (float64 stays float64)."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
 def _first_tensor(output: object) -> Tensor | None:
     if isinstance(output, Tensor):
         return output
@@ -55,7 +74,7 @@ class _Site:
     """One observed point of the residual stream: a sublayer connection's output or a layer's output."""
 
     sublayer: str  # "" for the whole layer
-    module: nn.Module
+    module: nn.Module | None  # the module whose forward hook records the site; None: not hooked
     params: dict[str, nn.Parameter]  # >= 2-D parameters owned by this site, names relative to the layer
     act: dict[str, Tensor] = field(default_factory=dict)  # act_mean/act_std/act_rms, 0-dim, detached
     grad_norm: Tensor | None = None
@@ -70,10 +89,10 @@ class _Layer:
     last: _Site | None = None  # the connection that ran last: its output is the layer's output
 
     def values(self, site: _Site) -> tuple[dict[str, Tensor], Tensor | None]:
-        """(activation stats, stream grad norm) recorded for a site; the layer's own output falls back
-        to its last connection's when the layer's hooks did not run (a stack calling ``forward``)."""
-        if site.sublayer == "" and not site.act and self.last is not None:
-            site = self.last
+        """(activation stats, stream grad norm) recorded for a site; a layer with AddNorm connections
+        has as its own output that of the connection that ran last."""
+        if site.module is None:
+            site = self.last or site
         return site.act, site.grad_norm
 
 
@@ -84,9 +103,11 @@ class Probe:
         model: any ``nn.Module``.
         layers: which modules are the layers.
 
-            - ``None``: for addnorm models, the modules of ``model.layers`` or else every submodule
-              with ``AddNorm`` children; for other models, ``model.layers`` if it is a ModuleList
-              (e.g. ``torch.nn.TransformerEncoder``).
+            - ``None``: for addnorm models (and models rewired by ``addnorm.hf``), the modules of
+              ``model.layers`` or else every submodule with ``AddNorm`` children; for other models,
+              ``model.layers`` if it is a ModuleList (e.g. ``torch.nn.TransformerEncoder``), else the
+              longest ModuleList of modules of one class (a Hugging Face model's ``model.layers``,
+              ``transformer.h``, ``bert.encoder.layer``).
             - a string attribute path such as ``"layers"`` or ``"encoder.layers"`` (a ModuleList or
               Sequential gives its children; another module is one layer);
             - a callable ``(name, module) -> bool`` over ``model.named_modules()``;
@@ -96,8 +117,9 @@ class Probe:
     matrices are the >= 2-D parameters of the layer's child ``<name>`` (e.g. ``ff.w1.weight``).
     The layer's own output is sublayer ``""``, and owns the layer's remaining >= 2-D parameters
     (all of them for a layer without AddNorm children). Each parameter belongs to one site only.
-    Should a stack bypass the layer's hooks (calling ``layer.forward`` directly), the ``""`` values
-    of a layer with AddNorm children are those of the connection that ran last.
+    A layer with AddNorm children is observed at its connections' ``stream_out`` points (inside a
+    stack, a layer passes the stream on as an ``addnorm.model.stream.Stream``, not a tensor), and its
+    ``""`` values are those of the connection that ran last.
 
     Recorded values are from the most recent forward/backward through each site.
     """
@@ -129,9 +151,12 @@ class Probe:
                 return found
             if isinstance(stack, (nn.ModuleList, nn.Sequential)) and len(stack):
                 return named(stack)
+            stack = _layer_list(model)
+            if stack is not None:
+                return named(stack)
             raise ValueError(
                 f"layers: found no layers in {type(model).__name__} (no AddNorm connections and no "
-                "`layers` ModuleList); pass layers= as an attribute path, a (name, module) -> bool "
+                "ModuleList of layers); pass layers= as an attribute path, a (name, module) -> bool "
                 "callable, or a list of modules"
             )
         if isinstance(layers, str):
@@ -171,33 +196,36 @@ class Probe:
                     if p.ndim >= 2 and id(p) not in owned:
                         params[f"{sub}.{pname}"] = p
                         owned.add(id(p))
-            sites[sub] = _Site(sub, conn, params)
+            sites[sub] = _Site(sub, conn.stream_out, params)
         rest = {n: p for n, p in layer.named_parameters() if p.ndim >= 2 and id(p) not in owned}
-        sites[""] = _Site("", layer, rest)
+        sites[""] = _Site("", None if sites else layer, rest)
         return _Layer(index, name or type(layer).__name__, layer, sites)
 
     # --- hooks ----------------------------------------------------------------------------------------
     @staticmethod
     def _forward_hook(layer: _Layer, site: _Site) -> Callable:
-        def grad_hook(grad: Tensor) -> None:
-            site.grad_norm = torch.linalg.vector_norm(grad.detach().float())
-            return None
-
-        def hook(module: nn.Module, args: tuple, output: object) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             out = _first_tensor(output)
             if out is None or out.is_nested:
                 return None
             if site.sublayer:
                 layer.last = site
             with torch.no_grad():
-                x = out.detach().float()
+                x = _wide(out.detach())
                 site.act = {
                     "act_mean": x.mean(),
                     "act_std": x.std(correction=0) if x.numel() else x.sum(),
                     "act_rms": x.square().mean().sqrt(),
                 }
-            if torch.is_grad_enabled() and out.requires_grad:
-                out.register_hook(grad_hook)
+            carrier = kwargs.get("grad_from")
+            carrier, scale = (out, 1.0) if carrier is None else (carrier, kwargs.get("grad_scale", 1.0))
+
+            def grad_hook(grad: Tensor) -> None:
+                site.grad_norm = torch.linalg.vector_norm(_wide(grad.detach())) / abs(scale)
+                return None
+
+            if torch.is_grad_enabled() and carrier.requires_grad:
+                carrier.register_hook(grad_hook)
             return None
 
         return hook
@@ -207,8 +235,9 @@ class Probe:
         if not self._handles:
             for layer in self._layers:
                 for site in layer.sites.values():
-                    hook = self._forward_hook(layer, site)
-                    self._handles.append(site.module.register_forward_hook(hook))
+                    if site.module is not None:
+                        hook = self._forward_hook(layer, site)
+                        self._handles.append(site.module.register_forward_hook(hook, with_kwargs=True))
         return self
 
     def detach(self) -> None:
@@ -280,10 +309,10 @@ class Probe:
                                 layer,
                                 site,
                                 "weight_grad_norm",
-                                torch.linalg.vector_norm(p.grad.float()),
+                                torch.linalg.vector_norm(_wide(p.grad)),
                                 pname,
                             )
-                        row(layer, site, "weight_norm", torch.linalg.vector_norm(p.detach().float()), pname)
+                        row(layer, site, "weight_norm", torch.linalg.vector_norm(_wide(p.detach())), pname)
         return rows
 
     def _site(self, layer: _Layer, sublayer: str) -> _Site:
@@ -318,7 +347,7 @@ class Probe:
                 out.append(math.nan)
                 continue
             with torch.no_grad():
-                total = sum(torch.linalg.vector_norm(g.float()).square() for g in grads)
+                total = sum(torch.linalg.vector_norm(_wide(g)).square() for g in grads)
             out.append(float(total) ** 0.5)
         return out
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -23,14 +23,13 @@ class UnknownNameError(KeyError, ValueError):
 class Registry(Mapping[str, T], Generic[T]):
     """A read-mostly mapping of normalised names to entries.
 
-    ``kind`` names what the registry holds ("placement", "norm") and the ``argument`` the user
-    passed it through, so the error for an unknown name reads
+    ``kind`` names what the registry holds ("placement", "norm"), which is also the argument users pass
+    a name through, so the error for an unknown name reads
     ``norm: unknown norm 'lyernorm'; expected one of: layernorm, rmsnorm, ...``.
     """
 
-    def __init__(self, kind: str, argument: str | None = None) -> None:
+    def __init__(self, kind: str) -> None:
         self.kind = kind
-        self.argument = argument or kind
         self._entries: dict[str, T] = {}
         self._aliases: dict[str, str] = {}
 
@@ -53,12 +52,12 @@ class Registry(Mapping[str, T], Generic[T]):
     def resolve(self, name: str) -> str:
         """The canonical key for ``name`` (or an alias of it); raises UnknownNameError."""
         if not isinstance(name, str):
-            raise TypeError(f"{self.argument}: expected a {self.kind} name (str), got {type(name).__name__}")
+            raise TypeError(f"{self.kind}: expected a {self.kind} name (str), got {type(name).__name__}")
         key = normalise_name(name)
         key = self._aliases.get(key, key)
         if key not in self._entries:
             raise UnknownNameError(
-                f"{self.argument}: unknown {self.kind} {name!r}; expected one of: {', '.join(self)}"
+                f"{self.kind}: unknown {self.kind} {name!r}; expected one of: {', '.join(self)}"
             )
         return key
 
@@ -76,11 +75,6 @@ class Registry(Mapping[str, T], Generic[T]):
 
     def __len__(self) -> int:
         return len(self._entries)
-
-    def build(self, name: str, *args, **kwargs):
-        """Call the registered factory for ``name``."""
-        factory: Callable = self[name]  # type: ignore[assignment]
-        return factory(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"Registry({self.kind!r}: {', '.join(self)})"

@@ -4,9 +4,10 @@ from .attention import MultiHeadAttention, causal_mask
 from .config import TransformerConfig
 from .feedforward import FeedForward
 from .init import INITS, PLACEMENT_INITS, Depth, admin_init, deepnorm_constants, sub_ln_gain
-from .interop import UnsupportedModuleError, from_torch
+from .interop import UnsupportedModuleError, from_torch, to_torch
 from .layers import DecoderLayer, EncoderLayer
-from .models import LanguageModel, PositionalEncoding, Transformer
+from .models import EncoderDecoder, LanguageModel, PositionalEncoding, Transformer
+from .ngpt import NGPTHead, ngpt_matrices, ngpt_normalize_
 from .stacks import Decoder, Encoder
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "Decoder",
     "DecoderLayer",
     "Encoder",
+    "EncoderDecoder",
     "EncoderLayer",
     "FeedForward",
     "LanguageModel",
@@ -27,6 +29,10 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "UnsupportedModuleError",
+    "NGPTHead",
     "causal_mask",
+    "ngpt_matrices",
+    "ngpt_normalize_",
     "from_torch",
+    "to_torch",
 ]

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from torch import Tensor, nn
 
-from ..addnorm import AddNorm, PendingAdd, hooked, layerscale_init, resolve
+from ..addnorm import AddNorm, layerscale_init
 from ..norms import build_norm
 from ..placements import Placement, get_placement
 from .attention import MultiHeadAttention
 from .config import TransformerConfig
 from .feedforward import FeedForward
 from .init import PLACEMENT_INITS, Depth, deepnorm_constants, init_layer
+from .stream import Connection, Stream
 
 
 def check_input(x: object, name: str, d_model: int) -> Tensor:
@@ -47,9 +50,40 @@ def _unbatch_mask(mask: Tensor | None, unbatched: bool) -> Tensor | None:
     return mask.unsqueeze(0) if (unbatched and mask is not None and mask.ndim == 1) else mask
 
 
+class _Layout(NamedTuple):
+    """How a layer was called: with a :class:`Stream` from a stack (batch-first; it gives one back), or
+    with a tensor in ``batch_first`` layout, ``unbatched`` or not (it gives a tensor back)."""
+
+    stream: bool
+    batch_first: bool = True
+    unbatched: bool = False
+
+    def mask(self, key_padding_mask: Tensor | None) -> Tensor | None:
+        return _unbatch_mask(key_padding_mask, self.unbatched)
+
+    def leave(self, x: Stream) -> Tensor | Stream:
+        return x if self.stream else from_batch_first(x.tensor(), self.batch_first, self.unbatched)
+
+
+_FROM_STACK = _Layout(stream=True)
+
+
+def _structure(p: Placement) -> tuple:
+    """What a layer builds from its placement beyond its connections: equal for switchable placements."""
+    return (
+        p.stream,
+        p.sublayer_norm,
+        p.attention_norm,
+        p.ffn_scale,
+        p.layer_gate,
+        p.attention_connection,
+        p.init,
+    )
+
+
 class _Layer(nn.Module):
-    """What encoder and decoder layers share: building sublayers for a placement at a given depth, and
-    running the residual stream through them (standard, B2T, ResiDual's two streams)."""
+    """What encoder and decoder layers share: building sublayers and their connections for a placement
+    at a given depth, and taking a tensor or a stack's :class:`Stream` in."""
 
     def _setup(self, cfg: TransformerConfig, placement, device, dtype) -> None:
         self.cfg = cfg
@@ -87,7 +121,8 @@ class _Layer(nn.Module):
             **self._kw,
         )
 
-    def _attention(self) -> MultiHeadAttention:
+    def _attention(self, cross: bool = False) -> MultiHeadAttention:
+        """Self- or cross-attention; Sub-LN's inner norm only in self-attention (as torchscale)."""
         cfg, p = self.cfg, self._p
         normalize = p.attention_norm or ("qk" if cfg.qk_norm else None)
         return MultiHeadAttention(
@@ -98,14 +133,20 @@ class _Layer(nn.Module):
             **self._kw,
             normalize=normalize,
             qkv_norm=self._norm,
-            inner_norm=self._norm(cfg.d_model) if p.sublayer_norm else None,
+            inner_norm=self._norm(cfg.d_model) if p.sublayer_norm and not cross else None,
         )
 
     def _feedforward(self) -> FeedForward:
-        cfg = self.cfg
-        inner = self._norm(cfg.d_ff) if self._p.sublayer_norm else None
+        cfg, p = self.cfg, self._p
         return FeedForward(
-            cfg.d_model, cfg.d_ff, cfg.activation, cfg.act_dropout, cfg.bias, **self._kw, inner_norm=inner
+            cfg.d_model,
+            cfg.d_ff,
+            cfg.activation,
+            cfg.act_dropout,
+            cfg.bias,
+            **self._kw,
+            inner_norm=self._norm(cfg.d_ff) if p.sublayer_norm else None,
+            scale_hidden=p.ffn_scale,
         )
 
     def _initialise(self, depth: Depth) -> None:
@@ -113,28 +154,25 @@ class _Layer(nn.Module):
         if self._p.init is not None:
             PLACEMENT_INITS[self._p.init](self, depth)
 
-    def _run(self, x, steps, defer_add: bool = False):
-        """Pass the stream through (connection, sublayer) steps.
-
-        ``x`` is a tensor, a :class:`PendingAdd` (the previous layer's held-back add), or for ResiDual
-        the pair (xa, xd): xa = N(xa + f), xd = xd + f. B2T adds the layer's input before the last
-        connection's norm. Between two steps, an add without output norm is held back
-        (``defer_add``) to fuse with the next step's input norm; after the last step only when the
-        caller asks (``defer_add``), so that it fuses with the next layer's."""
-        if isinstance(x, tuple):
-            xa, xd = x
-            for block, fn in steps:
-                xa, f = block(xa, fn, return_branch=True)
-                xd = xd + f
-            return xa, xd
+    def _connections(self, *blocks: AddNorm) -> list[Connection]:
+        """The stream's way through each connection, in order; B2T's layer input skips to the last.
+        With ``layer_gate`` (ReZero) the connections share the first one's gate: one per layer."""
+        if self._p.layer_gate:
+            for block in blocks[1:]:
+                block.gate = blocks[0].gate
         b2t = self._p.stream == "b2t"
-        x = x0 = resolve(x) if b2t else x
-        for i, (block, fn) in enumerate(steps):
-            last = i == len(steps) - 1
-            if hooked(block):  # its hooks see tensors (and it gives one: AddNorm checks its own hooks)
-                x = resolve(x)
-            x = block(x, fn, extra_residual=x0 if b2t and last else None, defer_add=defer_add or not last)
-        return x
+        return [
+            Connection(block, keeps_layer_input=b2t and i == 0, adds_layer_input=b2t and i == len(blocks) - 1)
+            for i, block in enumerate(blocks)
+        ]
+
+    def _enter(self, x: Tensor | Stream, name: str, batch_first: bool | None) -> tuple[Stream, _Layout]:
+        """The stream for input ``x`` and how to give the result back (see :class:`_Layout`)."""
+        if isinstance(x, Stream):
+            return x, _FROM_STACK
+        bf = self.cfg.batch_first if batch_first is None else batch_first
+        t, unbatched = enter(x, name, self.cfg.d_model, bf)
+        return Stream(t), _Layout(False, bf, unbatched)
 
     @property
     def placement(self) -> Placement:
@@ -143,13 +181,7 @@ class _Layer(nn.Module):
     @placement.setter
     def placement(self, value: Placement | str) -> None:
         new = get_placement(value)
-        if (new.stream, new.sublayer_norm, new.attention_norm, new.attention_connection, new.init) != (
-            self._p.stream,
-            self._p.sublayer_norm,
-            self._p.attention_norm,
-            self._p.attention_connection,
-            self._p.init,
-        ):
+        if _structure(new) != _structure(self._p):
             raise ValueError(
                 f"placement: cannot switch a layer from {self._p.name!r} to {new.name!r} at run time"
             )
@@ -184,48 +216,35 @@ class EncoderLayer(_Layer):
         self.ff = self._feedforward()
         self.self_attn_block = self._connection(depth, attention=True)
         self.ff_block = self._connection(depth)
+        self.self_attn_connection, self.ff_connection = self._connections(self.self_attn_block, self.ff_block)
         self._initialise(depth)
-
-    def _forward(
-        self,
-        x: Tensor,
-        src_mask: Tensor | None = None,
-        src_key_padding_mask: Tensor | None = None,
-        is_causal: bool = False,
-        defer_add: bool = False,
-    ) -> Tensor:
-        def attend(h: Tensor) -> Tensor:
-            return self.self_attn(
-                h,
-                attn_mask=src_mask,
-                key_padding_mask=src_key_padding_mask,
-                is_causal=is_causal,
-                mask_names=("src_mask", "src_key_padding_mask"),
-            )
-
-        return self._run(x, [(self.self_attn_block, attend), (self.ff_block, self.ff)], defer_add)
 
     def forward(
         self,
-        src: Tensor,
+        src: Tensor | Stream,
         src_mask: Tensor | None = None,
         src_key_padding_mask: Tensor | None = None,
         is_causal: bool = False,
         *,
         batch_first: bool | None = None,
-        defer_add: bool = False,
-    ) -> Tensor:
+    ) -> Tensor | Stream:
         """Same arguments as ``nn.TransformerEncoderLayer.forward``; ``batch_first`` overrides the
-        config's layout for this call (stacks pass their batch-first activations). From a stack,
-        ``src`` may be batch-first ResiDual (xa, xd) or a :class:`PendingAdd`, and ``defer_add=True``
-        lets the layer return its last add held back as a :class:`PendingAdd`."""
-        if isinstance(src, (tuple, PendingAdd)):  # batch-first, from a stack
-            return self._forward(src, src_mask, src_key_padding_mask, is_causal, defer_add)
-        bf = self.cfg.batch_first if batch_first is None else batch_first
-        x, unbatched = enter(src, "src", self.cfg.d_model, bf)
-        kpm = _unbatch_mask(src_key_padding_mask, unbatched)
-        y = self._forward(x, src_mask, kpm, is_causal, defer_add and bf and not unbatched)
-        return from_batch_first(y, bf, unbatched)
+        config's layout for this call. A stack passes the batch-first :class:`Stream` and gets it back."""
+        x, layout = self._enter(src, "src", batch_first)
+        key_padding_mask = layout.mask(src_key_padding_mask)
+
+        def attend(h: Tensor) -> Tensor:
+            return self.self_attn(
+                h,
+                attn_mask=src_mask,
+                key_padding_mask=key_padding_mask,
+                is_causal=is_causal,
+                mask_names=("src_mask", "src_key_padding_mask"),
+            )
+
+        x = self.self_attn_connection(x, attend)
+        x = self.ff_connection(x, self.ff)
+        return layout.leave(x)
 
 
 class DecoderLayer(_Layer):
@@ -247,16 +266,19 @@ class DecoderLayer(_Layer):
         depth = depth or Depth("decoder", cfg.encoder_layers, cfg.decoder_layers)
         self._setup(cfg, placement, device, dtype)
         self.self_attn = self._attention()
-        self.cross_attn = self._attention()
+        self.cross_attn = self._attention(cross=True)
         self.ff = self._feedforward()
         self.self_attn_block = self._connection(depth, attention=True)
         self.cross_attn_block = self._connection(depth, attention=True)
         self.ff_block = self._connection(depth)
+        self.self_attn_connection, self.cross_attn_connection, self.ff_connection = self._connections(
+            self.self_attn_block, self.cross_attn_block, self.ff_block
+        )
         self._initialise(depth)
 
-    def _forward(
+    def forward(
         self,
-        x: Tensor,
+        tgt: Tensor | Stream,
         memory: Tensor,
         tgt_mask: Tensor | None = None,
         memory_mask: Tensor | None = None,
@@ -264,8 +286,18 @@ class DecoderLayer(_Layer):
         memory_key_padding_mask: Tensor | None = None,
         tgt_is_causal: bool = False,
         memory_is_causal: bool = False,
-        defer_add: bool = False,
-    ) -> Tensor:
+        *,
+        batch_first: bool | None = None,
+    ) -> Tensor | Stream:
+        """Same arguments as ``nn.TransformerDecoderLayer.forward``; ``batch_first`` overrides the
+        config's layout for this call. A stack passes the batch-first :class:`Stream` (and memory) and
+        gets the stream back."""
+        x, layout = self._enter(tgt, "tgt", batch_first)
+        if not layout.stream:
+            memory = enter(memory, "memory", self.cfg.d_model, layout.batch_first)[0]
+        tgt_key_padding_mask = layout.mask(tgt_key_padding_mask)
+        memory_key_padding_mask = layout.mask(memory_key_padding_mask)
+
         def self_attend(h: Tensor) -> Tensor:
             return self.self_attn(
                 h,
@@ -285,51 +317,7 @@ class DecoderLayer(_Layer):
                 mask_names=("memory_mask", "memory_key_padding_mask"),
             )
 
-        steps = [(self.self_attn_block, self_attend), (self.cross_attn_block, cross_attend)]
-        return self._run(x, [*steps, (self.ff_block, self.ff)], defer_add)
-
-    def forward(
-        self,
-        tgt: Tensor,
-        memory: Tensor,
-        tgt_mask: Tensor | None = None,
-        memory_mask: Tensor | None = None,
-        tgt_key_padding_mask: Tensor | None = None,
-        memory_key_padding_mask: Tensor | None = None,
-        tgt_is_causal: bool = False,
-        memory_is_causal: bool = False,
-        *,
-        batch_first: bool | None = None,
-        defer_add: bool = False,
-    ) -> Tensor:
-        """Same arguments as ``nn.TransformerDecoderLayer.forward``; ``batch_first`` overrides the
-        config's layout for this call (stacks pass their batch-first activations). From a stack,
-        ``tgt`` may be batch-first ResiDual (xa, xd) or a :class:`PendingAdd`, and ``defer_add=True``
-        lets the layer return its last add held back as a :class:`PendingAdd`."""
-        masks = (tgt_mask, memory_mask)
-        if isinstance(tgt, (tuple, PendingAdd)):  # batch-first, from a stack
-            return self._forward(
-                tgt,
-                memory,
-                *masks,
-                tgt_key_padding_mask,
-                memory_key_padding_mask,
-                tgt_is_causal,
-                memory_is_causal,
-                defer_add,
-            )
-        bf = self.cfg.batch_first if batch_first is None else batch_first
-        d = self.cfg.d_model
-        x, unbatched = enter(tgt, "tgt", d, bf)
-        mem, _ = enter(memory, "memory", d, bf)
-        y = self._forward(
-            x,
-            mem,
-            *masks,
-            _unbatch_mask(tgt_key_padding_mask, unbatched),
-            _unbatch_mask(memory_key_padding_mask, unbatched),
-            tgt_is_causal,
-            memory_is_causal,
-            defer_add and bf and not unbatched,
-        )
-        return from_batch_first(y, bf, unbatched)
+        x = self.self_attn_connection(x, self_attend)
+        x = self.cross_attn_connection(x, cross_attend)
+        x = self.ff_connection(x, self.ff)
+        return layout.leave(x)

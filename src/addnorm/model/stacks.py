@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..addnorm import PendingAdd, hooked, resolve
 from ..norms import build_norm
 from ..placements import Placement
 from .config import TransformerConfig
 from .init import Depth
 from .layers import DecoderLayer, EncoderLayer, _unbatch_mask, enter, from_batch_first
+from .stream import Stream
 
 
 def needs_final_norm(cfg: TransformerConfig, placements: list[Placement]) -> bool:
@@ -22,8 +22,9 @@ def needs_final_norm(cfg: TransformerConfig, placements: list[Placement]) -> boo
 
 
 class _Stack(nn.Module):
-    """Layers plus the final norm; runs the residual stream as its placements say (for ResiDual the
-    pair of streams, output xa + N(xd); for nGPT the input projected onto the unit sphere)."""
+    """Layers plus the final norm, passing one :class:`Stream` from layer to layer, so that the add
+    closing a layer can fuse with the next layer's input norm or the final norm (ResiDual: two streams,
+    output xa + N(xd); nGPT: the input projected onto the unit sphere)."""
 
     layer_cls: type[nn.Module]
 
@@ -55,28 +56,13 @@ class _Stack(nn.Module):
     def placements(self) -> list[Placement]:
         return [layer.placement for layer in self.layers]
 
-    def _start(self, x: Tensor):
+    def _start(self, x: Tensor) -> Stream:
+        """The stream the first layer reads: ResiDual's two streams both start at x; nGPT's on the sphere."""
         if self.stream == "resi_dual":
-            return (x, x)
+            return Stream(x, second=x)
         if self.stream == "ngpt":
-            return F.normalize(x, dim=-1)
-        return x
-
-    def _enter(self, layer: nn.Module, x):
-        """(the stream for ``layer``, whether it may hold back its last add): in a standard stream an
-        unhooked layer may, so that the add fuses with the next layer's input norm or the final norm
-        (:class:`PendingAdd`); a hooked layer gets and gives tensors."""
-        if self.stream == "standard" and not hooked(layer):
-            return x, True
-        return resolve(x), False
-
-    def _finish(self, x) -> Tensor:
-        if isinstance(x, tuple):  # ResiDual: xa + N(xd)
-            xa, xd = x
-            return xa + (self.norm(xd) if self.norm is not None else xd)
-        if isinstance(x, PendingAdd):  # the last add and the final norm, one fused op
-            return x.normalize(self.norm)
-        return self.norm(x) if self.norm is not None else x
+            return Stream(F.normalize(x, dim=-1))
+        return Stream(x)
 
 
 class Encoder(_Stack):
@@ -112,9 +98,8 @@ class Encoder(_Stack):
         kpm = _unbatch_mask(src_key_padding_mask, unbatched)
         x = self._start(x)
         for layer in self.layers:
-            x, defer = self._enter(layer, x)
-            x = layer(x, mask, kpm, bool(is_causal), batch_first=True, defer_add=defer)
-        return from_batch_first(self._finish(x), bf, unbatched)
+            x = layer(x, mask, kpm, bool(is_causal))
+        return from_batch_first(x.output(self.norm), bf, unbatched)
 
 
 class Decoder(_Stack):
@@ -159,17 +144,5 @@ class Decoder(_Stack):
         mem_kpm = _unbatch_mask(memory_key_padding_mask, unbatched)
         x = self._start(x)
         for layer in self.layers:
-            x, defer = self._enter(layer, x)
-            x = layer(
-                x,
-                mem,
-                tgt_mask,
-                memory_mask,
-                kpm,
-                mem_kpm,
-                bool(tgt_is_causal),
-                memory_is_causal,
-                batch_first=True,
-                defer_add=defer,
-            )
-        return from_batch_first(self._finish(x), bf, unbatched)
+            x = layer(x, mem, tgt_mask, memory_mask, kpm, mem_kpm, bool(tgt_is_causal), memory_is_causal)
+        return from_batch_first(x.output(self.norm), bf, unbatched)

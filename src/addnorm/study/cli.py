@@ -1,18 +1,38 @@
 """The study commands of the ``addnorm`` CLI: ``study``, ``report`` and ``export``.
 
 The main Typer app (``addnorm.cli``) calls :func:`register`; a library error in any of these commands
-becomes one ``error: ...`` line on stderr and exit code 2, never a traceback.
+becomes one ``error: ...`` line on stderr and exit code 2, never a traceback. ``addnorm study`` exits
+with code 1 when a run of the spec failed (after storing and reporting everything else).
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import typer
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
 from ..cli_errors import handle_errors
+from .executors import plan_workers
+from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
+from .report import build_report
+from .runner import estimate_seconds, fmt_time, resolved_base, run_study
+from .spec import (
+    OVERRIDE_HELP,
+    StudySpec,
+    load_spec,
+    preset_names,
+    preset_text,
+    spec_keys,
+    spec_keys_markdown,
+)
+from .store import Store
 
 DEFAULT_OUT = Path("addnorm-out")
+VERDICT_STYLE = {SUPPORTED: "green", NOT_SUPPORTED: "red", INCONCLUSIVE: "yellow"}
 
 
 def _database(out: Path) -> Path:
@@ -22,45 +42,151 @@ def _database(out: Path) -> Path:
     return db
 
 
+def _workers(text: str) -> int | str:
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"--workers: expected a positive integer or 'auto', got {text!r}")
+    return value
+
+
+def findings_table(findings: list[Finding]) -> Table:
+    """The findings as a terminal table (claim, measured at, verdict); the evidence is in the report."""
+    table = Table(title="Findings", title_justify="left", show_lines=False, expand=False)
+    table.add_column("claim", overflow="fold", ratio=3)
+    table.add_column("measured at", overflow="fold", ratio=3)
+    table.add_column("verdict", no_wrap=True)
+    for f in findings:
+        style = VERDICT_STYLE.get(f.verdict, "dim")
+        table.add_row(escape(f.claim), escape(f.scale), f"[{style}]{escape(f.verdict)}[/]")
+    return table
+
+
+def _dry_run(
+    plan: StudySpec, folder: Path, workers: int | str, threads: int | None, console: Console
+) -> None:
+    """What ``addnorm study`` would run: each run's resolved settings that differ from the base, whether
+    it is already stored, and an estimated wall time."""
+    runs = plan.expand()
+    db = folder / "study.sqlite"
+    stored: set[str] = set()
+    if db.is_file():
+        with Store(db) as store:
+            stored = store.finished_ids()
+    todo = [r for r in runs if r.run_id not in stored]
+    n_workers, n_threads = plan_workers(workers, threads, runs=len(todo))
+    cpu = sum(estimate_seconds(r.config) for r in todo)
+    base = resolved_base(plan)
+    console.print(
+        f"study {plan.name!r} ({plan.source}): {len(runs)} runs, {len(runs) - len(todo)} already stored in "
+        f"{db}, {len(todo)} to run on {n_workers} worker(s) x {n_threads} torch thread(s); estimated "
+        f"{fmt_time(cpu / n_workers)} ({fmt_time(cpu)} of single-core time; a rough guess calibrated on a "
+        "2-core machine)",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    console.print("base: " + json.dumps(base), markup=False, highlight=False, soft_wrap=True)
+    table = Table(show_lines=False)
+    for column in ("experiment", "label", "run id", "stored", "est.", "settings different from base"):
+        table.add_column(column, overflow="fold", no_wrap=column in ("run id", "est."))
+    members = plan.memberships()
+    for run in runs:
+        diff = {k: v for k, v in run.config.to_dict().items() if base.get(k) != v}
+        also = [f"{e}: {lab}" for e, lab in members[run.run_id][1:]]
+        table.add_row(
+            escape(run.experiment),
+            escape(run.label + (f" (also {'; '.join(also)})" if also else "")),
+            run.run_id,
+            "yes" if run.run_id in stored else "",
+            fmt_time(estimate_seconds(run.config)),
+            escape(", ".join(f"{k}={json.dumps(v)}" for k, v in diff.items())),
+        )
+    console.print(table)
+
+
 def study(
     spec: str = typer.Argument("quick", help="a preset name (see --list) or a path to a YAML spec"),
     out: Path = typer.Option(None, "--out", help="output folder (default addnorm-out/<study name>)"),
-    set_: list[str] = typer.Option(
-        [], "--set", help="override a setting: key=value, dotted keys, YAML values (repeatable)"
+    set_: list[str] = typer.Option([], "--set", help=OVERRIDE_HELP),
+    workers: str = typer.Option(
+        "auto", "--workers", help="processes running at once; auto: one per usable core (1: in this process)"
     ),
-    workers: int = typer.Option(1, "--workers", help="run in N processes (1: in this process)"),
+    threads: int = typer.Option(
+        None,
+        "--threads",
+        help="torch threads per worker (default 1; more only helps large models on an idle machine)",
+    ),
     csv: bool = typer.Option(False, "--csv", help="also export runs and metrics to <out>/csv"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="list the runs, their settings and a time estimate; run nothing"
+    ),
+    prune: bool = typer.Option(False, "--prune", help="delete stored runs that are not part of this spec"),
     list_presets: bool = typer.Option(False, "--list", help="list the shipped presets and exit"),
+    show: str = typer.Option(
+        None, "--show", metavar="PRESET", help="print a preset's YAML (a template) and exit"
+    ),
+    keys: bool = typer.Option(False, "--keys", help="list every key a spec may set, with defaults, and exit"),
+    markdown: bool = typer.Option(
+        False, "--markdown", help="with --keys: as the Markdown of docs/study-spec.md"
+    ),
 ) -> None:
-    """Run a study (resuming one already started in the same folder) and write its report."""
-    from .runner import run_study
-    from .spec import load_spec, preset_names
-
+    """Run a study (resuming one already started in the same folder: finished runs are kept, failed
+    runs tried again), write its report and print its findings. Exit code 1 if a run failed."""
+    console = Console()
     if list_presets:
         for name in preset_names():
             typer.echo(f"{name}: {' '.join(load_spec(name).description.split())}")
         return
-    if workers < 1:
-        raise ValueError(f"--workers: expected a positive integer, got {workers}")
+    if show is not None:
+        typer.echo(preset_text(show), nl=False)
+        return
+    if keys:
+        if markdown:
+            typer.echo(spec_keys_markdown(), nl=False)
+            return
+        width = max(len(k) for k, _, _ in spec_keys())
+        for key, default, text in spec_keys():
+            typer.echo(f"{key:<{width}}  {text} (default {default})")
+        return
+    n_workers = _workers(workers)
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads: expected a positive integer, got {threads}")
     plan = load_spec(spec, set_)
     folder = out or DEFAULT_OUT / plan.name
-    outcome = run_study(plan, folder, workers=workers, progress=not quiet)
-    typer.echo(f"{outcome.total} runs ({outcome.skipped} already stored, {outcome.ran} run now)")
+    if dry_run:
+        _dry_run(plan, folder, n_workers, threads, console)
+        return
+    outcome = run_study(plan, folder, workers=n_workers, threads=threads, progress=not quiet, prune=prune)
+    with Store(folder / "study.sqlite") as store:
+        if not quiet:
+            console.print(findings_table(compute_findings(store)))
+            console.print(f"Rule: {RULE}.", markup=False, highlight=False, style="dim")
+        if csv:
+            store.export_csv(folder / "csv")
+    stale = f", {outcome.stale} stored runs not part of this spec" if outcome.stale else ""
+    typer.echo(f"{outcome.total} runs ({outcome.skipped} already stored, {outcome.ran} run now{stale})")
     typer.echo(f"report: {outcome.report}")
     typer.echo(f"database: {folder / 'study.sqlite'}")
     if csv:
-        from .store import Store
-
-        with Store(folder / "study.sqlite") as store:
-            store.export_csv(folder / "csv")
         typer.echo(f"csv: {folder / 'csv'}")
+    if outcome.failed:
+        typer.echo(
+            f"error: {len(outcome.failed)} run(s) failed (run the command again to retry them): "
+            + "; ".join(outcome.failed[:3])
+            + (" ..." if len(outcome.failed) > 3 else ""),
+            err=True,
+        )
+        raise typer.Exit(code=1)
 
 
 def report(out: Path = typer.Argument(..., help="a study folder holding study.sqlite")) -> None:
     """Rebuild a study's report from its database (nothing is retrained)."""
-    from .report import build_report
-
     _database(out)
     typer.echo(f"report: {build_report(out)}")
 
@@ -69,9 +195,8 @@ def export(
     out: Path = typer.Argument(..., help="a study folder holding study.sqlite"),
     to: Path = typer.Option(None, "--to", help="folder for the CSV files (default <out>/csv)"),
 ) -> None:
-    """Export a study's runs, per-step and per-layer metrics to CSV."""
-    from .store import Store
-
+    """Export the current spec's runs as tidy CSV: runs.csv (one column per config key and provenance
+    field), experiments.csv, metrics.csv and layer_metrics.csv (long format)."""
     with Store(_database(out)) as store:
         for path in store.export_csv(to or out / "csv"):
             typer.echo(str(path))

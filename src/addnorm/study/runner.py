@@ -1,76 +1,178 @@
-"""Drive a study: expand the spec, skip what the store already has, run the rest, write, report."""
+"""Drive a study: expand the spec, record its plan, skip what the store already has, run the rest,
+write each result as it arrives, report."""
 
 from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TextIO
 
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Column
+from rich.text import Text
+
+from ..train import FAILED, RunConfig, RunResult
 from .executors import Executor, make_executor
+from .report import build_report
 from .spec import PlannedRun, StudySpec
 from .store import Store
 
+# Seconds per run = steps x (per-layer host overhead x layers + training FLOPs / FLOP rate) plus
+# evaluation; both constants fitted on a 2-core AMD EPYC with one torch thread per run (small models
+# are dominated by per-op host time, which the first term carries). An estimate for --dry-run and the
+# ETA's first guess, not a promise: the ETA corrects itself from measured run times.
+HOST_S_PER_LAYER_STEP = 3.4e-3
+FLOPS_PER_S = 5.7e10
 
-def _cost(run: PlannedRun) -> float:
-    c = run.config
-    return c.steps * c.n_layers * c.batch_size * c.seq_len * (2 if c.task != "lm" else 1)
+
+def run_flops(config: RunConfig) -> float:
+    """Training FLOPs per step: 6 x tokens x (matmul weights per token) plus attention scores."""
+    m = config.model
+    tokens = config.batch_size * config.seq_len
+    ffn = 3 if m.activation == "swiglu" else 2
+    per_layer = 4 * m.d_model**2 + ffn * m.d_model * m.d_ff + 2 * config.seq_len * m.d_model
+    layers = m.n_layers
+    if config.task != "lm":  # encoder-decoder: encoder and decoder stacks, cross-attention
+        layers = m.encoder_layers + m.decoder_layers * 1.5
+    return 6.0 * tokens * (layers * per_layer + m.d_model * 256)
 
 
-def _fmt_time(seconds: float) -> str:
-    seconds = max(0, int(seconds))
+def estimate_seconds(config: RunConfig) -> float:
+    """Rough wall time of one run on one core (see :data:`FLOPS_PER_S`)."""
+    layers = (
+        config.model.n_layers
+        if config.task == "lm"
+        else config.model.encoder_layers + config.model.decoder_layers
+    )
+    per_step = HOST_S_PER_LAYER_STEP * layers + run_flops(config) / FLOPS_PER_S
+    evals = (config.steps // config.eval_every if config.eval_every else 0) + 1
+    return per_step * (config.steps + evals * config.eval_batches / 3)
+
+
+def fmt_time(seconds: float) -> str:
+    seconds = max(0, int(round(seconds)))
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-class Progress:
-    """Runs done / total, the current run, its loss, and an ETA from the work done so far. Redraws one
-    line on a terminal; otherwise prints a line per finished run and one every ``PLAIN_EVERY`` s."""
+def describe(result: RunResult) -> str:
+    """One line for a finished run: its held-out loss, where it diverged, or its error."""
+    final = result.final.get("val_loss")
+    if final is not None:
+        return f"val loss {final:.3f}"
+    if result.diverged_step is not None:
+        return f"diverged at step {result.diverged_step}"
+    return result.error or ""
+
+
+class StudyProgress:
+    """What is running, how far, and an ETA. On a terminal: a ``rich`` display (width-aware, redrawn in
+    place) with one bar for the study and one per run in flight, and a printed line per finished run.
+    Elsewhere (logs, CI): a plain line per finished run and one every ``PLAIN_EVERY`` seconds."""
 
     PLAIN_EVERY = 10.0
 
-    def __init__(self, total: int, remaining_cost: float, stream=None, enabled: bool = True) -> None:
+    def __init__(
+        self,
+        total: int,
+        done: int,
+        todo: list[PlannedRun],
+        stream: TextIO | None = None,
+        enabled: bool = True,
+        workers: int = 1,
+    ) -> None:
         self.stream = stream or sys.stderr
-        self.tty = enabled and self.stream.isatty()
         self.enabled = enabled
-        self.total, self.done = total, 0
-        self.remaining, self.spent = remaining_cost, 0.0
+        self.tty = enabled and self.stream.isatty()
+        self.total, self.done, self.workers = total, done, max(1, workers)
+        self.cost = {run.run_id: estimate_seconds(run.config) for run in todo}
+        self.remaining = sum(self.cost.values())
+        self.spent, self.partial = 0.0, {}
         self.start = time.perf_counter()
         self._last = 0.0
+        self._bars: dict[str, TaskID] = {}
+        self._live: Progress | None = None
+        if self.tty:
+            self.console = Console(file=self.stream)
+            self._live = Progress(
+                TextColumn(
+                    "{task.description}", table_column=Column(ratio=3, no_wrap=True, overflow="ellipsis")
+                ),
+                BarColumn(table_column=Column(ratio=1)),
+                TextColumn("{task.fields[note]}", table_column=Column(no_wrap=True)),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+                console=self.console,
+                expand=True,
+            )
+            self._study = self._live.add_task(self._title(), total=self.remaining or 1.0, note="")
+            self._live.start()
 
-    def eta(self, partial: float = 0.0) -> str:
+    def _title(self) -> str:
+        return f"[{self.done}/{self.total}] runs"
+
+    def eta(self) -> str:
+        """Time left: the cost model's estimate shared over the workers until a run has finished, then
+        the measured rate of work so far applied to the work left."""
         elapsed = time.perf_counter() - self.start
-        work = self.spent + partial
-        if work <= 0 or elapsed < 5.0:  # too early for a rate worth showing
-            return "?"
-        return _fmt_time(elapsed / work * max(self.remaining - partial, 0.0))
+        partial = sum(self.partial.values())
+        left = max(self.remaining - partial, 0.0)
+        if self.spent <= 0:  # no finished run yet: the model's guess
+            return "~" + fmt_time(left / self.workers)
+        return fmt_time(elapsed / (self.spent + partial) * left)
 
     def step(self, run: PlannedRun, step: int, loss: float) -> None:
-        """The current run's step and loss: redrawn 4 times a second on a terminal, a plain line every
-        ``PLAIN_EVERY`` seconds otherwise (logs, CI)."""
-        now = time.perf_counter()
-        if not self.enabled or now - self._last < (0.25 if self.tty else self.PLAIN_EVERY):
-            return
-        self._last = now
-        partial = _cost(run) * (step + 1) / run.config.steps
-        line = (
-            f"[{self.done}/{self.total}] {run.experiment}: {run.label} | step {step + 1}/{run.config.steps} "
-            f"loss {loss:.3f} | ETA {self.eta(partial)}"
-        )
-        self.stream.write("\r\033[K" + line[:160] if self.tty else line + "\n")
-        self.stream.flush()
-
-    def finished(self, run: PlannedRun, status: str, detail: str) -> None:
-        self.done += 1
-        self.spent += _cost(run)
-        self.remaining -= _cost(run)
+        self.partial[run.run_id] = self.cost.get(run.run_id, 0.0) * (step + 1) / run.config.steps
         if not self.enabled:
             return
-        prefix = "\r\033[K" if self.tty else ""
-        self.stream.write(
-            f"{prefix}[{self.done}/{self.total}] {run.experiment}: {run.label} -> {status} "
-            f"{detail} | ETA {self.eta()}\n"
-        )
+        label = f"{run.experiment}: {run.label}"
+        if self._live is not None:
+            if run.run_id not in self._bars:
+                self._bars[run.run_id] = self._live.add_task(f"  {label}", total=run.config.steps, note="")
+            self._live.update(self._bars[run.run_id], completed=step + 1, note=f"loss {loss:.3f}")
+            self._live.update(self._study, completed=self.spent + sum(self.partial.values()))
+            return
+        now = time.perf_counter()
+        if now - self._last >= self.PLAIN_EVERY:
+            self._last = now
+            self._line(
+                f"[{self.done}/{self.total}] {label} | step {step + 1}/{run.config.steps} "
+                f"loss {loss:.3f} | ETA {self.eta()}"
+            )
+
+    def finished(self, run: PlannedRun, result: RunResult) -> None:
+        self.done += 1
+        self.partial.pop(run.run_id, None)
+        cost = self.cost.get(run.run_id, 0.0)
+        self.spent += cost
+        self.remaining -= cost
+        if not self.enabled:
+            return
+        head = f"[{self.done}/{self.total}] {run.experiment}: {run.label}"
+        tail = f" -> {result.status} {describe(result)} ({fmt_time(result.wall_s)})"
+        if self._live is not None:
+            if run.run_id in self._bars:
+                self._live.remove_task(self._bars.pop(run.run_id))
+            self._live.update(self._study, completed=self.spent, description=self._title())
+            room = self.console.width - len(tail)  # the label gives way, the outcome stays readable
+            if len(head) > room:
+                head = head[: max(room - 1, 8)] + "…"
+            line = Text(head + tail)
+            line.truncate(self.console.width, overflow="ellipsis")
+            self.console.print(line, highlight=False, no_wrap=True)
+        else:
+            self._line(f"{head}{tail} | ETA {self.eta()}")
+
+    def _line(self, text: str) -> None:
+        self.stream.write(text + "\n")
         self.stream.flush()
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
 
 
 @dataclass
@@ -79,50 +181,80 @@ class StudyOutcome:
     total: int
     skipped: int
     ran: int
-    report: Path | None
+    failed: list[str] = field(default_factory=list)  # "experiment: label (error)" of the failed runs
+    stale: int = 0  # stored runs that are not part of this spec
+    pruned: int = 0
+    report: Path | None = None
+
+
+def resolved_base(spec: StudySpec) -> dict:
+    """The spec's base config with every default filled in (as given if it is not valid on its own)."""
+    try:
+        return RunConfig(**spec.base).to_dict()
+    except (TypeError, ValueError):
+        return {**RunConfig.defaults(), **spec.base}
 
 
 def run_study(
     spec: StudySpec,
     out_dir: str | Path,
     *,
-    workers: int = 1,
+    workers: int | str = "auto",
+    threads: int | None = None,
     executor: Executor | None = None,
     progress: bool = True,
     report: bool = True,
+    prune: bool = False,
+    stream: TextIO | None = None,
 ) -> StudyOutcome:
-    """Run every run of ``spec`` not yet in ``out_dir/study.sqlite``, then write ``out_dir/report.html``."""
+    """Run every run of ``spec`` that ``out_dir/study.sqlite`` has no result for (failed runs are tried
+    again), then write ``out_dir/report.html``. The report and findings cover exactly this spec's runs;
+    other stored runs are counted (``stale``) and deleted with ``prune=True``."""
     out = Path(out_dir)
     planned = spec.expand()
     members = spec.memberships()
+    stream = stream or sys.stderr
     with Store(out / "study.sqlite") as store:
-        store.save_study(spec.name, spec.to_dict())
+        rows = [(run_id, exp, label) for run_id, pairs in members.items() for exp, label in pairs]
+        store.save_plan(spec.name, spec.to_dict(), resolved_base(spec), rows)
+        pruned = store.prune() if prune else 0
+        stale = len(store.stale_ids())
         done = store.finished_ids()
         todo = [r for r in planned if r.run_id not in done]
-        bar = Progress(len(planned), sum(map(_cost, todo)), enabled=progress)
-        bar.done = len(planned) - len(todo)
+        retried = sum(1 for r in store.runs() if r["status"] == FAILED)
         if progress:
-            print(
-                f"study {spec.name!r}: {len(planned)} runs, {bar.done} already in {out / 'study.sqlite'}, "
-                f"{len(todo)} to run",
-                file=sys.stderr,
-            )
-        executor = executor or make_executor(workers)
-        for run, result in executor.map(todo, on_step=bar.step if progress else None):
-            started = time.time() - result.wall_s
-            store.save_run(spec.name, run.run_id, members[run.run_id], run.config.to_dict(), result, started)
-            final = result.final.get("val_loss")
-            detail = (
-                f"val loss {final:.3f}"
-                if final is not None
-                else f"at step {result.diverged_step}"
-                if result.diverged_step is not None
-                else (result.error or "")
-            )
-            bar.finished(run, result.status, f"{detail} ({_fmt_time(result.wall_s)})")
-    path = None
-    if report:
-        from .report import build_report
-
-        path = build_report(out)
-    return StudyOutcome(out, len(planned), len(planned) - len(todo), len(todo), path)
+            notes = [f"{len(planned) - len(todo)} already stored", f"{len(todo)} to run"]
+            if retried:
+                notes.append(f"{retried} failed before and tried again")
+            if stale:
+                notes.append(f"{stale} stored runs not part of this spec (--prune deletes them)")
+            if pruned:
+                notes.append(f"{pruned} stale runs pruned")
+            stream.write(f"study {spec.name!r}: {len(planned)} runs ({', '.join(notes)}) in {out}\n")
+        executor = executor or make_executor(workers, threads, runs=len(todo))
+        bar = StudyProgress(
+            len(planned),
+            len(planned) - len(todo),
+            todo,
+            stream=stream,
+            enabled=progress,
+            workers=executor.workers,
+        )
+        failed = []
+        try:
+            for run, result in executor.map(todo, on_step=bar.step if progress else None):
+                store.save_run(
+                    spec.name,
+                    run.run_id,
+                    members[run.run_id],
+                    run.config.to_dict(),
+                    result,
+                    time.time() - result.wall_s,
+                )
+                bar.finished(run, result)
+                if result.status == FAILED:
+                    failed.append(f"{run.experiment}: {run.label} ({result.error})")
+        finally:
+            bar.close()
+    path = build_report(out) if report else None
+    return StudyOutcome(out, len(planned), len(planned) - len(todo), len(todo), failed, stale, pruned, path)

@@ -167,40 +167,161 @@ def parse_spec(data: object, source: str = "<spec>") -> StudySpec:
     return spec
 
 
-def _set_path(data: dict, dotted: str, value: object) -> None:
+def _override_everywhere(data: dict, key: str, value: object) -> None:
+    """A plain ``--set key=value``: the base, every experiment's ``set``, a sweep over the key (which
+    collapses to the one value) and every variant that sets it."""
+    data.setdefault("base", {})
+    if not isinstance(data["base"], dict):
+        raise SpecError("base: expected a mapping of run settings")
+    data["base"][key] = value
+    for exp in (data.get("experiments") or {}).values():
+        if not isinstance(exp, dict):
+            continue
+        if isinstance(exp.get("set"), dict) and key in exp["set"]:
+            exp["set"][key] = value
+        sweep = exp.get("sweep")
+        if isinstance(sweep, dict):
+            if key in sweep:
+                sweep[key] = [value]
+            for variant in sweep.get("variant") or []:
+                if isinstance(variant, dict) and key in variant:
+                    variant[key] = value
+
+
+def _set_dotted(data: dict, dotted: str, value: object) -> None:
+    """``--set a.b.c=value`` into a path that exists: ``base.KEY``, ``experiments.NAME.set.KEY``,
+    ``experiments.NAME.sweep.AXIS`` or ``experiments.NAME.(description|rank)``."""
     parts = dotted.split(".")
-    node = data
-    for part in parts[:-1]:
-        if not isinstance(node.get(part), dict):
-            node[part] = {}
-        node = node[part]
-    node[parts[-1]] = value
+    where = f"--set {dotted}"
+    run_keys = RunConfig.keys()
+    if parts[0] == "base" and len(parts) == 2:
+        if parts[1] not in run_keys:
+            raise SpecError(f"{where}: unknown run key {parts[1]!r}; allowed keys: {', '.join(run_keys)}")
+        data.setdefault("base", {})[parts[1]] = value
+        return
+    if parts[0] != "experiments" or len(parts) < 3:
+        raise SpecError(
+            f"{where}: no such path; expected KEY, base.KEY, experiments.NAME.set.KEY or "
+            "experiments.NAME.sweep.AXIS"
+        )
+    experiments = data.get("experiments") if isinstance(data.get("experiments"), dict) else {}
+    name = parts[1]
+    if name not in experiments:
+        raise SpecError(
+            f"{where}: no experiment {name!r} in this spec; experiments: {', '.join(experiments) or 'none'}"
+        )
+    exp = experiments[name] if isinstance(experiments[name], dict) else {}
+    experiments[name] = exp
+    field_ = parts[2]
+    if field_ not in EXPERIMENT_KEYS:
+        raise SpecError(
+            f"{where}: {field_!r} is not an experiment key; allowed: {', '.join(EXPERIMENT_KEYS)}"
+        )
+    if field_ in ("description", "rank"):
+        if len(parts) != 3:
+            raise SpecError(f"{where}: no such path; {field_} has no sub-keys")
+        exp[field_] = value
+        return
+    if len(parts) != 4:
+        raise SpecError(f"{where}: no such path; expected experiments.{name}.{field_}.KEY")
+    key = parts[3]
+    if key not in run_keys and not (field_ == "sweep" and key == "variant"):
+        raise SpecError(f"{where}: unknown run key {key!r}; allowed keys: {', '.join(run_keys)}")
+    if not isinstance(exp.get(field_), dict):
+        exp[field_] = {}
+    exp[field_][key] = value
+
+
+OVERRIDE_HELP = (
+    "override a setting, repeatable; values are YAML. A plain KEY=VALUE sets the key everywhere: the "
+    "base, every experiment that sets it, and every sweep over it (which collapses to that value). "
+    "Dotted paths reach one place and must exist: base.KEY, experiments.NAME.set.KEY, "
+    "experiments.NAME.sweep.AXIS=[...]"
+)
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """``--set key=value``: dotted keys into the spec (``base.steps=50``); a bare run key goes to
-    ``base``. Values are parsed as YAML (``true``, ``1e-3``, ``[1, 2]``)."""
+    """Apply ``--set`` overrides to a loaded spec (see :data:`OVERRIDE_HELP`)."""
     for item in overrides:
         if "=" not in item:
             raise SpecError(f"--set: expected key=value, got {item!r}")
         key, text = item.split("=", 1)
+        key = key.strip()
         try:
             value = yaml.safe_load(text)
         except yaml.YAMLError as err:
             raise SpecError(f"--set {key}: the value is not valid YAML: {err}") from None
-        key = key.strip()
-        if "." not in key:
-            if key in SPEC_KEYS:
-                data[key] = value
-                continue
-            key = f"base.{key}"
-        _set_path(data, key, value)
+        if "." in key:
+            _set_dotted(data, key, value)
+        elif key in ("name", "description"):
+            data[key] = value
+        elif key in RunConfig.keys():
+            _override_everywhere(data, key, value)
+        else:
+            raise SpecError(
+                f"--set {key}: unknown key; expected a run key ({', '.join(RunConfig.keys())}), "
+                "name, description, or a dotted path"
+            )
     return data
 
 
 def preset_names() -> list[str]:
     files = resources.files("addnorm.study").joinpath("presets")
     return sorted(p.name[: -len(".yaml")] for p in files.iterdir() if p.name.endswith(".yaml"))
+
+
+def preset_text(name: str) -> str:
+    """A preset's YAML as shipped (``addnorm study --show NAME``: a template for a spec of one's own)."""
+    names = preset_names()
+    if name not in names:
+        raise SpecError(f"spec: unknown preset {name!r}; presets: {', '.join(names)}")
+    return resources.files("addnorm.study").joinpath("presets", f"{name}.yaml").read_text()
+
+
+def spec_keys() -> list[tuple[str, str, str]]:
+    """(key, default as YAML, description) for every key a spec's ``base``, ``set`` or ``sweep`` takes,
+    generated from :class:`RunConfig` and :class:`~addnorm.model.TransformerConfig`."""
+    defaults, help_ = RunConfig.defaults(), RunConfig.help()
+    rows = []
+    for key in RunConfig.keys():
+        default = yaml.safe_dump(defaults[key], default_flow_style=True).strip().removesuffix("...").strip()
+        rows.append((key, default, help_[key]))
+    return rows
+
+
+def spec_keys_markdown() -> str:
+    """The spec reference (``docs/study-spec.md``), generated from the run config."""
+    lines = [
+        "# Study spec keys",
+        "",
+        "Generated from `RunConfig` and `TransformerConfig` by `addnorm study --keys --markdown`; the",
+        "tests check that this file matches the code. A spec is YAML:",
+        "",
+        "```yaml",
+        "name: my-study",
+        "description: what it measures",
+        "base: {n_layers: 6, steps: 300}        # every run starts from these",
+        "experiments:",
+        "  warmup:",
+        "    description: shown in the report",
+        "    set: {lr: 0.003}                    # this experiment's fixed settings",
+        "    sweep: {placement: [post, pre], warmup: [0, 100], seed: [0, 1, 2]}   # cartesian product",
+        "  ablations:",
+        "    sweep:",
+        "      variant:                          # several keys at once, named by label",
+        "        - {label: layernorm}",
+        "        - {label: no residual, residual: false}",
+        "    rank: false                         # true: rank this experiment's placements in the report",
+        "```",
+        "",
+        "Names are canonicalised before a run's id is computed (`Post-LN` is `post`), so an alias never",
+        "splits a run. `addnorm study --set KEY=VALUE` sets a key everywhere (see `addnorm study --help`).",
+        "",
+        "| key | default | meaning |",
+        "| --- | --- | --- |",
+    ]
+    lines += [f"| `{k}` | `{d}` | {h} |" for k, d, h in spec_keys()]
+    return "\n".join(lines) + "\n"
 
 
 def load_spec(name_or_path: str | Path | None = None, overrides: list[str] | None = None) -> StudySpec:
@@ -212,13 +333,12 @@ def load_spec(name_or_path: str | Path | None = None, overrides: list[str] | Non
             raise SpecError(f"spec: no such file {str(path)!r}")
         text, source = path.read_text(), str(path)
     else:
-        names = preset_names()
-        if str(name_or_path) not in names:
+        if str(name_or_path) not in preset_names():
             raise SpecError(
-                f"spec: unknown preset {str(name_or_path)!r}; presets: {', '.join(names)} (or a .yaml path)"
+                f"spec: unknown preset {str(name_or_path)!r}; presets: {', '.join(preset_names())} "
+                "(or a .yaml path)"
             )
-        text = resources.files("addnorm.study").joinpath("presets", f"{name_or_path}.yaml").read_text()
-        source = f"preset {name_or_path}"
+        text, source = preset_text(str(name_or_path)), f"preset {name_or_path}"
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as err:

@@ -1,8 +1,11 @@
-"""SQLite store of a study: runs (config, status, timings, error), per-step and per-layer metrics.
+"""SQLite store of a study: its current plan, runs (config, status, timings, error, provenance), per-step
+and per-layer metrics.
 
 Only the driver writes. A run's row and all its metrics go in one transaction when the run ends, so a
 study killed at any moment (even ``kill -9``) loses at most the runs in flight, and a rerun skips every
-run already stored. Never imports ``ops`` or ``model``.
+run already finished (done or diverged; failed runs are tried again). The ``plan`` table holds the runs
+of the spec last run into this folder: readers (report, findings, export) see exactly those; other
+stored runs stay until :meth:`Store.prune`. Never imports ``ops`` or ``model``.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ import csv
 import json
 import sqlite3
 import time
+from datetime import datetime, timezone
 from pathlib import Path
+
+FINISHED = ("done", "diverged")  # a result; "failed" (an exception, a dead worker) is retried
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS studies (name TEXT PRIMARY KEY, spec TEXT NOT NULL, updated REAL NOT NULL);
@@ -28,7 +34,27 @@ CREATE TABLE IF NOT EXISTS layer_metrics (
     sublayer TEXT, metric TEXT NOT NULL, param TEXT, value REAL
 );
 CREATE INDEX IF NOT EXISTS layer_metrics_run ON layer_metrics (run_id, metric);
+CREATE TABLE IF NOT EXISTS plan (
+    position INTEGER NOT NULL, run_id TEXT NOT NULL, experiment TEXT NOT NULL, label TEXT NOT NULL
+);
 """
+# Columns added after the first release: (table, column, type); older databases gain them on open.
+ADDED_COLUMNS = (("runs", "provenance", "TEXT"), ("studies", "base", "TEXT"))
+
+RUN_COLUMNS = (
+    "id",
+    "status",
+    "error",
+    "diverged_step",
+    "steps_done",
+    "started",
+    "finished",
+    "wall_s",
+    "final_train_loss",
+    "final_val_loss",
+    "final_val_metric",
+    "metric",
+)
 
 
 class Store:
@@ -42,6 +68,10 @@ class Store:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")
         self.db.executescript(SCHEMA)
+        for table, column, kind in ADDED_COLUMNS:
+            have = {row["name"] for row in self.db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         self.db.close()
@@ -53,10 +83,17 @@ class Store:
         self.close()
 
     # --- writing (driver only) ------------------------------------------------------------------
-    def save_study(self, name: str, spec: dict) -> None:
+    def save_plan(self, name: str, spec: dict, base: dict, members: list[tuple[str, str, str]]) -> None:
+        """The current spec (as given and its resolved base config) and its runs as (run id,
+        experiment, label) rows, replacing the previous plan in one transaction."""
         with self.db:
             self.db.execute(
-                "INSERT OR REPLACE INTO studies VALUES (?, ?, ?)", (name, json.dumps(spec), time.time())
+                "INSERT OR REPLACE INTO studies (name, spec, updated, base) VALUES (?, ?, ?, ?)",
+                (name, json.dumps(spec), time.time(), json.dumps(base)),
+            )
+            self.db.execute("DELETE FROM plan")
+            self.db.executemany(
+                "INSERT INTO plan VALUES (?, ?, ?, ?)", [(i, *m) for i, m in enumerate(members)]
             )
 
     def save_run(
@@ -68,7 +105,9 @@ class Store:
             self.db.execute("DELETE FROM metrics WHERE run_id = ?", (run_id,))
             self.db.execute("DELETE FROM layer_metrics WHERE run_id = ?", (run_id,))
             self.db.execute(
-                "INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "INSERT OR REPLACE INTO runs (id, study, experiments, config, status, error, diverged_step, "
+                "steps_done, started, finished, wall_s, final_train_loss, final_val_loss, final_val_metric, "
+                "metric, provenance) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     run_id,
                     study,
@@ -85,6 +124,7 @@ class Store:
                     final.get("val_loss"),
                     final.get("val_metric"),
                     final.get("metric"),
+                    json.dumps(getattr(result, "provenance", None) or {}, sort_keys=True),
                 ),
             )
             self.db.executemany(
@@ -107,22 +147,63 @@ class Store:
                 ],
             )
 
+    def prune(self) -> int:
+        """Delete every stored run that is not part of the current plan (and its metrics); how many."""
+        stale = self.stale_ids()
+        with self.db:
+            for table, column in (("metrics", "run_id"), ("layer_metrics", "run_id"), ("runs", "id")):
+                self.db.executemany(f"DELETE FROM {table} WHERE {column} = ?", [(i,) for i in stale])
+        return len(stale)
+
     # --- reading ----------------------------------------------------------------------------------
+    def planned(self) -> list[tuple[str, str, str]]:
+        """The current plan: (run id, experiment, label) in the spec's order."""
+        rows = self.db.execute("SELECT run_id, experiment, label FROM plan ORDER BY position")
+        return [(r["run_id"], r["experiment"], r["label"]) for r in rows]
+
     def finished_ids(self) -> set[str]:
-        return {row["id"] for row in self.db.execute("SELECT id FROM runs")}
+        """Runs with a result (done or diverged); failed runs are not among them."""
+        marks = ",".join("?" * len(FINISHED))
+        return {
+            row["id"] for row in self.db.execute(f"SELECT id FROM runs WHERE status IN ({marks})", FINISHED)
+        }
+
+    def stale_ids(self) -> list[str]:
+        """Stored runs that are not part of the current plan (an earlier version of the spec)."""
+        rows = self.db.execute(
+            "SELECT id FROM runs WHERE id NOT IN (SELECT run_id FROM plan) ORDER BY started"
+        )
+        return [r["id"] for r in rows]
 
     def study_spec(self) -> tuple[str, dict] | None:
         row = self.db.execute("SELECT name, spec FROM studies ORDER BY updated DESC LIMIT 1").fetchone()
         return (row["name"], json.loads(row["spec"])) if row else None
 
+    def base_config(self) -> dict:
+        """The resolved base config of the current spec ({} for a database written before it was kept)."""
+        row = self.db.execute("SELECT base FROM studies ORDER BY updated DESC LIMIT 1").fetchone()
+        return json.loads(row["base"]) if row and row["base"] else {}
+
     def runs(self) -> list[dict]:
+        """The current plan's stored runs in the spec's order, each with ``config`` and ``provenance`` decoded and
+        ``experiments`` as its (experiment, label) memberships in the plan. A database without a plan
+        (written before plans were kept) gives every run with the memberships stored with it."""
+        plan = self.planned()
+        members: dict[str, list[tuple[str, str]]] = {}
+        for run_id, experiment, label in plan:
+            members.setdefault(run_id, []).append((experiment, label))
         out = []
+        order = {run_id: i for i, (run_id, _, _) in reversed(list(enumerate(plan)))}
         for row in self.db.execute("SELECT * FROM runs ORDER BY started"):
             d = dict(row)
+            if plan and d["id"] not in members:
+                continue
             d["config"] = json.loads(d["config"])
-            d["experiments"] = [tuple(x) for x in json.loads(d["experiments"])]
+            d["provenance"] = json.loads(d["provenance"]) if d.get("provenance") else {}
+            stored = [tuple(x) for x in json.loads(d["experiments"])]
+            d["experiments"] = members.get(d["id"], stored)
             out.append(d)
-        return out
+        return sorted(out, key=lambda d: order.get(d["id"], len(order))) if plan else out
 
     def metric(self, run_id: str, name: str) -> list[tuple[int, float]]:
         rows = self.db.execute(
@@ -139,16 +220,43 @@ class Store:
         return [dict(r) for r in self.db.execute(query + " ORDER BY step, layer", args)]
 
     def export_csv(self, folder: str | Path) -> list[Path]:
-        """runs.csv, metrics.csv and layer_metrics.csv in ``folder``."""
+        """Tidy CSV of the current plan's runs in ``folder``: ``runs.csv`` (one row per run, one column
+        per result field, config key and provenance field), ``experiments.csv`` (run id, experiment,
+        label: a run can serve several experiments), ``metrics.csv`` (run id, step, name, value) and
+        ``layer_metrics.csv`` (run id, step, layer, layer name, sublayer, metric, param, value)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        written = []
-        for table in ("runs", "metrics", "layer_metrics"):
-            cur = self.db.execute(f"SELECT * FROM {table}")  # noqa: S608 (fixed table names)
-            path = folder / f"{table}.csv"
-            with path.open("w", newline="") as fh:
-                writer = csv.writer(fh)
-                writer.writerow([c[0] for c in cur.description])
-                writer.writerows(cur)
-            written.append(path)
+        runs = self.runs()
+        config_keys = list(dict.fromkeys(k for r in runs for k in r["config"]))
+        prov_keys = list(dict.fromkeys(k for r in runs for k in r["provenance"]))
+        cell = lambda v: json.dumps(v) if isinstance(v, (list, dict)) else v  # noqa: E731
+        header = [*RUN_COLUMNS, *config_keys, *(f"provenance_{k}" for k in prov_keys)]
+        table = []
+        for r in runs:
+            row = [_utc(r[c]) if c in ("started", "finished") else r[c] for c in RUN_COLUMNS]
+            row += [cell(r["config"].get(k)) for k in config_keys]
+            row += [cell(r["provenance"].get(k)) for k in prov_keys]
+            table.append(row)
+        written = [self._write(folder / "runs.csv", header, table)]
+        members = [(r["id"], e, lab) for r in runs for e, lab in r["experiments"]]
+        written.append(self._write(folder / "experiments.csv", ["run_id", "experiment", "label"], members))
+        ids = [r["id"] for r in runs]
+        for name in ("metrics", "layer_metrics"):
+            cur = self.db.execute(f"SELECT * FROM {name} WHERE run_id IN ({','.join('?' * len(ids))})", ids)
+            written.append(self._write(folder / f"{name}.csv", [c[0] for c in cur.description], cur))
         return written
+
+    @staticmethod
+    def _write(path: Path, header: list[str], rows) -> Path:
+        with path.open("w", newline="") as fh:
+            writer = csv.writer(fh)
+            writer.writerow(header)
+            writer.writerows(rows)
+        return path
+
+
+def _utc(timestamp: float | None) -> str | None:
+    """A Unix time as an ISO 8601 UTC timestamp (CSV readers parse it; a float they do not)."""
+    if timestamp is None:
+        return None
+    return datetime.fromtimestamp(timestamp, timezone.utc).isoformat(timespec="seconds")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..model import Transformer
 from .base import TASKS, Batch, Task
 
 PAD, BOS, FIRST_SYMBOL = 0, 1, 2
@@ -33,8 +34,6 @@ class _SequenceTask(Task):
         return Batch(src, inputs, tgt)
 
     def build_model(self, cfg) -> nn.Module:
-        from ..model import Transformer
-
         return Transformer(cfg, self.vocab, self.vocab, pad_id=PAD)
 
     def metric_value(self, loss, logits, batch) -> float:

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from ..model import LanguageModel
 from .base import TASKS, Batch, Task
 
 DEFAULT_CORPUS_BYTES = 4_000_000
@@ -78,8 +79,6 @@ class LanguageModelling(Task):
         return Batch(None, windows[:, :-1], windows[:, 1:])
 
     def build_model(self, cfg) -> nn.Module:
-        from ..model import LanguageModel
-
         return LanguageModel(cfg, self.vocab)
 
     def metric_value(self, loss, logits, batch) -> float:

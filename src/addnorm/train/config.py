@@ -1,120 +1,185 @@
-"""RunConfig: everything one training run depends on; its hash is the run's stable id."""
+"""RunConfig: everything one training run depends on; its hash is the run's stable id.
+
+The model's settings are a :class:`~addnorm.model.TransformerConfig` (validated and canonicalised
+there, so "Post-LN" and "post" are the same run); RunConfig adds the task, the training budget and the
+probing schedule. Both kinds of setting are given flat, as a study spec writes them:
+``RunConfig(placement="post", n_layers=12, steps=300)``.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any
 
-from ..norms import NORMS
-from ..placements import PLACEMENTS
+from ..model import TransformerConfig
+from ..tasks import TASKS
+from .schedules import SCHEDULES
 
-DROPOUT_SITES = ("branch", "after_add", "none")
+# The study's small-model defaults where they differ from TransformerConfig's (torch.nn.Transformer's).
+MODEL_DEFAULTS: dict[str, Any] = {
+    "d_model": 64,
+    "n_heads": 4,
+    "d_ff": 256,
+    "n_layers": 4,
+    "dropout": 0.0,
+    "placement": "pre",
+    "init": "xavier",
+}
+# Model fields a run sets itself: the tasks feed (batch, seq) tensors, and positions cover seq_len.
+_DERIVED = ("batch_first", "max_len")
+MODEL_KEYS: tuple[str, ...] = tuple(f.name for f in fields(TransformerConfig) if f.name not in _DERIVED)
 
 
-@dataclass(frozen=True)
+def _f(default: Any, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass(frozen=True, init=False)
 class RunConfig:
-    """One run: task, model, optimisation and probing. ``dropout_at="none"`` turns dropout off."""
+    """One run: its model (``model``, built from the flat model keys, which also read as attributes:
+    ``cfg.n_layers``) and task, optimisation, evaluation and probing settings. Two configs with the same
+    settings have the same :attr:`run_id`."""
 
-    task: str = "lm"
-    corpus: str | None = None
-    symbols: int = 10
-    d_model: int = 64
-    n_heads: int = 4
-    d_ff: int = 256
-    n_layers: int = 4
-    placement: str = "pre"
-    norm: str = "layernorm"
-    final_norm: str | bool = "auto"
-    residual: bool = True
-    dropout: float = 0.0
-    dropout_at: str = "branch"
-    activation: str = "relu"
-    init: str = "xavier"
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int = 64
-    lr: float = 1e-3
-    warmup: int = 0
-    schedule: str = "constant"
-    grad_clip: float = 0.0
-    weight_decay: float = 0.01
-    seed: int = 0
-    eval_every: int = 50
-    eval_batches: int = 4
-    probe_every: int = 0
-    diverge_factor: float = 3.0
+    model: TransformerConfig
+    task: str = _f("lm", "lm (byte-level language modelling), copy, reverse or sort")
+    corpus: str | None = _f(None, "text file or folder for lm (default: the Python standard library)")
+    symbols: int = _f(10, "alphabet size of the copy/reverse/sort tasks")
+    steps: int = _f(200, "optimiser steps")
+    batch_size: int = _f(16, "sequences per step")
+    seq_len: int = _f(64, "tokens per sequence")
+    lr: float = _f(1e-3, "peak learning rate (AdamW, betas 0.9/0.98)")
+    warmup: int = _f(0, "linear warmup steps (0: none); must be below steps")
+    schedule: str = _f("constant", "learning-rate schedule after warmup: " + ", ".join(SCHEDULES))
+    grad_clip: float = _f(0.0, "clip the gradient norm at this value (0: no clipping)")
+    weight_decay: float = _f(0.01, "AdamW weight decay on matrices and embeddings")
+    seed: int = _f(0, "seeds the initialisation and the training batches")
+    eval_every: int = _f(50, "held-out evaluation every this many steps (0: only at the end); <= steps")
+    eval_batches: int = _f(4, "batches per held-out evaluation")
+    probe_every: int = _f(0, "per-layer statistics every this many steps (0: first and last step only)")
+    diverge_factor: float = _f(3.0, "a loss above this multiple of the first one ends the run as diverged")
 
-    def __post_init__(self) -> None:
-        from ..tasks import TASKS
-        from .schedules import SCHEDULES
+    def __init__(self, model: TransformerConfig | None = None, **values: Any) -> None:
+        model_values = {k: values.pop(k) for k in list(values) if k in MODEL_KEYS}
+        for key in values:
+            if key not in TRAIN_KEYS:
+                raise TypeError(f"{key}: unknown run setting; expected one of: {', '.join(RunConfig.keys())}")
+        for f in fields(self):
+            if f.name != "model":
+                object.__setattr__(self, f.name, values.get(f.name, f.default))
+        self._check()
+        if model is None:
+            model = TransformerConfig(**{**MODEL_DEFAULTS, **model_values})
+        elif model_values:
+            model = replace(model, **model_values)
+        object.__setattr__(self, "model", replace(model, batch_first=True, max_len=max(self.seq_len, 16)))
 
-        positive = ("symbols", "d_model", "n_heads", "d_ff", "n_layers", "steps", "batch_size", "seq_len")
-        for name in positive:
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    def _check(self) -> None:
+        """Validate and canonicalise the training settings (the model validates its own)."""
+        for name in ("symbols", "steps", "batch_size", "seq_len"):
+            _integer(name, getattr(self, name), minimum=1)
         for name in ("warmup", "seed", "eval_every", "eval_batches", "probe_every"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}: expected a non-negative integer, got {value!r}")
-        for name in ("lr", "diverge_factor"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ValueError(f"{name}: expected a positive number, got {value!r}")
+            _integer(name, getattr(self, name), minimum=0)
+        for name, positive in (
+            ("lr", True),
+            ("diverge_factor", True),
+            ("grad_clip", False),
+            ("weight_decay", False),
+        ):
+            object.__setattr__(self, name, _float(name, getattr(self, name), positive))
         if not self.diverge_factor > 1:
             raise ValueError(
                 f"diverge_factor: expected a number above 1 (a loss this many times the first one "
                 f"counts as divergence), got {self.diverge_factor!r}"
             )
-        for name in ("grad_clip", "weight_decay"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"{name}: expected a non-negative number, got {value!r}")
-        if not isinstance(self.dropout, (int, float)) or not 0 <= self.dropout < 1:
-            raise ValueError(f"dropout: expected a rate in [0, 1), got {self.dropout!r}")
-        if self.dropout_at not in DROPOUT_SITES:
+        if self.warmup and self.warmup >= self.steps:
             raise ValueError(
-                f"dropout_at: expected one of {', '.join(DROPOUT_SITES)}, got {self.dropout_at!r}"
+                f"warmup: {self.warmup} warmup steps need more than that many steps, got steps={self.steps}"
             )
-        if not isinstance(self.residual, bool):
-            raise ValueError(f"residual: expected true or false, got {self.residual!r}")
-        if self.final_norm not in ("auto", True, False):
-            raise ValueError(f"final_norm: expected auto, true or false, got {self.final_norm!r}")
-        TASKS.resolve(self.task)
-        PLACEMENTS.resolve(self.placement)
-        NORMS.resolve(self.norm)
-        SCHEDULES.resolve(self.schedule)
-        self.model_config()  # validates the model dimensions, activation and init
+        if self.eval_every > self.steps:
+            raise ValueError(
+                f"eval_every: {self.eval_every} is more than steps={self.steps}; the run would never evaluate"
+            )
+        corpus = self.corpus
+        if corpus is not None and not isinstance(corpus, str):
+            raise TypeError(f"corpus: expected a path (str), got {corpus!r}")
+        object.__setattr__(self, "corpus", None if corpus in (None, "", "stdlib") else corpus)
+        object.__setattr__(self, "task", TASKS.resolve(self.task))
+        object.__setattr__(self, "schedule", SCHEDULES.resolve(self.schedule))
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
+        """Every setting a spec may give: the training settings, then the model's."""
+        return TRAIN_KEYS + MODEL_KEYS
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+    @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        """Each key's default value (the study's small-model defaults for the model keys)."""
+        out = {f.name: f.default for f in fields(cls) if f.name != "model"}
+        for f in fields(TransformerConfig):
+            if f.name in MODEL_KEYS:
+                default = f.default_factory() if f.default is MISSING else f.default
+                out[f.name] = MODEL_DEFAULTS.get(f.name, default)
+        return out
+
+    @classmethod
+    def help(cls) -> dict[str, str]:
+        """Each key's one-line description, read from the fields' metadata."""
+        return {
+            f.name: f.metadata.get("help", "")
+            for f in (*fields(cls), *fields(TransformerConfig))
+            if f.name in cls.keys()
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every key flat, names canonical; ``RunConfig(**cfg.to_dict()) == cfg``."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+        for name in MODEL_KEYS:
+            value = getattr(self.model, name)
+            if name == "placement":
+                value = _placement_names(value)
+            out[name] = value
+        return out
 
     @property
     def run_id(self) -> str:
-        """Stable id: the first 12 hex digits of the SHA-1 of the resolved config as sorted JSON."""
+        """Stable id: the first 12 hex digits of the SHA-1 of the canonical config as sorted JSON."""
         text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha1(text.encode()).hexdigest()[:12]
 
-    def model_config(self):
-        from ..model import TransformerConfig
+    def __hash__(self) -> int:
+        return hash(self.run_id)
 
-        return TransformerConfig(
-            d_model=self.d_model,
-            n_heads=self.n_heads,
-            d_ff=self.d_ff,
-            n_layers=self.n_layers,
-            dropout=0.0 if self.dropout_at == "none" else float(self.dropout),
-            activation=self.activation,
-            placement=self.placement,
-            norm=self.norm,
-            final_norm=self.final_norm,
-            residual=self.residual,
-            dropout_at="branch" if self.dropout_at == "none" else self.dropout_at,
-            init=self.init,
-            max_len=max(self.seq_len, 16),
-        )
+    def __getattr__(self, name: str) -> Any:
+        """Model keys read like training keys: ``cfg.n_layers`` is ``cfg.model.n_layers``."""
+        if name in MODEL_KEYS and "model" in self.__dict__:
+            return getattr(self.model, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+TRAIN_KEYS: tuple[str, ...] = tuple(f.name for f in fields(RunConfig) if f.name != "model")
+
+
+def _integer(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum > 0 else "a non-negative integer"
+        raise ValueError(f"{name}: expected {kind}, got {value!r}")
+
+
+def _float(name: str, value: Any, positive: bool) -> float:
+    """A number (YAML reads ``1e-3`` as a string, so numeric strings count) as a float."""
+    kind = "a positive number" if positive else "a non-negative number"
+    try:
+        number = float(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not (number > 0 if positive else number >= 0):
+        raise ValueError(f"{name}: expected {kind}, got {value!r}")
+    return number
+
+
+def _placement_names(placement: Any) -> Any:
+    if isinstance(placement, (list, tuple)):
+        return [getattr(p, "name", p) for p in placement]
+    return getattr(placement, "name", placement)

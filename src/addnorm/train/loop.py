@@ -12,8 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..addnorm import AddNorm
-from ..model import admin_init
-from ..placements import PLACEMENTS
+from ..model import admin_init, ngpt_matrices, ngpt_normalize_
 from ..probe import Probe
 from ..tasks import build_task
 from .config import RunConfig
@@ -26,7 +25,8 @@ DONE, DIVERGED, FAILED = "done", "diverged", "failed"
 @dataclass
 class RunResult:
     """What a run produced: status, final numbers, per-step metrics (step, name, value) and per-layer
-    rows in the Probe's format (plus ``update_ratio`` rows)."""
+    rows in the Probe's format (plus ``update_ratio`` rows), and where it ran (``provenance``, filled by the
+    study's executors)."""
 
     status: str
     steps_done: int = 0
@@ -36,6 +36,7 @@ class RunResult:
     final: dict = field(default_factory=dict)
     metrics: list[tuple[int, str, float]] = field(default_factory=list)
     layer_metrics: list[dict] = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)
 
 
 def _device() -> torch.device:
@@ -94,28 +95,28 @@ def _update_ratios(model, before: dict[str, torch.Tensor], layer_names: list[str
 
 
 def _residual_picture(model, task, batch, step: int) -> list[tuple[int, str, float]]:
-    """RMS of x, F(x) and x + F(x) at the FFN connection of the middle layer (the Add of Add & Norm)."""
+    """RMS of x, F(x) and x + F(x) at the FFN connection of the middle layer (the Add of Add & Norm),
+    read at its ``stream_in`` and ``branch`` observation points."""
     conns = [m for name, m in model.named_modules() if isinstance(m, AddNorm) and name.endswith("ff_block")]
     if not conns:
         return []
     conn = conns[len(conns) // 2]
     seen: dict[str, torch.Tensor] = {}
 
-    def keep_x(module, args):
-        seen.setdefault("x", args[0])
+    def keeper(key: str):
+        return lambda module, args, out: seen.setdefault(key, out)
 
-    def keep_f(module, args, out):
-        seen.setdefault("f", out)
-
-    h1 = conn.register_forward_pre_hook(keep_x)
-    h2 = conn.branch.register_forward_hook(keep_f)
+    handles = [
+        conn.stream_in.register_forward_hook(keeper("x")),
+        conn.branch.register_forward_hook(keeper("f")),
+    ]
     try:
         with torch.no_grad():
             task.loss(model, batch)
     finally:
-        h1.remove()
-        h2.remove()
-    if "x" not in seen or "f" not in seen or isinstance(seen["x"], tuple):
+        for handle in handles:
+            handle.remove()
+    if "x" not in seen or "f" not in seen:
         return []
     rms = lambda t: t.float().pow(2).mean().sqrt().item()  # noqa: E731
     x, f = seen["x"], seen["f"]
@@ -128,14 +129,16 @@ def train(cfg: RunConfig, *, on_step: Callable[[int, float], None] | None = None
     device = _device()
     torch.manual_seed(cfg.seed)
     task = build_task(cfg.task, **({"corpus": cfg.corpus} if cfg.task == "lm" else {"symbols": cfg.symbols}))
-    model = task.build_model(cfg.model_config()).to(device)
+    model = task.build_model(cfg.model).to(device)
     gen = torch.Generator().manual_seed(cfg.seed)
-    if PLACEMENTS[cfg.placement].init == "admin":  # Admin's profiling pass sets omega from data
+    # Admin's profiling pass sets omega from data
+    if any(p.init == "admin" for p in cfg.model.placements_for(cfg.model.n_layers)):
         profile = task.batch(
             "train", cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1)
         )
         admin_init(model, *task.model_inputs(profile.to(device)))
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    on_sphere = bool(ngpt_matrices(model))  # nGPT: matrices back on the unit sphere after each step
     result = RunResult(status=DONE)
     probe_steps = {0, cfg.steps - 1}
     if cfg.probe_every:
@@ -180,6 +183,8 @@ def train(cfg: RunConfig, *, on_step: Callable[[int, float], None] | None = None
             {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim >= 2} if probing else None
         )
         opt.step()
+        if on_sphere:
+            ngpt_normalize_(model)
         if probing:
             result.layer_metrics += _update_ratios(model, before, layer_names, step)
         result.metrics += [

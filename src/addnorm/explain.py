@@ -1,4 +1,5 @@
-"""NumPy reference of Add & Norm, in float64: for teaching, and as an oracle for the torch code.
+"""NumPy reference of Add & Norm, in float64: what ``addnorm explain`` works through step by step, for
+teaching, and an oracle for the torch code. Not an op: nothing in the model or ``ops`` uses it.
 
 Every function normalises over the last axis, like ``torch.nn.LayerNorm(d)``:
 

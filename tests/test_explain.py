@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import addnorm as an
-from addnorm.ops import numpy_ref as ref
+from addnorm import explain as ref
 
 
 def test_worked_example_closed_form():

@@ -1,0 +1,124 @@
+"""The residual stream between sublayers, and how it passes each sublayer connection.
+
+A layer's forward reads like its formula, one line per sublayer::
+
+    x = self.self_attn_connection(x, attend)
+    x = self.ff_connection(x, self.ff)
+
+where ``x`` is a :class:`Stream` and each :class:`Connection` runs one :class:`~addnorm.AddNorm`
+(N1, the sublayer, N2, the add, N3) on it. The stream is one object:
+
+- the tensor s, or s held back as an add not yet done: s = alpha * residual + g * D(branch). The held
+  add is the (hidden, residual) pair that fused-norm libraries pass between blocks, with the
+  connection that owns its alpha, gate and dropout. The norm that next reads the stream (the next
+  connection's input norm, or a stack's final norm) runs it with the add in one
+  :func:`addnorm.ops.add_norm` call that returns both N(s) and s (``prenorm=True``);
+- ResiDual's second stream xd, the sum of every branch as added (Xie et al. 2023);
+- B2T's layer input, added before the layer's last norm (Takase et al. 2023).
+
+Whether an add is held back, fused with its own output norm or run unfused is decided in one place,
+:meth:`addnorm.AddNorm.add_fusion`, from the connection, the tensors and
+:func:`addnorm.ops.policy.fused_op_preferred`; never from hooks. Every connection calls its three
+observation points (``stream_in``, ``branch``, ``stream_out``) on every step; a held add calls its
+connection's ``stream_out`` when it is done (see :class:`~addnorm.addnorm.ObservationPoint`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import Tensor, nn
+
+from ..addnorm import AddNorm, op_norm
+
+__all__ = ["Connection", "HeldAdd", "Stream"]
+
+
+class HeldAdd:
+    """The add s = alpha * residual + g * D(branch) of ``conn``, held back until the stream is read."""
+
+    __slots__ = ("conn", "branch", "residual")
+
+    def __init__(self, conn: AddNorm, branch: Tensor, residual: Tensor) -> None:
+        self.conn, self.branch, self.residual = conn, branch, residual
+
+    def read(self, norm: nn.Module | None) -> tuple[Tensor, Tensor]:
+        """(s, N(s)), N None: (s, s). One fused op where it computes ``norm``, else the add, then N."""
+        conn = self.conn
+        if op_norm(norm) is not None:
+            # the op's own residual input: only the op reads it, so its gradient is alpha * dL/ds
+            r = self.residual.view_as(self.residual)
+            h, s = conn.add_then_norm(self.branch, r, norm, prenorm=True)
+            conn.stream_out(s, grad_from=r, grad_scale=conn.alpha)
+            return s, h
+        s = conn.stream_out(conn.add(self.branch, self.residual)[0])
+        return s, (s if norm is None else norm(s))
+
+
+class Stream:
+    """The residual stream between sublayers (see the module docstring): ``value`` s, or ``held`` an add
+    that gives s when read; ResiDual's ``second`` stream; B2T's ``layer_input``."""
+
+    __slots__ = ("value", "held", "second", "layer_input")
+
+    def __init__(
+        self,
+        value: Tensor | None = None,
+        *,
+        held: HeldAdd | None = None,
+        second: Tensor | None = None,
+        layer_input: Tensor | None = None,
+    ) -> None:
+        self.value, self.held, self.second, self.layer_input = value, held, second, layer_input
+
+    def read(self, norm: nn.Module | None) -> tuple[Tensor, Tensor]:
+        """(s, N(s)); N None gives (s, s). A held add is done here, fused with N where the op computes it."""
+        if self.held is not None:
+            return self.held.read(norm)
+        return self.value, (self.value if norm is None else norm(self.value))
+
+    def tensor(self) -> Tensor:
+        """s as a tensor (a held add done unfused: no norm follows)."""
+        return self.read(None)[0]
+
+    def output(self, norm: nn.Module | None) -> Tensor:
+        """A stack's output: N(s) with its final norm N (s without one); ResiDual's xa + N(xd)."""
+        if self.second is not None:
+            return self.tensor() + (self.second if norm is None else norm(self.second))
+        return self.read(norm)[1]
+
+
+class Connection:
+    """How the stream passes one :class:`~addnorm.AddNorm` ``conn`` in a layer: ``x = connection(x, F)``.
+
+    Reads the stream (doing a held add, fused with ``conn``'s input norm), runs the sublayer, and adds
+    its branch back as :meth:`~addnorm.AddNorm.add_fusion` decides: held back for the next norm, fused
+    with the output norm now, or unfused. In a B2T layer the first connection keeps the layer's input
+    (``keeps_layer_input``) and the last adds it before its norm (``adds_layer_input``).
+    """
+
+    __slots__ = ("conn", "keeps_layer_input", "adds_layer_input")
+
+    def __init__(
+        self, conn: AddNorm, *, keeps_layer_input: bool = False, adds_layer_input: bool = False
+    ) -> None:
+        self.conn = conn
+        self.keeps_layer_input, self.adds_layer_input = keeps_layer_input, adds_layer_input
+
+    def __call__(self, x: Stream, sublayer: Callable[[Tensor], Tensor]) -> Stream:
+        conn = self.conn
+        s, h = x.read(conn.input_norm)
+        s = conn.stream_in(s)
+        f, base = conn.branch_of(s, h, sublayer)
+        layer_input = s if self.keeps_layer_input else x.layer_input
+        extra = layer_input if self.adds_layer_input else None
+        how = conn.add_fusion(f, base) if x.second is None and extra is None else None
+        if how == "next":
+            return Stream(held=HeldAdd(conn, f, base), layer_input=layer_input)
+        y, d = conn.add_and_norm(f, base, extra, fuse=how == "now")
+        second = None if x.second is None else x.second + d
+        return Stream(y, second=second, layer_input=None if self.adds_layer_input else layer_input)
+
+    def __repr__(self) -> str:
+        roles = [r for r in ("keeps_layer_input", "adds_layer_input") if getattr(self, r)]
+        return f"Connection({self.conn!r}{''.join(', ' + r for r in roles)})"
