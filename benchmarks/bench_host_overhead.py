@@ -9,7 +9,8 @@ Per call (8 x 64 fp32 by default, one torch thread), interleaved, medians of bat
 ``fwd`` runs the forward with inputs and parameters that require grad (a training forward: autograd
 records the graph); ``fwd+bwd`` adds ``torch.autograd.grad`` of the outputs. Then one training step
 (forward, cross-entropy, backward, AdamW) of a tiny Pre-LN ``addnorm.LanguageModel`` (d_model 64,
-4 layers, dropout 0.1) with the model's default against ``fused=False``.
+4 layers, dropout 0.1) with the model's default against ``fused=False``, and with the op forced
+wherever the model can fuse (the measurement behind ``fused_op_preferred``).
 
 Targets (issue 10, CPU): fused/eager <= 1.2x without dropout, <= 2x with it; the default model step
 no slower than ``fused=False``. ``--label`` files the run under a name (e.g. before / after a change)
@@ -21,20 +22,21 @@ in ``host_overhead_<device>.json``; the markdown table shows every label recorde
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from machine import cpu_model
 
-from addnorm.ops import add_norm
+from addnorm.ops import add_norm, policy
 
 TARGET_NO_DROPOUT = 1.2
 TARGET_DROPOUT = 2.0
@@ -135,24 +137,48 @@ def bench_ops(rows: int, hidden: int, device: str, calls: int, samples: int) -> 
     return out
 
 
+@contextlib.contextmanager
+def op_everywhere() -> Iterator[None]:
+    """The fused op wherever a model can fuse, whatever ``fused_op_preferred`` says (the measurement
+    behind that rule: the default against the op forced)."""
+    rule = policy.fused_op_preferred
+    policy.fused_op_preferred = lambda device, *, dropout: True
+    try:
+        yield
+    finally:
+        policy.fused_op_preferred = rule
+
+
 def bench_lm_step(device: str, steps: int, samples: int) -> dict:
-    """One training step of a tiny Pre-LN LM, the model's default against ``fused=False``."""
+    """One training step of a tiny Pre-LN LM: the model's default, ``fused=False``, and the op forced
+    wherever the model can fuse."""
     from bench_lm_step import SMALL_HOST, build_lm, make_step
 
     cfg = SMALL_HOST
     fns = {}
-    for name, fused in (("default", None), ("fused=False", False)):
+    for name, fused in (("default", None), ("fused=False", False), ("op forced", None)):
         torch.manual_seed(0)
         model = build_lm(cfg, "pre", fused=fused, device=device)
         tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), device=device)
-        fns[name] = make_step(model, tokens, cfg["vocab"], fused_adamw=False)
+        step = make_step(model, tokens, cfg["vocab"], fused_adamw=False)
+        if name == "op forced":
+
+            def step(step=step) -> None:
+                with op_everywhere():
+                    step()
+
+        fns[name] = step
     us = per_call_us(fns, steps, samples)
     ratio = us["default"] / us["fused=False"]
-    print(f"LM step default {us['default']:.0f} us  fused=False {us['fused=False']:.0f} us  {ratio:.3f}x")
+    print(
+        f"LM step default {us['default']:.0f} us  fused=False {us['fused=False']:.0f} us  {ratio:.3f}x  "
+        f"op forced {us['op forced']:.0f} us"
+    )
     return {
         "config": cfg,
         "default_us": us["default"],
         "unfused_us": us["fused=False"],
+        "forced_us": us["op forced"],
         "ratio": ratio,
         "met": ratio <= 1.0,
     }
@@ -197,6 +223,13 @@ def to_markdown(report: dict) -> str:
             f"| {s['unfused_us']:.0f} | {s['ratio']:.3f}x | <= 1.0x | {'yes' if s['met'] else 'NO'} |",
             "",
         ]
+        if "forced_us" in s:
+            lines += [
+                f"The same step with the op forced wherever the model can fuse (what `fused_op_preferred` "
+                f"decides against): {s['forced_us']:.0f} us, {s['forced_us'] / s['unfused_us']:.3f}x "
+                "fused=False.",
+                "",
+            ]
     return "\n".join(lines)
 
 

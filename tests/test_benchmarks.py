@@ -89,7 +89,7 @@ def test_host_overhead_benchmark_runs_and_files_runs_by_label(bench_module, tmp_
     for r in run["ops"]:
         assert r["ratio"] == pytest.approx(r["fused_us"] / r["eager_us"])
         assert r["target"] == (2.0 if "dropout" in r["case"] else 1.2)
-    assert {"default_us", "unfused_us", "ratio"} <= set(run["lm_step"])
+    assert {"default_us", "unfused_us", "forced_us", "ratio"} <= set(run["lm_step"])
     md = (tmp_path / "host_overhead_cpu.md").read_text()
     assert "## before" in md and "## after" in md and "LM step" in md
 
