@@ -561,118 +561,88 @@ def _add_norm_bwd_kernel(
             mean = rstd * 0.0
             if not IS_RMS:
                 mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
-            # pass 1: the row sums mean(x_hat * w dy), mean(w dy)
             c1 = tl.zeros((BLOCK_M, 1), tl.float32)
             c2 = tl.zeros((BLOCK_M, 1), tl.float32)
-            for c in range(n_chunks):
-                cols = c * BLOCK_N + lane
-                col_ok = cols < N
-                m = row_ok & col_ok
-                keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
-                w = _vec(W, cols, col_ok, 1.0, HAS_W)
-                b = _vec(B, cols, col_ok, 0.0, HAS_B)
-                xhat = _xhat(
-                    SAVED,
-                    X,
-                    R,
-                    G,
-                    keep,
-                    rows64,
-                    cols,
-                    col_ok,
-                    m,
-                    N,
-                    w,
-                    b,
-                    mean,
-                    rstd,
-                    stride_x,
-                    stride_r,
-                    alpha,
-                    drop_scale,
-                    IS_RMS,
-                    HAS_W,
-                    HAS_B,
-                    GATE,
-                    DROPOUT,
-                    XHAT_FROM,
-                    RECOMPUTE,
-                    S_CODE,
-                )
-                wdy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32) * w
-                c1 += tl.sum(xhat * wdy, axis=1)[:, None]
-                c2 += tl.sum(wdy, axis=1)[:, None]
-            c1 = c1 / N
-            c2 = c2 / N
-            # pass 2 (the tile's rows are L2-resident): gradients, partial sums into this program's row
-            for c in range(n_chunks):
-                cols = c * BLOCK_N + lane
-                col_ok = cols < N
-                m = row_ok & col_ok
-                keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
-                w = _vec(W, cols, col_ok, 1.0, HAS_W)
-                b = _vec(B, cols, col_ok, 0.0, HAS_B)
-                xhat = _xhat(
-                    SAVED,
-                    X,
-                    R,
-                    G,
-                    keep,
-                    rows64,
-                    cols,
-                    col_ok,
-                    m,
-                    N,
-                    w,
-                    b,
-                    mean,
-                    rstd,
-                    stride_x,
-                    stride_r,
-                    alpha,
-                    drop_scale,
-                    IS_RMS,
-                    HAS_W,
-                    HAS_B,
-                    GATE,
-                    DROPOUT,
-                    XHAT_FROM,
-                    RECOMPUTE,
-                    S_CODE,
-                )
-                dy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-                dsum = _dsum(dy, dy * w, xhat, c1, c2, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS)
-                gterm = _store_dx(
-                    dsum,
-                    X,
-                    G,
-                    keep,
-                    DX,
-                    DRES,
-                    rows64,
-                    cols,
-                    col_ok,
-                    m,
-                    N,
-                    stride_x,
-                    alpha,
-                    drop_scale,
-                    GATE,
-                    DROPOUT,
-                    WRITE_DX,
-                )
-                cols1 = c * BLOCK_N + lane1
-                ok1 = cols1 < N
-                tl.debug_barrier()  # the previous tile's read-modify-write of these columns is done
-                if HAS_W:
-                    p = DW_PART + part + cols1
-                    tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy * xhat, axis=0), mask=ok1)
-                if HAS_B:
-                    p = DB_PART + part + cols1
-                    tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy, axis=0), mask=ok1)
-                if GATE != 0:
-                    p = DG_PART + part + cols1
-                    tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(gterm, axis=0), mask=ok1)
+            # pass 0: the row sums mean(x_hat * w dy), mean(w dy); pass 1 (the tile's rows are
+            # L2-resident by now): the gradients, partial sums into this program's row
+            for pas in tl.static_range(2):
+                if pas == 1:
+                    c1 = c1 / N
+                    c2 = c2 / N
+                for c in range(n_chunks):
+                    cols = c * BLOCK_N + lane
+                    col_ok = cols < N
+                    m = row_ok & col_ok
+                    keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
+                    w = _vec(W, cols, col_ok, 1.0, HAS_W)
+                    b = _vec(B, cols, col_ok, 0.0, HAS_B)
+                    xhat = _xhat(
+                        SAVED,
+                        X,
+                        R,
+                        G,
+                        keep,
+                        rows64,
+                        cols,
+                        col_ok,
+                        m,
+                        N,
+                        w,
+                        b,
+                        mean,
+                        rstd,
+                        stride_x,
+                        stride_r,
+                        alpha,
+                        drop_scale,
+                        IS_RMS,
+                        HAS_W,
+                        HAS_B,
+                        GATE,
+                        DROPOUT,
+                        XHAT_FROM,
+                        RECOMPUTE,
+                        S_CODE,
+                    )
+                    dy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+                    if pas == 0:
+                        c1 += tl.sum(xhat * dy * w, axis=1)[:, None]
+                        c2 += tl.sum(dy * w, axis=1)[:, None]
+                    else:
+                        dsum = _dsum(
+                            dy, dy * w, xhat, c1, c2, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS
+                        )
+                        gterm = _store_dx(
+                            dsum,
+                            X,
+                            G,
+                            keep,
+                            DX,
+                            DRES,
+                            rows64,
+                            cols,
+                            col_ok,
+                            m,
+                            N,
+                            stride_x,
+                            alpha,
+                            drop_scale,
+                            GATE,
+                            DROPOUT,
+                            WRITE_DX,
+                        )
+                        cols1 = c * BLOCK_N + lane1
+                        ok1 = cols1 < N
+                        tl.debug_barrier()  # the previous tile's read-modify-write of these columns is done
+                        if HAS_W:
+                            p = DW_PART + part + cols1
+                            tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy * xhat, axis=0), mask=ok1)
+                        if HAS_B:
+                            p = DB_PART + part + cols1
+                            tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy, axis=0), mask=ok1)
+                        if GATE != 0:
+                            p = DG_PART + part + cols1
+                            tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(gterm, axis=0), mask=ok1)
 
 
 # --- launch configuration ------------------------------------------------------------------------
