@@ -29,10 +29,7 @@ than eager.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -40,7 +37,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from machine import cpu_model
+from machine import machine_info, machine_line
 
 from addnorm.ops import add_norm
 from addnorm.ops.policy import using_compile_path
@@ -232,15 +229,7 @@ def run(args) -> dict:
                             )
                     results.append(row)
                     print(_line(row, used), flush=True)
-    machine = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "cpu": cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": dt.date.today().isoformat(),
-    }
+    machine = machine_info(device)
     return {"machine": machine, "device": device, "quick": args.quick, "reps": args.reps, "results": results}
 
 
@@ -308,8 +297,7 @@ def to_markdown(report: dict) -> str:
     lines = [
         f"# addnorm.ops.add_norm vs eager PyTorch ({title})",
         "",
-        f"Machine: {m['device']}; CPU {m['cpu']}, {m['logical_cores']} logical cores (torch threads "
-        f"{m['torch_threads']}); torch {m['torch']}, Python {m['python']}; {m['date']}.",
+        machine_line(m),
         "",
         f"Median of {report['reps']} calls, implementations timed in alternation. GB/s counts the minimum "
         "bytes (fwd prenorm: x, r, y, s; fwd post: x, r, y; bwd prenorm: dy, ds, s, dx; "

@@ -23,10 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -34,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from machine import cpu_model
+from machine import machine_info, machine_line
 
 from addnorm.ops import add_norm, policy
 
@@ -199,9 +196,7 @@ def to_markdown(report: dict) -> str:
         lines += [
             f"## {label}",
             "",
-            f"Machine: {m['device']}; CPU {m['cpu']}, {m['logical_cores']} logical cores, torch threads "
-            f"{m['torch_threads']}; torch {m['torch']}, Python {m['python']}; commit {m['commit']}; "
-            f"{m['date']}. Shape {run['rows']} x {run['hidden']} fp32.",
+            f"{machine_line(m)} Shape {run['rows']} x {run['hidden']} fp32.",
             "",
         ]
         if run.get("note"):
@@ -233,16 +228,6 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def _commit() -> str:
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="after", help="name of this run in the results file")
@@ -259,16 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
     run = {
-        "machine": {
-            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-            "cpu": cpu_model(),
-            "logical_cores": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "commit": _commit(),
-            "date": dt.date.today().isoformat(),
-        },
+        "machine": machine_info(device),
         "rows": args.rows,
         "hidden": args.hidden,
         "note": args.note,

@@ -23,10 +23,7 @@ on the CPU the default no slower than ``fused=False``.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -35,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from machine import cpu_model
+from machine import machine_info, machine_line
 from torch import nn
 
 import addnorm as an
@@ -152,39 +149,63 @@ def time_steps(step: Callable[[], None], device: str, warmup: int, steps: int) -
     return out
 
 
-def run_one(cfg, placement, mode, column, device, args) -> dict:
-    """tokens/s and peak memory of one (placement, mode, column) cell; the model is freed afterwards."""
+def prepare(cfg, placement, mode, column, device, args) -> Callable[[], None]:
+    """One (placement, mode, column) cell's training step, built (and compiled) from seed 0, run under
+    the column's compile path."""
     torch.manual_seed(0)
     path = None
-    if column.startswith("default"):
-        path = column.split("compile path ")[-1].rstrip(")") if "compile path" in column else None
+    if column.startswith("default") and "compile path" in column:
+        path = column.split("compile path ")[-1].rstrip(")")
     if column == "nn.TransformerEncoder":
         model: nn.Module = TorchEncoderLM(cfg, placement, device)
     else:
         model = build_lm(cfg, placement, fused=False if column == "fused=False" else None, device=device)
     fwd = model
     if mode != "eager":
-        torch._dynamo.reset()
         fwd = torch.compile(model, mode="reduce-overhead" if mode == "reduce-overhead" else None)
     tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), device=device)
     gpu = device == "cuda"
     step = make_step(fwd, tokens, cfg["vocab"], fused_adamw=gpu, autocast=gpu and not args.fp32)
-    if gpu:
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    previous = policy.compile_path()
-    try:
-        if path is not None:
-            policy.set_compile_path(path)
-        times = time_steps(step, device, args.warmup, args.steps)
-    finally:
-        policy.set_compile_path(previous)
+    if path is None:
+        return step
+
+    def on_path() -> None:
+        with policy.using_compile_path(path):
+            step()
+
+    return on_path
+
+
+def cell(times: list[float], cfg: dict, peak: float | None) -> dict:
     med = statistics.median(times)
-    peak = torch.cuda.max_memory_allocated() / 2**20 if gpu else None
-    del model, fwd, step
-    if gpu:
-        torch.cuda.empty_cache()
     return {"tokens_per_s": cfg["batch"] * cfg["seq"] / med, "median_s": med, "peak_mib": peak}
+
+
+def run_cells(cfg, placement, mode, cols, device, args) -> dict:
+    """tokens/s (and on a GPU peak memory) of every column of one row. On a GPU one column at a time
+    (each model freed before the next, so peak memory is its own); on the CPU the columns' steps
+    interleaved, so that load from other processes hits them alike."""
+    if device == "cuda":
+        out = {}
+        for col in cols:
+            torch._dynamo.reset()  # the previous column's graphs (and CUDA graph pools) go
+            step = prepare(cfg, placement, mode, col, device, args)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            times = time_steps(step, device, args.warmup, args.steps)
+            out[col] = cell(times, cfg, torch.cuda.max_memory_allocated() / 2**20)
+            del step
+            torch.cuda.empty_cache()
+        return out
+    torch._dynamo.reset()
+    steps = {col: prepare(cfg, placement, mode, col, device, args) for col in cols}
+    times: dict[str, list[float]] = {col: [] for col in cols}
+    for step in steps.values():
+        time_steps(step, device, args.warmup, 0)
+    for i in range(args.steps):
+        for col in cols if i % 2 == 0 else cols[::-1]:
+            times[col] += time_steps(steps[col], device, 0, 1)
+    return {col: cell(times[col], cfg, None) for col in cols}
 
 
 def columns(args) -> list[str]:
@@ -204,26 +225,19 @@ def run(args) -> dict:
     rows = []
     for placement in args.placements:
         for mode in modes:
-            row = {"placement": placement, "mode": mode, "cells": {}}
-            for col in columns(args):
-                if col.startswith("default (compile path") and mode == "eager":
-                    continue
-                row["cells"][col] = run_one(cfg, placement, mode, col, device, args)
-                c = row["cells"][col]
+            cols = [c for c in columns(args) if mode != "eager" or not c.startswith("default (compile path")]
+            row = {
+                "placement": placement,
+                "mode": mode,
+                "cells": run_cells(cfg, placement, mode, cols, device, args),
+            }
+            for col, c in row["cells"].items():
                 mem = f"{c['peak_mib']:.0f} MiB" if c["peak_mib"] is not None else "-"
                 print(
                     f"{placement:4s} {mode:15s} {col:36s} {c['tokens_per_s']:12,.0f} tok/s  {mem}", flush=True
                 )
             rows.append(row)
-    machine = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "cpu": cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": dt.date.today().isoformat(),
-    }
+    machine = machine_info(device)
     dtype = "fp32" if device == "cpu" or args.fp32 else "bf16 autocast"
     return {
         "machine": machine,
@@ -277,8 +291,7 @@ def to_markdown(report: dict) -> str:
     lines = [
         f"# Training step: addnorm.LanguageModel default vs fused=False vs nn.TransformerEncoder ({title})",
         "",
-        f"Machine: {m['device']}; CPU {m['cpu']}, {m['logical_cores']} logical cores (torch threads "
-        f"{m['torch_threads']}); torch {m['torch']}, Python {m['python']}; {m['date']}.",
+        machine_line(m),
         "",
         f"LM: d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['n_heads']} heads, "
         f"d_ff {cfg['d_ff']}, "
