@@ -402,3 +402,19 @@ def test_no_environment_lookup_per_call(monkeypatch):
     monkeypatch.setattr(os, "getenv", lambda *a: (_ for _ in ()).throw(AssertionError(f"getenv {a}")))
     add_norm(x, r, w, b, dropout_p=0.1)
     add_norm(x, r, w, b, norm="rmsnorm", prenorm=True)
+
+
+def test_eager_cpu_dropout_without_a_seed_drops_what_nn_dropout_drops():
+    """No seed on the CPU in eager mode: the op's mask is nn.Dropout's (the same Bernoulli draws from
+    torch's generator), and backward keeps it; a given seed still gives the hashed mask."""
+    x, r, w, b, _ = _inputs(6, 50, device="cpu")
+    x.requires_grad_(True)
+    torch.manual_seed(3)
+    y, s = add_norm(x, r, w, b, prenorm=True, dropout_p=0.3)
+    torch.manual_seed(3)
+    dropped = F.dropout(x, 0.3, training=True)
+    torch.testing.assert_close(s, dropped + r, rtol=0, atol=0)
+    torch.testing.assert_close(y, F.layer_norm(dropped + r, (50,), w, b), rtol=0, atol=0)
+    (gx,) = torch.autograd.grad(s.sum(), x)
+    torch.testing.assert_close(gx, (dropped != 0).float() / 0.7)
+    assert 0 < (dropped == 0).float().mean() < 0.6

@@ -8,7 +8,8 @@ same plan (shapes, the gate, the seed). How it runs:
 
 - eager, torch backend (the CPU; CUDA for float64 or rows wider than ``MAX_FUSED_HIDDEN``): the
   :class:`~addnorm.ops.torch_path.Composite` under torch's autograd, the dropout multiplier from the
-  hashed mask (NumPy on the CPU);
+  hashed mask of the given seed (NumPy on the CPU), or on the CPU without a seed ``nn.Dropout``'s
+  Bernoulli draws;
 - eager, Triton backend: :class:`~addnorm.ops.library.TritonAddNorm` (the kernels, no op dispatch);
 - under ``torch.compile``: the composite (Inductor fuses it with its neighbours) or the registered op
   (the Triton kernels, launched by Inductor), as :func:`addnorm.ops.policy.compile_path` says;
@@ -216,11 +217,13 @@ def add_norm(
     vector of the hidden size (LayerScale); ``weight`` None means no affine. Statistics are in fp32;
     s has residual's dtype (fp32 with ``residual_in_fp32``), y has ``out_dtype`` or x's dtype.
 
-    Dropout (``dropout_p`` > 0 and ``training``) uses a counter-based hash of (seed, row, column)
-    (:func:`addnorm.ops.dropout_keep_mask`, rows = x flattened to (-1, hidden)); the same seed gives
-    the same mask on every backend, in eager mode and under torch.compile. ``seed=None`` draws one
-    from torch's generator, so ``torch.manual_seed`` makes runs reproducible. The mask differs from
-    ``nn.Dropout``'s. The Triton path regenerates it in backward; the eager CPU path keeps the
+    Dropout (``dropout_p`` > 0 and ``training``) with a ``seed`` uses a counter-based hash of (seed,
+    row, column) (:func:`addnorm.ops.dropout_keep_mask`, rows = x flattened to (-1, hidden)); the same
+    seed gives the same mask on every backend, in eager mode and under torch.compile (not
+    ``nn.Dropout``'s mask). ``seed=None`` draws a seed from torch's generator for the hashed mask,
+    except in eager mode on the CPU, where the mask is ``nn.Dropout``'s own (torch's Bernoulli draws,
+    element for element what ``F.dropout`` would drop). Either way ``torch.manual_seed`` makes runs
+    reproducible. The Triton path regenerates the mask in backward; the eager CPU path keeps the
     multiplier for backward (as ``nn.Dropout`` keeps its mask).
 
     ``backend``: ``"auto"`` (Triton for CUDA tensors when triton is installed, else eager torch),
@@ -289,7 +292,12 @@ def add_norm(
         _bias_checked(bias, plan.shape)
     mult = None
     if plan.p:
-        if plan.np_dtype is not None:  # the CPU: the mask in NumPy, kept for backward as a multiplier
+        if seed is None and plan.np_dtype is not None:
+            # the CPU with no seed given: torch's Bernoulli draws, exactly as nn.Dropout makes them
+            # (a drawn seed's hashed mask costs ~2x a whole eager call here; no other backend draws
+            # the same seed from the same generator, so no equality across backends is lost)
+            mult = torch.empty(xs, dtype=plan.composite.cdt).bernoulli_(1.0 - plan.p).div_(1.0 - plan.p)
+        elif plan.np_dtype is not None:  # the CPU, a given seed: the hashed mask in NumPy, kept for backward
             rows = x.numel() // plan.hidden
             keep = dropout_keep_mask_numpy(_seed_value(seed, x.device, True), rows, plan.hidden, plan.p)
             mult = torch.from_numpy((keep * plan.np_dtype(plan.scale)).reshape(xs))
