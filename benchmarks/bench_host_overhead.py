@@ -10,7 +10,8 @@ Per call (8 x 64 fp32 by default, one torch thread), interleaved, medians of bat
 records the graph); ``fwd+bwd`` adds ``torch.autograd.grad`` of the outputs. Then one training step
 (forward, cross-entropy, backward, AdamW) of a tiny Pre-LN ``addnorm.LanguageModel`` (d_model 64,
 4 layers, dropout 0.1) with the model's default against ``fused=False``, and with the op forced
-wherever the model can fuse (the measurement behind ``fused_op_preferred``).
+wherever the model can fuse (the measurement behind ``fused_op_preferred``), and a second
+``fused=False`` model, the spread between identical models.
 
 Targets (issue 10, CPU): fused/eager <= 1.2x without dropout, <= 2x with it; the default model step
 no slower than ``fused=False``. ``--label`` files the run under a name (e.g. before / after a change)
@@ -41,14 +42,15 @@ TARGET_DROPOUT = 2.0
 
 def per_call_us(fns: dict[str, Callable[[], object]], calls: int, samples: int) -> dict[str, float]:
     """Median over ``samples`` of the mean time of ``calls`` back-to-back calls (microseconds), the
-    functions timed in alternation so that machine-load drift hits them alike."""
+    functions timed in rotation (each takes every position in turn) so that machine-load drift and
+    position effects hit them alike."""
     for fn in fns.values():
         for _ in range(max(10, calls // 10)):
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     names = list(fns)
     for i in range(samples):
-        for k in names if i % 2 == 0 else names[::-1]:
+        for k in names[i % len(names) :] + names[: i % len(names)]:  # every position in turn
             fn = fns[k]
             t0 = time.perf_counter()
             for _ in range(calls):
@@ -153,7 +155,8 @@ def bench_lm_step(device: str, steps: int, samples: int) -> dict:
 
     cfg = SMALL_HOST
     fns = {}
-    for name, fused in (("default", None), ("fused=False", False), ("op forced", None)):
+    runs = (("default", None), ("fused=False", False), ("op forced", None), ("fused=False again", False))
+    for name, fused in runs:
         torch.manual_seed(0)
         model = build_lm(cfg, "pre", fused=fused, device=device)
         tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), device=device)
@@ -169,13 +172,14 @@ def bench_lm_step(device: str, steps: int, samples: int) -> dict:
     ratio = us["default"] / us["fused=False"]
     print(
         f"LM step default {us['default']:.0f} us  fused=False {us['fused=False']:.0f} us  {ratio:.3f}x  "
-        f"op forced {us['op forced']:.0f} us"
+        f"op forced {us['op forced']:.0f} us  fused=False again {us['fused=False again']:.0f} us"
     )
     return {
         "config": cfg,
         "default_us": us["default"],
         "unfused_us": us["fused=False"],
         "forced_us": us["op forced"],
+        "control_us": us["fused=False again"],
         "ratio": ratio,
         "met": ratio <= 1.0,
     }
@@ -223,6 +227,12 @@ def to_markdown(report: dict) -> str:
                 f"The same step with the op forced wherever the model can fuse (what `fused_op_preferred` "
                 f"decides against): {s['forced_us']:.0f} us, {s['forced_us'] / s['unfused_us']:.3f}x "
                 "fused=False.",
+                "",
+            ]
+        if "control_us" in s:
+            lines += [
+                f"A second, identical fused=False model timed alongside (this machine's spread between "
+                f"identical models): {s['control_us']:.0f} us, {s['control_us'] / s['unfused_us']:.3f}x.",
                 "",
             ]
     return "\n".join(lines)

@@ -23,10 +23,11 @@ COMPILE_PATHS = ("composite", "kernel")
 # both paths (--compile-paths both) so a GPU run can revisit this default.
 _compile_path = "composite"
 
-# fused_op_preferred(device type, dropout) -> bool, measured with benchmarks/bench_host_overhead.py
-# and bench_lm_step.py (see benchmarks/results/): on the CPU the op's hashed dropout mask (NumPy)
-# costs more per call than nn.Dropout's, so a training model with dropout is faster unfused; without
-# dropout the op runs the same torch ops as the unfused modules and fusing saves the model's Python.
+# fused_op_preferred(device type, dropout) -> bool, from benchmarks/bench_host_overhead.py on the CPU
+# (benchmarks/results/host_overhead_cpu.md; tiny Pre-LN LM step, dropout 0.1, one thread): the op forced
+# wherever the model can fuse was 1.06x the unfused step, the unfused modules the faster; without
+# dropout the op runs the unfused modules' own torch ops and saves their Python. On a GPU the op
+# (issue 10: ~5% less GPU time per step; tokens/s to be confirmed by bench_lm_step.py on a GPU).
 _RULE = {("cpu", True): False}
 
 
@@ -60,11 +61,13 @@ def fused_op_preferred(device: torch.device, *, dropout: bool) -> bool:
     the unfused modules should (False: ``nn.Dropout``, the add, the norm module), with branch dropout
     active (``dropout``: training with p > 0) or not.
 
-    The rule, from measurements (``benchmarks/results/host_overhead_cpu.md``, ``lm_step_cpu.md``):
-    the op everywhere except on the CPU with dropout, where the unfused modules are faster. What it
-    means for dropout masks: the fused op drops by a hash of (seed, row, column), the seed drawn from
-    torch's generator; the unfused path draws ``nn.Dropout``'s mask from torch's RNG stream. So a
-    model with dropout trains on the CPU with ``nn.Dropout``'s masks and on a GPU with the hashed
-    ones: same distribution, different elements, each reproducible under ``torch.manual_seed``.
-    Without dropout (eval, p = 0) both paths compute the same function."""
+    The rule, from measurements (``benchmarks/results/host_overhead_cpu.md``): the op everywhere
+    except on the CPU with dropout, where the unfused modules are faster. It reads only the device
+    and the call's dropout, never hooks or observers. What it means for dropout masks: on a GPU the
+    fused op drops by a hash of (seed, row, column), the seed drawn from torch's generator; on the
+    CPU the unfused path draws ``nn.Dropout``'s mask from torch's RNG stream, so a CPU model with
+    dropout is exactly its ``fused=False`` twin. Same distribution, different elements, each
+    reproducible under ``torch.manual_seed``. Without dropout (eval, p = 0) both paths compute the
+    same function. Under ``torch.compile`` the op hands Inductor its composite by default
+    (:func:`compile_path`)."""
     return _RULE.get((torch.device(device).type, bool(dropout)), True)
