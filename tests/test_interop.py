@@ -377,7 +377,9 @@ def test_to_torch_names_every_other_placement(placement):
         an.to_torch(an.Encoder(_cfg(placement=placement)))
     msg = str(err.value)
     assert "\n" not in msg and "placement" in msg
-    expected = "mixing post and pre" if placement == "mix" else repr(placement)
+    # placements that a stack expands per layer are named by the layer's own placement
+    per_layer = {"mix": "mixing post and pre", "hybridnorm_star": "'hybridnorm_star_first'"}
+    expected = per_layer.get(placement, repr(placement))
     assert expected in msg
 
 

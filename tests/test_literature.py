@@ -148,27 +148,33 @@ def test_normed_residual_equals_megatron_residual_after_norm():
     torch.testing.assert_close(layer(x), h + layer.ff(h))
 
 
-def test_admin_profiling_sets_omega_from_branch_variances():
-    torch.manual_seed(0)
-    lm = an.LanguageModel(cfg(placement="admin", n_layers=3), 20).eval()
-    tokens = torch.randint(0, 20, (4, 9))
-    blocks = [b for layer in lm.layers for b in (layer.self_attn_block, layer.ff_block)]
-    # by hand: run with omega = 1 and collect each branch's output variance in order
-    variances = []
-    hooks = [b.branch.register_forward_hook(lambda m, i, o: variances.append(o.var().item())) for b in blocks]
-    for b in blocks:
-        torch.nn.init.ones_(b.omega)
+def test_admin_profiling_follows_transformer_clinic():
+    """Transformer-Clinic's adaptive-profiling pass, by hand: training mode (dropout on), each omega set
+    from the running value r before its connection runs, then r = sqrt(Var[omega x] + Var[D(F(x))])."""
+    c = cfg(placement="admin", n_layers=3, dropout=0.3)
+    enc = an.Encoder(c).double().eval()
+    x = 3.0 * torch.randn(2, 5, D, dtype=torch.float64)  # not unit variance: Var[omega x] matters
+    torch.manual_seed(1)
+    omegas = admin_init(enc, x)
+    assert not enc.training  # mode restored
+    enc.train()
+    for block in (b for layer in enc.layers for b in layer.blocks()):
+        torch.nn.init.ones_(block.omega)
+    torch.manual_seed(1)  # the same dropout masks, drawn in the same order
+    r, h, expected = 1.0, x, []
     with torch.no_grad():
-        lm(tokens)
-    for h in hooks:
-        h.remove()
-    admin_init(lm, tokens)
-    for i, b in enumerate(blocks):
-        expected = math.sqrt(1 + sum(variances[:i]))
-        torch.testing.assert_close(b.omega, torch.full((D,), expected), rtol=1e-5, atol=1e-6)
-    assert blocks[0].omega[0].item() == 1.0 and blocks[-1].omega[0].item() > 1.0
+        for layer in enc.layers:
+            for fn in (layer.self_attn, layer.ff):
+                omega = r
+                expected.append(omega)
+                f = F.dropout(fn(h), 0.3, training=True)  # the branch as added
+                r = math.sqrt((omega * h).var(unbiased=False).item() + f.var(unbiased=False).item())
+                h = _ln(omega * h + f)  # Post-LN with the residual scaled by omega
+    assert len(omegas) == 6 and expected[0] == 1.0 and expected[1] > 2.0  # ~ sqrt(Var x = 9)
+    for omega, value in zip(omegas, expected, strict=True):
+        torch.testing.assert_close(omega, torch.full((D,), value, dtype=torch.float64))
     with pytest.raises(ValueError, match="no Admin connections"):
-        admin_init(an.LanguageModel(cfg(), 20), tokens)
+        admin_init(an.LanguageModel(cfg(), 20), torch.randint(0, 20, (2, 5)))
 
 
 def test_sub_ln_has_inner_norms_and_magneto_gain():
@@ -185,6 +191,57 @@ def test_sub_ln_has_inner_norms_and_magneto_gain():
     h = layer.ff_block.norm(x1)
     x2 = x1 + layer.ff.w2(layer.ff.inner_norm(F.relu(layer.ff.w1(h))))
     torch.testing.assert_close(layer(x), x2)
+
+
+def test_sub_ln_cross_attention_and_ffn_dropout_follow_torchscale():
+    """torchscale: no inner norm in cross-attention and no Magneto gain on it (decoder.py skips
+    encoder_attn); activation dropout before the FFN's inner norm (FeedForwardNetwork.forward)."""
+    torch.manual_seed(0)
+    pre = an.DecoderLayer(cfg(placement="pre"))
+    torch.manual_seed(0)
+    sub = an.DecoderLayer(cfg(placement="sub_ln", activation_dropout=0.5))
+    assert sub.cross_attn.inner_norm is None and sub.self_attn.inner_norm is not None
+    for name in ("in_proj", "out_proj"):  # cross-attention keeps the config's init
+        torch.testing.assert_close(getattr(sub.cross_attn, name).weight, getattr(pre.cross_attn, name).weight)
+        assert not torch.equal(getattr(sub.self_attn, name).weight, getattr(pre.self_attn, name).weight)
+    ff = sub.ff.train()
+    _randomise_norms(ff)
+    x = torch.randn(2, 4, D)
+    torch.manual_seed(3)
+    out = ff(x)
+    torch.manual_seed(3)
+    hidden = F.dropout(F.relu(ff.w1(x)), 0.5, training=True)
+    torch.testing.assert_close(out, ff.w2(ff.inner_norm(hidden)))
+
+
+def test_b2t_rescaling_init_scales_every_weight_matrix():
+    """takase/b2t_connection's rescaling_init: every non-norm weight (not the biases) times L^(-1/2)."""
+    torch.manual_seed(0)
+    post = an.DecoderLayer(cfg(placement="post", n_layers=4))
+    torch.manual_seed(0)
+    b2t = an.DecoderLayer(cfg(placement="b2t", n_layers=4))
+    params = dict(post.named_parameters())
+    scaled = 0
+    for name, p in b2t.named_parameters():
+        is_matrix = name.endswith(".weight") and "norm" not in name
+        torch.testing.assert_close(p, params[name] * (0.5 if is_matrix else 1.0))
+        scaled += is_matrix
+    assert scaled == 2 * 2 + 2  # in_proj and out_proj of two attentions, w1 and w2
+
+
+def test_rezero_shares_one_gate_per_layer():
+    """majumderb/rezero: one resweight per layer, used by every sublayer (RZTXDecoderLayer)."""
+    layer = an.DecoderLayer(cfg(placement="rezero"))
+    gates = {id(b.gate) for b in layer.blocks()}
+    assert len(gates) == 1 and sum(p.numel() for n, p in layer.named_parameters() if "gate" in n) == 1
+    enc_layer = an.EncoderLayer(cfg(placement="rezero")).double().eval()
+    with torch.no_grad():
+        enc_layer.self_attn_block.gate.fill_(0.5)
+    x = torch.randn(2, 4, D, dtype=torch.float64)
+    x1 = x + 0.5 * enc_layer.self_attn(x)
+    torch.testing.assert_close(enc_layer(x), x1 + 0.5 * enc_layer.ff(x1))
+    conn = an.AddNorm(D, "rezero")  # standalone: its own gate
+    assert conn.gate.shape == (1,) and conn.gate.item() == 0.0
 
 
 # --- stack-level placements ---------------------------------------------------------------------------
@@ -219,16 +276,69 @@ def test_b2t_by_hand():
     torch.testing.assert_close(layer(x), layer.ff_block.norm(h + layer.ff(h) + x))
 
 
-def test_hybridnorm_normalises_qkv_and_post_norms_the_ffn():
-    layer = an.EncoderLayer(cfg(placement="hybridnorm")).double().eval()
-    assert layer.self_attn_block.norm_name == "none" and layer.ff_block.placement.output_norm
-    attn = layer.self_attn
+def _rms(z, weight, eps=1e-5):
+    return weight * z / torch.sqrt((z**2).mean(-1, keepdim=True) + eps)
+
+
+def _qkv_attention(h, attn):
+    """Attention with per-head RMS-normalised queries, keys and values (HybridNorm's QKV-norm)."""
+    q, k, v = _heads(h, attn)
+    q, k, v = _rms(q, attn.q_norm.weight), _rms(k, attn.k_norm.weight), _rms(v, attn.v_norm.weight)
+    att = torch.softmax(q @ k.transpose(-1, -2) / 2, -1) @ v  # d_head = 4
+    return att.transpose(1, 2).reshape(2, 4, D) @ attn.out_proj.weight.T + attn.out_proj.bias
+
+
+def _ffn(h, ff):
+    return F.relu(h @ ff.w1.weight.T + ff.w1.bias) @ ff.w2.weight.T + ff.w2.bias
+
+
+def _randomise_norms(module):
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+
+
+def _ffn_input(layer, x):
+    """N(Y), Y = X + Attn_QKV(X): what a HybridNorm layer's FFN reads and its residual."""
+    return _rms(x + _qkv_attention(x, layer.self_attn), layer.ff_block.norm.weight)
+
+
+def test_hybridnorm_is_the_authors_block():
+    """BryceZhuo/HybridNorm, OLMoSequentialBlock.forward with the 1.2B HybridNorm switches:
+    Y = X + Attn_QKV(X); X_next = N(Y) + FFN(N(Y)); a final norm after the stack."""
+    enc = an.Encoder(cfg(placement="hybridnorm", norm="rmsnorm", n_layers=2)).double().eval()
+    _randomise_norms(enc)
+    layer = enc.layers[0]
+    assert layer.self_attn_block.norm_name == "none" and enc.norm is not None
     x = torch.randn(2, 4, D, dtype=torch.float64)
-    q, k, v = _heads(x, attn)
-    q, k, v = attn.q_norm(q), attn.k_norm(k), attn.v_norm(v)
-    att = torch.softmax(q @ k.transpose(-1, -2) / 2, -1) @ v
-    x1 = x + attn.out_proj(att.transpose(1, 2).reshape(2, 4, D))
-    torch.testing.assert_close(layer(x), layer.ff_block.norm(x1 + layer.ff(x1)))
+    h = x
+    for layer in enc.layers:
+        y = h + _qkv_attention(h, layer.self_attn)
+        z = _rms(y, layer.ff_block.norm.weight)
+        h = z + _ffn(z, layer.ff)  # the residual is taken after the norm; no norm at the output
+    torch.testing.assert_close(enc(x), _rms(h, enc.norm.weight))
+    z = _ffn_input(layer, x)
+    torch.testing.assert_close(layer(x), z + _ffn(z, layer.ff))
+
+
+def test_hybridnorm_star_makes_the_first_layer_pre_norm():
+    """HybridNorm* (the authors' norm_pos_special_config for layer 0: attn_norm on, ffn_residual off):
+    layer 0 is Pre-Norm for attention (with QKV-norm) and FFN, the other layers HybridNorm."""
+    enc = an.Encoder(cfg(placement="hybridnorm*", norm="rmsnorm", n_layers=3)).double().eval()
+    _randomise_norms(enc)
+    assert [p.name for p in enc.placements] == ["hybridnorm_star_first", "hybridnorm", "hybridnorm"]
+    first = enc.layers[0]
+    assert first.self_attn.normalize == "qkv" and first.self_attn_block.norm_name == "rmsnorm"
+    x = torch.randn(2, 4, D, dtype=torch.float64)
+    h = x + _qkv_attention(_rms(x, first.self_attn_block.norm.weight), first.self_attn)
+    h = h + _ffn(_rms(h, first.ff_block.norm.weight), first.ff)
+    for layer in enc.layers[1:]:
+        z = _ffn_input(layer, h)
+        h = z + _ffn(z, layer.ff)
+    torch.testing.assert_close(enc(x), _rms(h, enc.norm.weight))
+    one = an.Encoder(cfg(placement="hybridnorm_star", n_layers=1))
+    assert [p.name for p in one.placements] == ["hybridnorm_star_first"]
 
 
 def test_qk_norm_option():

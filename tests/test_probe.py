@@ -217,6 +217,36 @@ def test_no_grad_forward_and_repeated_steps():
     assert all(math.isnan(v) for v in probe.activation_rms())
 
 
+def test_a_layer_list_elsewhere_than_model_layers_is_found():
+    """Without AddNorm connections or ``model.layers``, the layers are the longest ModuleList of modules of
+    one class (Hugging Face keeps them at ``transformer.h``, ``bert.encoder.layer``, ...)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ff = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return x + self.ff(x)
+
+    model = nn.Module()
+    model.heads = nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)])
+    model.body = nn.Module()
+    model.body.h = nn.ModuleList(Block() for _ in range(3))
+    model.mixed = nn.ModuleList([Block(), nn.Linear(4, 4), Block(), Block()])  # not one class
+    probe = Probe(model)
+    assert probe.layer_names == ["body.h.0", "body.h.1", "body.h.2"]
+    x = torch.randn(2, 4, requires_grad=True)
+    with probe:
+        y = x
+        for block in model.body.h:
+            y = block(y)
+        y.square().sum().backward()
+    assert probe.weight_grad_norms(None) == pytest.approx(
+        [b.ff.weight.grad.norm().item() for b in model.body.h]
+    )
+
+
 def test_bad_arguments():
     model = _lm()
     with pytest.raises(TypeError, match="model"):

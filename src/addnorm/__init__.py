@@ -12,6 +12,7 @@ from .model import (
     UnsupportedModuleError,
     admin_init,
     from_torch,
+    ngpt_normalize_,
     to_torch,
 )
 from .norms import NORMS, BatchNorm, DyT, L2Norm, LayerNorm, NoNorm, RMSNorm, ScaleNorm, build_norm
@@ -51,6 +52,7 @@ __all__ = [
     "build_norm",
     "from_torch",
     "get_placement",
+    "ngpt_normalize_",
     "register_placement",
     "to_torch",
 ]

@@ -79,7 +79,7 @@ class AddNorm(nn.Module):
 
     e.g. ``post``: N(x + D(F(x))) (Vaswani et al. 2017), ``pre``: x + D(F(N(x))) (Xiong et al. 2020).
     g is 1, ReZero's scalar (init 0) or LayerScale's vector; Admin replaces alpha by a vector omega;
-    nGPT uses s = h + a * (f - h) with a per-feature step a (init 0.05).
+    nGPT uses s = h + |a| * (f - h) with a per-feature step a (init 0.05).
 
     Args:
         d_model: feature size of x.
@@ -220,10 +220,11 @@ class AddNorm(nn.Module):
 
     @property
     def gate_value(self) -> Tensor | None:
-        """The gate as applied: ReZero's scalar, LayerScale's vector, nGPT's step alpha."""
+        """The gate as applied: ReZero's scalar, LayerScale's vector, nGPT's step |alpha| (the stored
+        parameter times alpha_init / scale, made non-negative as in the authors' code)."""
         if self.gate is None or self._placement.gate != "ngpt":
             return self.gate
-        return self.gate * (self.gate_init_value / self.gate_scale)
+        return (self.gate * (self.gate_init_value / self.gate_scale)).abs()
 
     # --- forward: tensors in, tensors out ---------------------------------------------------------
     def forward(self, x: Tensor, sublayer: Callable[[Tensor], Tensor]) -> Tensor:

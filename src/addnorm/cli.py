@@ -248,6 +248,12 @@ def inspect(
     init: str = typer.Option("xavier", help="Initialisation: xavier, torch or gpt2."),
     corpus: Path | None = typer.Option(None, help="A text file to read as bytes (default: Python stdlib)."),
     out: Path = typer.Option(Path("addnorm-out"), help="Directory for inspect.png and inspect.json."),
+    hf: str | None = typer.Option(
+        None,
+        "--hf",
+        help="A Hugging Face model type (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gpt2, bert): "
+        "a tiny random-weight model of it, untouched and re-placed with each placement (addnorm[hf]).",
+    ),
 ) -> None:
     """FFN weight-gradient norm per layer at initialisation, per placement (Xiong et al. 2020)."""
     names = [PLACEMENTS.resolve(p) for p in placements.split(",") if p.strip()]
@@ -256,6 +262,18 @@ def inspect(
     names = list(dict.fromkeys(names))
     if corpus is not None and not corpus.exists():
         raise ValueError(f"--corpus: no such file or folder {str(corpus)!r}")
+    if hf is not None:
+        sizes = {"layers": layers, "hidden": d_model, "heads": heads, "intermediate": d_ff or 4 * d_model}
+        task = build_task("lm", corpus=None if corpus is None else str(corpus))
+        batches = []
+        for r in range(repeats):  # (batch, seq + 1) byte windows, as the study's lm task draws them
+            b = task.batch("train", batch, seq, torch.Generator().manual_seed(seed + r))
+            batches.append(torch.cat([b.inputs, b.targets[:, -1:]], dim=1))
+        try:
+            _inspect_hf(hf, names, batches, sizes, seed, out)
+        except ImportError as err:
+            raise fail(err) from None
+        return
     kwargs = dict(n_layers=layers, d_model=d_model, n_heads=heads, d_ff=d_ff, seq=seq, batch=batch)
     kwargs.update(
         seed=seed, repeats=repeats, norm=norm, init=init, corpus=None if corpus is None else str(corpus)
@@ -298,6 +316,29 @@ def inspect(
     meta.update(seed=seed, repeats=repeats, norm=norm, init=init, corpus=source)
     payload = {"config": meta, "placements": results, "last_over_first": ratios}
     js.write_text(json.dumps(payload, indent=2) + "\n")
+    typer.echo(f"plot: {png}")
+    typer.echo(f"data: {js}")
+
+
+def _inspect_hf(model_type: str, names: list[str], batches: list, sizes: dict, seed: int, out: Path) -> None:
+    """``inspect --hf``: the per-layer table and plot of :mod:`addnorm.hf.inspect`."""
+    from .hf import inspect as hf_inspect
+    from .hf.architectures import ARCHITECTURES
+
+    model_type = ARCHITECTURES.resolve(model_type)
+    for name, value in sizes.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"--{name}: expected a positive int, got {value!r}")
+    placements = [hf_inspect.MODEL, *names]
+    results = hf_inspect.layer_statistics(model_type, placements, batches, seed=seed, **sizes)
+    shape = f"{len(batches)} x batch {batches[0].shape[0]}x{batches[0].shape[1] - 1}"
+    what = f"{model_type}, {sizes['layers']} layers, hidden {sizes['hidden']}, random weights, {shape} bytes"
+    typer.echo(f"Per-layer statistics at initialisation: {what}; '{hf_inspect.MODEL}' is its own Add & Norm")
+    typer.echo(hf_inspect.table(results))
+    out.mkdir(parents=True, exist_ok=True)
+    png, js = out / f"inspect-hf-{model_type}.png", out / f"inspect-hf-{model_type}.json"
+    hf_inspect.plot(results, f"{what}: per-layer statistics at initialisation", png)
+    hf_inspect.write_json(results, {"model_type": model_type, **sizes, "seed": seed}, js)
     typer.echo(f"plot: {png}")
     typer.echo(f"data: {js}")
 

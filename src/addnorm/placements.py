@@ -7,19 +7,22 @@ x = connection input, F = sublayer, N = norm, D = dropout on the branch. One con
     s = alpha * (h if residual_from == "normed_input" else x) + f
     y = N3(s) if output_norm else s
 
-then ``gate`` scales f (ReZero's scalar, LayerScale's vector), ``omega`` replaces alpha by a
+then ``gate`` scales f (ReZero's scalar, LayerScale's vector), ``layer_gate`` shares one gate
+between the connections of a layer (ReZero's ``resweight``), ``omega`` replaces alpha by a
 per-feature vector (Admin), ``sublayer_norm`` puts a norm inside each sublayer (Sub-LN),
-``attention_norm`` normalises queries/keys(/values) inside attention, ``stream`` names designs that
-change the residual stream itself (B2T, ResiDual, nGPT) and ``layers`` names the per-layer placements
-that a stack expands this one into (Mix-LN); ``attention_connection`` gives the attention sublayer its
-own (placement, norm) (HybridNorm) and ``norm`` forces a norm (nGPT's unit L2 norm). ``init`` names
-the depth-aware initialisation (``addnorm.model.init``). ``final_norm`` says whether a stack of such
-connections leaves the residual stream unnormalised and so needs one more norm after the last layer
-(by default ``not output_norm``).
+``attention_norm`` normalises queries/keys(/values) inside attention (``"ngpt"``: unit queries and keys
+times s_qk, softmax scale sqrt(d_head)), ``ffn_scale`` scales the FFN hidden units per feature (nGPT's
+s_u, s_v), ``stream`` names designs that change the residual stream itself (B2T, ResiDual, nGPT) and
+``layers`` names the per-layer placements that a stack expands this one into (Mix-LN, HybridNorm*);
+``attention_connection`` gives the attention sublayer its own (placement, norm) (HybridNorm) and
+``norm`` forces a norm (nGPT's unit L2 norm). ``init`` names the depth-aware initialisation
+(``addnorm.model.init``). ``final_norm`` says whether a stack of such connections leaves the residual
+stream unnormalised and so needs one more norm after the last layer (by default ``not output_norm``).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from .registry import Registry
@@ -27,7 +30,7 @@ from .registry import Registry
 RESIDUAL_SOURCES = ("input", "normed_input")
 GATES = ("none", "rezero", "layerscale", "ngpt")
 STREAMS = ("standard", "b2t", "resi_dual", "ngpt")
-ATTENTION_NORMS = (None, "qk", "qkv")
+ATTENTION_NORMS = (None, "qk", "qkv", "ngpt")
 
 
 @dataclass(frozen=True)
@@ -43,11 +46,13 @@ class Placement:
     residual_from: str = "input"
     alpha: float = 1.0
     gate: str = "none"
+    layer_gate: bool = False
     omega: bool = False
     sublayer_norm: bool = False
     attention_norm: str | None = None
+    ffn_scale: bool = False
     stream: str = "standard"
-    layers: tuple[str, str, float] | None = None
+    layers: tuple[str | Placement, str | Placement, float | int] | None = None
     attention_connection: tuple[str, str] | None = None
     norm: str | None = None
     init: str | None = None
@@ -67,6 +72,30 @@ class Placement:
             raise ValueError(
                 f"attention_norm: expected one of {ATTENTION_NORMS}, got {self.attention_norm!r}"
             )
+        if self.layers is not None:
+            split = self.layers[2] if len(self.layers) == 3 else None
+            if isinstance(split, bool) or not (
+                (isinstance(split, int) and split >= 0) or (isinstance(split, float) and 0.0 <= split <= 1.0)
+            ):
+                raise ValueError(
+                    "layers: expected (bottom, top, split), split a fraction in [0, 1] (float) or a layer "
+                    f"count (int >= 0), got {self.layers!r}"
+                )
+
+    def layer_placements(self, n_layers: int, fraction: float | None = None) -> list[Placement]:
+        """The placement of each of ``n_layers`` layers: this one repeated, or, for a placement with
+        ``layers=(bottom, top, split)``, ``bottom`` for the first ceil(split * L) layers when split is a
+        float fraction (Mix-LN; ``fraction`` overrides it) or for the first ``split`` layers when it is an
+        int count (HybridNorm*), ``top`` for the rest."""
+        if self.layers is None:
+            return [self] * n_layers
+        bottom, top, split = self.layers
+        if isinstance(split, float):
+            split = split if fraction is None else fraction
+            n_bottom = min(n_layers, math.ceil(split * n_layers - 1e-9))
+        else:
+            n_bottom = min(n_layers, split)
+        return [get_placement(bottom)] * n_bottom + [get_placement(top)] * (n_layers - n_bottom)
 
     @property
     def final_norm(self) -> bool:
@@ -180,24 +209,26 @@ register_placement(
 register_placement(
     Placement(
         "admin",
-        "y = N(x * omega + D(F(x))), omega_i^2 = 1 + sum_{j<i} Var[F_j] from a profiling pass",
+        "y = N(x * omega + D(F(x))), omega_0 = 1, omega_{i+1}^2 = Var[omega_i x_i] + Var[D(F_i(x_i))] "
+        "from a profiling pass",
         "Liu et al. 2020, Understanding the Difficulty of Training Transformers (Admin)",
         output_norm=True,
         omega=True,
         init="admin",
         description="Post-LN whose residual is rescaled per feature by omega, set by one profiling "
-        "forward pass so that no layer's update dominates (addnorm.admin_init).",
+        "forward pass in training mode so that no layer's update dominates (addnorm.admin_init).",
     ),
 )
 register_placement(
     Placement(
         "rezero",
-        "y = x + a * D(F(x)), a = 0 at initialisation, no norm",
+        "y = x + a * D(F(x)), one a per layer, a = 0 at initialisation, no norm",
         "Bachlechner et al. 2020, ReZero is All You Need",
         gate="rezero",
+        layer_gate=True,
         needs_final_norm=False,
-        description="No normalization at all: one learned scalar per connection, zero at init, so "
-        "every layer starts as the identity.",
+        description="No normalization at all: one learned scalar per layer, shared by its "
+        "connections and zero at init, so every layer starts as the identity.",
     ),
 )
 register_placement(
@@ -241,12 +272,15 @@ register_placement(
 register_placement(
     Placement(
         "b2t",
-        "h = N(x + D(F1(x))); y = N(h + D(F2(h)) + x): the layer input skips to the last norm",
+        "h = N(x + D(F1(x))); y = N(h + D(F2(h)) + x): the layer input skips to the last norm; "
+        "weights scaled by L^(-1/2) at init",
         "Takase et al. 2023, B2T Connection: Serving Stability and Performance in Deep Transformers",
         output_norm=True,
         stream="b2t",
+        init="b2t",
         description="Post-LN with a bottom-to-top connection: each layer's input is added before "
-        "its last norm, an identity path that bypasses the layer's inner norms.",
+        "its last norm, an identity path that bypasses the layer's inner norms; every weight "
+        "matrix starts scaled by L^(-1/2).",
     ),
     aliases=("bottom_to_top",),
 )
@@ -263,32 +297,63 @@ register_placement(
     ),
     aliases=("residual", "resiDual"),
 )
-register_placement(
+HYBRIDNORM = register_placement(
     Placement(
         "hybridnorm",
-        "attention: y = x + D(Attn_QKVnorm(x)); FFN: y = N(x + D(FFN(x)))",
-        "Zhuo et al. 2025, HybridNorm: Towards Stable and Efficient Transformer Training",
-        output_norm=True,
+        "attention: y = x + D(Attn_QKVnorm(x)); FFN: y = N(x) + D(FFN(N(x)))",
+        "Zhuo et al. 2025, HybridNorm: Towards Stable and Efficient Transformer Training via Hybrid "
+        "Normalization",
+        input_norm=True,
+        residual_from="normed_input",
         attention_norm="qkv",
         attention_connection=("pre", "none"),
         description="Queries, keys and values are normalised inside attention (no norm on its "
-        "residual), while the FFN keeps Post-Norm.",
+        "residual); the FFN reads a normalised stream and adds to it (the residual taken after the "
+        "norm), so a stack ends with a final norm.",
     ),
     aliases=("hybrid_norm",),
+)
+HYBRIDNORM_STAR_FIRST = Placement(
+    "hybridnorm_star_first",
+    "y = x + D(F(N(x))), attention with QKV-norm",
+    "Zhuo et al. 2025 (HybridNorm*'s first layer)",
+    input_norm=True,
+    attention_norm="qkv",
+    description="Pre-Norm with queries, keys and values normalised inside attention.",
+)
+register_placement(
+    Placement(
+        "hybridnorm_star",
+        "layer 0: Pre-Norm with QKV-norm; layers 1..L-1: hybridnorm",
+        "Zhuo et al. 2025, HybridNorm (HybridNorm*)",
+        input_norm=True,
+        residual_from="normed_input",
+        attention_norm="qkv",
+        layers=(HYBRIDNORM_STAR_FIRST, HYBRIDNORM, 1),
+        description="HybridNorm whose first layer is Pre-Norm (attention and FFN), keeping the "
+        "QKV-norm; the authors' variant for the first block.",
+    ),
+    aliases=("hybridnorm*", "hybrid_norm_star"),
 )
 register_placement(
     Placement(
         "ngpt",
-        "h = Norm(h + alpha * (Norm(F(h)) - h)), Norm = unit L2 norm, alpha init 0.05",
+        "h = Norm(h + |alpha| * (Norm(F(h)) - h)), Norm = unit L2 norm, alpha init 0.05; unit "
+        "q, k times s_qk, softmax scale sqrt(d_head); s_u, s_v on the FFN; s_z on the logits; "
+        "weights renormalised after every step (addnorm.ngpt_normalize_)",
         "Loshchilov et al. 2024, nGPT: Normalized Transformer with Representation Learning on the "
         "Hypersphere",
         branch_norm=True,
         output_norm=True,
         gate="ngpt",
+        attention_norm="ngpt",
+        ffn_scale=True,
         stream="ngpt",
         norm="l2",
-        description="Hidden states live on the unit sphere: each layer moves them toward the "
-        "normalised sublayer output by a learned per-feature step alpha.",
+        init="ngpt",
+        description="Hidden states and the embedding-side vectors of every matrix live on the unit "
+        "sphere: each layer moves the state toward the normalised sublayer output by a learned "
+        "per-feature step alpha; learned scales replace the norms' gains.",
     ),
     aliases=("normalized_transformer",),
 )

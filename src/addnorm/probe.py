@@ -45,6 +45,17 @@ def _addnorm_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, child) for name, child in module.named_children() if _is_addnorm(child)]
 
 
+def _layer_list(model: nn.Module) -> nn.ModuleList | None:
+    """The longest ModuleList of modules of one class: a model's layers where they live elsewhere than
+    ``model.layers`` (Hugging Face: ``model.layers``, ``transformer.h``, ``bert.encoder.layer``)."""
+    best = None
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len({type(m) for m in module}) == 1:
+            if best is None or len(module) > len(best):
+                best = module
+    return best
+
+
 def _wide(t: Tensor) -> Tensor:
     """t in at least float32 for statistics (float64 stays float64)."""
     return t if t.dtype == torch.float64 else t.float()
@@ -92,9 +103,11 @@ class Probe:
         model: any ``nn.Module``.
         layers: which modules are the layers.
 
-            - ``None``: for addnorm models, the modules of ``model.layers`` or else every submodule
-              with ``AddNorm`` children; for other models, ``model.layers`` if it is a ModuleList
-              (e.g. ``torch.nn.TransformerEncoder``).
+            - ``None``: for addnorm models (and models rewired by ``addnorm.hf``), the modules of
+              ``model.layers`` or else every submodule with ``AddNorm`` children; for other models,
+              ``model.layers`` if it is a ModuleList (e.g. ``torch.nn.TransformerEncoder``), else the
+              longest ModuleList of modules of one class (a Hugging Face model's ``model.layers``,
+              ``transformer.h``, ``bert.encoder.layer``).
             - a string attribute path such as ``"layers"`` or ``"encoder.layers"`` (a ModuleList or
               Sequential gives its children; another module is one layer);
             - a callable ``(name, module) -> bool`` over ``model.named_modules()``;
@@ -138,9 +151,12 @@ class Probe:
                 return found
             if isinstance(stack, (nn.ModuleList, nn.Sequential)) and len(stack):
                 return named(stack)
+            stack = _layer_list(model)
+            if stack is not None:
+                return named(stack)
             raise ValueError(
                 f"layers: found no layers in {type(model).__name__} (no AddNorm connections and no "
-                "`layers` ModuleList); pass layers= as an attribute path, a (name, module) -> bool "
+                "ModuleList of layers); pass layers= as an attribute path, a (name, module) -> bool "
                 "callable, or a list of modules"
             )
         if isinstance(layers, str):

@@ -7,6 +7,7 @@ from .init import INITS, PLACEMENT_INITS, Depth, admin_init, deepnorm_constants,
 from .interop import UnsupportedModuleError, from_torch, to_torch
 from .layers import DecoderLayer, EncoderLayer
 from .models import EncoderDecoder, LanguageModel, PositionalEncoding, Transformer
+from .ngpt import NGPTHead, ngpt_matrices, ngpt_normalize_
 from .stacks import Decoder, Encoder
 
 __all__ = [
@@ -28,7 +29,10 @@ __all__ = [
     "Transformer",
     "TransformerConfig",
     "UnsupportedModuleError",
+    "NGPTHead",
     "causal_mask",
+    "ngpt_matrices",
+    "ngpt_normalize_",
     "from_torch",
     "to_torch",
 ]

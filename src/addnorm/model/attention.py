@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+NORMALIZE = (None, "qk", "qkv", "ngpt")
+
 
 def _check_mask_dtype(mask: Tensor, name: str) -> None:
     if not isinstance(mask, Tensor):
@@ -96,6 +98,12 @@ class MultiHeadAttention(nn.Module):
     normalises queries and keys per head over the head dimension (QK-norm, Dehghani et al. 2023), with
     ``"qkv"`` values too (HybridNorm, Zhuo et al. 2025); ``inner_norm`` is a norm applied to the
     concatenated heads before ``out_proj`` (Sub-LN, Wang et al. 2022).
+
+    ``normalize="ngpt"`` (Loshchilov et al. 2024): q = s_qk * q / ||q||, k = s_qk * k / ||k|| per head,
+    and softmax(q k^T * sqrt(d_head)) V, the scale sqrt(d_head) replacing 1/sqrt(d_head). s_qk is one
+    learned vector of d_model = heads * d_head entries shared by queries and keys, initialised to 1 and
+    stored at scale 1/sqrt(d_model) (the parameter ``s_qk`` starts at 1/sqrt(d_model) and is used times
+    sqrt(d_model)), so that Adam moves it at the pace of a parameter of that size.
     """
 
     def __init__(
@@ -114,15 +122,20 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         if d_model % n_heads:
             raise ValueError(f"d_model: {d_model} is not divisible by n_heads={n_heads}")
-        if normalize not in (None, "qk", "qkv"):
-            raise ValueError(f"normalize: expected None, 'qk' or 'qkv', got {normalize!r}")
+        if normalize not in NORMALIZE:
+            raise ValueError(f"normalize: expected one of {NORMALIZE}, got {normalize!r}")
         self.d_model, self.n_heads, self.head_dim = d_model, n_heads, d_model // n_heads
         self.dropout = float(dropout)
         kw = {"device": device, "dtype": dtype}
         self.in_proj = nn.Linear(d_model, 3 * d_model, bias=bias, **kw)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias, **kw)
         self.normalize = normalize
-        if normalize is not None:
+        self.q_norm = self.k_norm = self.v_norm = None
+        self.s_qk: nn.Parameter | None = None
+        if normalize == "ngpt":
+            self.s_qk_scale = d_model**-0.5  # stored at 1/sqrt(d), used as s_qk / scale (init 1)
+            self.s_qk = nn.Parameter(torch.full((d_model,), self.s_qk_scale, **kw))
+        elif normalize is not None:
             if qkv_norm is None:
                 raise ValueError("qkv_norm: a norm factory is needed when normalize is set")
             self.q_norm, self.k_norm = qkv_norm(self.head_dim), qkv_norm(self.head_dim)
@@ -156,7 +169,12 @@ class MultiHeadAttention(nn.Module):
             kv = F.linear(memory, w[d:], None if bias is None else bias[d:])
             q = q.view(b, tgt_len, h, hd).transpose(1, 2)
             k, v = kv.view(b, src_len, 2, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
-        if self.normalize is not None:  # per head, over the head dimension
+        scale = None  # SDPA's default 1/sqrt(d_head)
+        if self.s_qk is not None:  # nGPT: unit q, k per head, times s_qk; logits scaled by sqrt(d_head)
+            s_qk = (self.s_qk / self.s_qk_scale).view(h, 1, hd)
+            q, k = s_qk * F.normalize(q, dim=-1), s_qk * F.normalize(k, dim=-1)
+            scale = hd**0.5
+        elif self.normalize is not None:  # per head, over the head dimension
             q, k = self.q_norm(q), self.k_norm(k)
             if self.v_norm is not None:
                 v = self.v_norm(v)
@@ -172,7 +190,13 @@ class MultiHeadAttention(nn.Module):
             names=mask_names,
         )
         out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=self.dropout if self.training else 0.0, is_causal=causal
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=causal,
+            scale=scale,
         )
         out = out.transpose(1, 2).reshape(b, tgt_len, d)  # (B, H, L, hd) -> (B, L, d)
         if self.inner_norm is not None:

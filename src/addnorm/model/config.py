@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, replace
 from typing import Any
@@ -163,13 +162,8 @@ class TransformerConfig:
     def placements_for(self, n_layers: int) -> list[Placement]:
         """One Placement per layer: a single placement repeated, or the per-layer list checked."""
         if isinstance(self.placement, (str, Placement)):
-            p = get_placement(self.placement)
-            if p.layers is None:
-                return [p] * n_layers
-            bottom, top, fraction = p.layers  # Mix-LN: ``bottom`` for the first ceil(f * L) layers
-            fraction = fraction if self.mix_fraction is None else self.mix_fraction
-            n_bottom = min(n_layers, math.ceil(fraction * n_layers - 1e-9))
-            return [get_placement(bottom)] * n_bottom + [get_placement(top)] * (n_layers - n_bottom)
+            # Mix-LN and HybridNorm* expand into per-layer placements (``Placement.layer_placements``)
+            return get_placement(self.placement).layer_placements(n_layers, self.mix_fraction)
         placements = [get_placement(p) for p in self.placement]
         if len(placements) != n_layers:
             raise ValueError(

@@ -16,6 +16,7 @@ from ..addnorm import AddNorm
 from ..registry import Registry
 from .attention import MultiHeadAttention
 from .feedforward import FeedForward
+from .ngpt import sublayer_matrices, unit_
 
 INITS: Registry = Registry("init")
 
@@ -120,10 +121,12 @@ def _xavier_normal_rows(weight: torch.Tensor, rows: slice, gain: float) -> None:
         block.normal_(0.0, std)
 
 
-def scaled_xavier_init(module: nn.Module, gain: float) -> None:
+def scaled_xavier_init(module: nn.Module, gain: float, skip: tuple[nn.Module, ...] = ()) -> None:
     """Xavier-normal with ``gain`` on FFN matrices, value and output projections; gain 1 on queries and
-    keys (the DeepNet / Magneto recipe)."""
+    keys (the DeepNet / Magneto recipe). Sublayers in ``skip`` keep their initialisation."""
     for m in module.modules():
+        if any(m is s for s in skip):
+            continue
         if isinstance(m, MultiHeadAttention):
             d = m.d_model
             w = m.in_proj.weight
@@ -146,7 +149,32 @@ def _init_deepnorm(module: nn.Module, depth: Depth) -> None:
 
 @PLACEMENT_INITS.register("sub_ln")
 def _init_sub_ln(module: nn.Module, depth: Depth) -> None:
-    scaled_xavier_init(module, sub_ln_gain(depth))
+    """Magneto's gain on every sublayer but cross-attention, which torchscale leaves unscaled (its
+    decoder skips ``encoder_attn``) and builds without an inner norm."""
+    cross = getattr(module, "cross_attn", None)
+    scaled_xavier_init(module, sub_ln_gain(depth), skip=() if cross is None else (cross,))
+
+
+@PLACEMENT_INITS.register("b2t")
+def _init_b2t(module: nn.Module, depth: Depth) -> None:
+    """B2T's ``rescaling_init`` (Takase et al. 2023): every weight matrix of the layer (not the biases,
+    not the norms) multiplied by L^(-1/2), L the depth of its stack."""
+    scale = max(depth.n_layers, 1) ** -0.5
+    with torch.no_grad():
+        for m in module.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.mul_(scale)
+
+
+@PLACEMENT_INITS.register("ngpt")
+def _init_ngpt(module: nn.Module, depth: Depth) -> None:
+    """nGPT: each matrix drawn from N(0, 1) and its d_model-sized vectors normalised to unit length
+    (the authors draw N(0, 1/sqrt(d)) and normalise; only the direction remains)."""
+    matrices = sublayer_matrices(module)
+    with torch.no_grad():
+        for weight, _ in matrices:
+            weight.normal_()
+    unit_(matrices)
 
 
 @PLACEMENT_INITS.register("admin")
@@ -156,9 +184,12 @@ def _init_admin(module: nn.Module, depth: Depth) -> None:
 
 @torch.no_grad()
 def admin_init(model: nn.Module, *inputs, **kwargs) -> list[torch.Tensor]:
-    """Admin's profiling pass (Liu et al. 2020): run ``model(*inputs, **kwargs)`` once with every omega
-    at 1, record the output variance of each branch in execution order, and set, within each stack,
-    omega_i = sqrt(1 + sum_{j<i} Var[F_j]). Returns the omegas set (one per connection)."""
+    """Admin's profiling pass (Liu et al. 2020), as Transformer-Clinic's ``adaptive-profiling`` runs it:
+    one forward pass ``model(*inputs, **kwargs)`` in training mode (dropout on, as in training), in which
+    each connection i, before it runs, gets omega_i = r (one running value r per stack, starting at 1),
+    and after its branch then sets r = sqrt(Var[omega_i * x_i] + Var[D(F_i(x_i))]), x_i its input and
+    D(F_i) its branch as added (variances over every element). With unit-variance inputs this is
+    omega_i^2 = 1 + sum_{j<i} Var[F_j]. Returns the omegas set (one per connection)."""
     conns = [m for m in model.modules() if isinstance(m, AddNorm) and m.omega is not None]
     if not conns:
         raise ValueError("model: has no Admin connections (placement='admin') to initialise")
@@ -170,26 +201,38 @@ def admin_init(model: nn.Module, *inputs, **kwargs) -> list[torch.Tensor]:
             for m in stack.modules():
                 if isinstance(m, AddNorm):
                     stack_of.setdefault(id(m), id(stack))
-    order: list[tuple[AddNorm, float]] = []
-    handles = [
-        c.branch.register_forward_hook(lambda mod, inp, out, c=c: order.append((c, out.float().var().item())))
-        for c in conns
-    ]
+    ratio: dict[int, float] = {}  # the running value r of each stack
+    input_var: dict[int, float] = {}  # Var[omega_i * x_i] of the connection running now
+    done: set[int] = set()
+
+    def before(conn: AddNorm):
+        def hook(module, args, x):
+            if id(conn) not in done:
+                conn.omega.fill_(ratio.get(stack_of.get(id(conn), 0), 1.0))
+                input_var[id(conn)] = (x * conn.omega).float().var(unbiased=False).item()
+
+        return hook
+
+    def after(conn: AddNorm):
+        def hook(module, args, branch):
+            if id(conn) not in done and id(conn) in input_var:
+                var = input_var.pop(id(conn)) + branch.float().var(unbiased=False).item()
+                ratio[stack_of.get(id(conn), 0)] = math.sqrt(var)
+                done.add(id(conn))
+
+        return hook
+
+    handles = []
+    for c in conns:
+        # the branch as added: after the branch dropout, or before it when dropout follows the add
+        added = c.dropout if c.dropout_at == "branch" else c.branch
+        handles += [c.stream_in.register_forward_hook(before(c)), added.register_forward_hook(after(c))]
     was_training = model.training
     try:
-        model.eval()
+        model.train()
         model(*inputs, **kwargs)
     finally:
         model.train(was_training)
         for h in handles:
             h.remove()
-    totals: dict[int, float] = {}
-    done = set()
-    for conn, var in order:
-        if id(conn) in done:
-            continue
-        key = stack_of.get(id(conn), 0)
-        conn.omega.fill_(math.sqrt(1.0 + totals.get(key, 0.0)))
-        totals[key] = totals.get(key, 0.0) + var
-        done.add(id(conn))
     return [c.omega.detach().clone() for c in conns]

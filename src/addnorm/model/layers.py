@@ -68,6 +68,19 @@ class _Layout(NamedTuple):
 _FROM_STACK = _Layout(stream=True)
 
 
+def _structure(p: Placement) -> tuple:
+    """What a layer builds from its placement beyond its connections: equal for switchable placements."""
+    return (
+        p.stream,
+        p.sublayer_norm,
+        p.attention_norm,
+        p.ffn_scale,
+        p.layer_gate,
+        p.attention_connection,
+        p.init,
+    )
+
+
 class _Layer(nn.Module):
     """What encoder and decoder layers share: building sublayers and their connections for a placement
     at a given depth, and taking a tensor or a stack's :class:`Stream` in."""
@@ -108,7 +121,8 @@ class _Layer(nn.Module):
             **self._kw,
         )
 
-    def _attention(self) -> MultiHeadAttention:
+    def _attention(self, cross: bool = False) -> MultiHeadAttention:
+        """Self- or cross-attention; Sub-LN's inner norm only in self-attention (as torchscale)."""
         cfg, p = self.cfg, self._p
         normalize = p.attention_norm or ("qk" if cfg.qk_norm else None)
         return MultiHeadAttention(
@@ -119,14 +133,20 @@ class _Layer(nn.Module):
             **self._kw,
             normalize=normalize,
             qkv_norm=self._norm,
-            inner_norm=self._norm(cfg.d_model) if p.sublayer_norm else None,
+            inner_norm=self._norm(cfg.d_model) if p.sublayer_norm and not cross else None,
         )
 
     def _feedforward(self) -> FeedForward:
-        cfg = self.cfg
-        inner = self._norm(cfg.d_ff) if self._p.sublayer_norm else None
+        cfg, p = self.cfg, self._p
         return FeedForward(
-            cfg.d_model, cfg.d_ff, cfg.activation, cfg.act_dropout, cfg.bias, **self._kw, inner_norm=inner
+            cfg.d_model,
+            cfg.d_ff,
+            cfg.activation,
+            cfg.act_dropout,
+            cfg.bias,
+            **self._kw,
+            inner_norm=self._norm(cfg.d_ff) if p.sublayer_norm else None,
+            scale_hidden=p.ffn_scale,
         )
 
     def _initialise(self, depth: Depth) -> None:
@@ -135,7 +155,11 @@ class _Layer(nn.Module):
             PLACEMENT_INITS[self._p.init](self, depth)
 
     def _connections(self, *blocks: AddNorm) -> list[Connection]:
-        """The stream's way through each connection, in order; B2T's layer input skips to the last."""
+        """The stream's way through each connection, in order; B2T's layer input skips to the last.
+        With ``layer_gate`` (ReZero) the connections share the first one's gate: one per layer."""
+        if self._p.layer_gate:
+            for block in blocks[1:]:
+                block.gate = blocks[0].gate
         b2t = self._p.stream == "b2t"
         return [
             Connection(block, keeps_layer_input=b2t and i == 0, adds_layer_input=b2t and i == len(blocks) - 1)
@@ -157,13 +181,7 @@ class _Layer(nn.Module):
     @placement.setter
     def placement(self, value: Placement | str) -> None:
         new = get_placement(value)
-        if (new.stream, new.sublayer_norm, new.attention_norm, new.attention_connection, new.init) != (
-            self._p.stream,
-            self._p.sublayer_norm,
-            self._p.attention_norm,
-            self._p.attention_connection,
-            self._p.init,
-        ):
+        if _structure(new) != _structure(self._p):
             raise ValueError(
                 f"placement: cannot switch a layer from {self._p.name!r} to {new.name!r} at run time"
             )
@@ -248,7 +266,7 @@ class DecoderLayer(_Layer):
         depth = depth or Depth("decoder", cfg.encoder_layers, cfg.decoder_layers)
         self._setup(cfg, placement, device, dtype)
         self.self_attn = self._attention()
-        self.cross_attn = self._attention()
+        self.cross_attn = self._attention(cross=True)
         self.ff = self._feedforward()
         self.self_attn_block = self._connection(depth, attention=True)
         self.cross_attn_block = self._connection(depth, attention=True)

@@ -9,6 +9,7 @@ from torch import Tensor, nn
 
 from .config import TransformerConfig
 from .init import Depth
+from .ngpt import NGPTHead, ngpt_normalize_
 from .stacks import Decoder, Encoder
 
 
@@ -97,6 +98,11 @@ def _padding_mask(ids: Tensor, pad_id: int | None, given: Tensor | None) -> Tens
     return ids == pad_id
 
 
+def _head(stack: Encoder | Decoder) -> type[nn.Linear]:
+    """The logit head's class: nGPT's scaled logits (s_z) after an nGPT stack, else a Linear."""
+    return NGPTHead if stack.stream == "ngpt" else nn.Linear
+
+
 def _stacks(cfg: TransformerConfig, device, dtype) -> tuple[Encoder, Decoder]:
     """The encoder and decoder of an encoder-decoder model, each knowing both depths (DeepNorm, Sub-LN)."""
     n, m = cfg.encoder_layers, cfg.decoder_layers
@@ -176,7 +182,9 @@ class Transformer(nn.Module):
         self.src_embed = _Embedding(src_vocab, cfg, device, dtype, vocab_arg="src_vocab")
         self.tgt_embed = _Embedding(tgt_vocab, cfg, device, dtype, vocab_arg="tgt_vocab")
         self.encoder, self.decoder = _stacks(cfg, device, dtype)
-        self.head = nn.Linear(cfg.d_model, tgt_vocab, device=device, dtype=dtype)
+        self.head = _head(self.decoder)(cfg.d_model, tgt_vocab, device=device, dtype=dtype)
+        if self.decoder.stream == "ngpt":
+            ngpt_normalize_(self)
 
     def encode(self, src: Tensor, src_key_padding_mask: Tensor | None = None) -> Tensor:
         """Encoder memory (B, S, d)."""
@@ -227,9 +235,11 @@ class LanguageModel(nn.Module):
         self.cfg = cfg
         self.embed = _Embedding(vocab, cfg, device, dtype)
         self.stack = Encoder(cfg, depth=Depth("decoder", 0, cfg.n_layers), device=device, dtype=dtype)
-        self.head = nn.Linear(cfg.d_model, vocab, bias=False, device=device, dtype=dtype)
+        self.head = _head(self.stack)(cfg.d_model, vocab, bias=False, device=device, dtype=dtype)
         if tie_embeddings:
             self.head.weight = self.embed.tokens.weight
+        if self.stack.stream == "ngpt":
+            ngpt_normalize_(self)  # nGPT's embeddings and matrices start on the unit sphere
 
     @property
     def layers(self) -> nn.ModuleList:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..addnorm import AddNorm
-from ..model import admin_init
+from ..model import admin_init, ngpt_matrices, ngpt_normalize_
 from ..probe import Probe
 from ..tasks import build_task
 from .config import RunConfig
@@ -202,6 +202,7 @@ def train(
         seed = torch.Generator().manual_seed(cfg.seed + 1)
         admin_init(model, *task.model_inputs(task.batch("train", cfg.batch_size, cfg.seq_len, seed, device)))
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
+    on_sphere = bool(ngpt_matrices(model))  # nGPT: matrices back on the unit sphere after each step
     result = RunResult(status=DONE)
     result.provenance = {
         "device": device_name(device),
@@ -251,6 +252,8 @@ def train(
             {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim >= 2} if probing else None
         )
         opt.step()
+        if on_sphere:
+            ngpt_normalize_(model)
         if probing:
             result.layer_metrics += _update_ratios(model, before, layer_names, step)
         log.add(step, value if read_now else loss.detach(), grad_norm, lr)

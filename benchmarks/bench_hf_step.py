@@ -1,0 +1,261 @@
+"""A Hugging Face Llama's training step, untouched vs ``addnorm.hf.fuse`` (vs Liger-Kernel's RMSNorm patch
+on a GPU where ``liger_kernel`` imports): tokens/s and, on a GPU, peak memory.
+
+One step = forward with labels (the model's own loss) + backward + AdamW. Random weights from a config;
+random tokens.
+
+CPU (default): a small Llama (hidden 256, 4 layers, 8 heads, 4 key/value heads, intermediate 688,
+vocab 2048, batch 4 x seq 128), float32, eager, one torch thread, AdamW; variants interleaved step by
+step after a warmup, medians, best of ``--rounds`` rounds. Writes ``hf_step_cpu.{md,json}``.
+
+GPU (``--gpu``): the issue's 134M Llama (hidden 768, 12 layers, 12 heads, intermediate 2048, vocab 32000,
+batch 8 x seq 1024), bf16 autocast, fused AdamW, eager and ``torch.compile``; each variant on its own
+(built, warmed up, peak-memory counter reset, timed). Writes ``hf_step_gpu.{md,json}``.
+
+    python benchmarks/bench_hf_step.py [--reps 30] [--rounds 3] [--out benchmarks/results]
+    python benchmarks/bench_hf_step.py --gpu [--modes eager,compile]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from machine import cpu_model
+
+import addnorm.hf as anhf
+
+
+@dataclass(frozen=True)
+class Setup:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    batch: int
+    seq: int
+
+
+CPU = Setup(hidden=256, layers=4, heads=8, kv_heads=4, intermediate=688, vocab=2048, batch=4, seq=128)
+GPU = Setup(hidden=768, layers=12, heads=12, kv_heads=12, intermediate=2048, vocab=32000, batch=8, seq=1024)
+VARIANTS = ("plain", "fused", "liger")
+
+
+def build(variant: str, setup: Setup, device: torch.device) -> torch.nn.Module:
+    """The same random Llama (seed 0) untouched, fused by addnorm, or with Liger's RMSNorm patch only."""
+    model = anhf.tiny_model(
+        "llama",
+        seed=0,
+        layers=setup.layers,
+        hidden=setup.hidden,
+        heads=setup.heads,
+        vocab=setup.vocab,
+        intermediate=setup.intermediate,
+        positions=setup.seq,
+        num_key_value_heads=setup.kv_heads,
+    ).to(device)
+    if variant == "fused":
+        anhf.fuse(model)
+    elif variant == "liger":
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(
+            rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=False,
+            model=model,
+        )  # fmt: skip
+    return model.train()
+
+
+def make_step(model: torch.nn.Module, tokens: torch.Tensor, *, gpu: bool, compiled: bool):
+    """A closure running one training step and returning its wall time in seconds."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=gpu)
+    forward = torch.compile(model) if compiled else model
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=gpu)
+
+    def step() -> float:
+        if gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        with autocast:
+            loss = forward(input_ids=tokens, labels=tokens, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        if gpu:
+            torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    return step
+
+
+def tokens_for(setup: Setup, device: torch.device) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(3, setup.vocab, (setup.batch, setup.seq), generator=gen).to(device)
+
+
+def run_cpu(setup: Setup, reps: int, warmup: int, rounds: int) -> dict:
+    """Plain and fused, interleaved step by step; per variant the best round's median wall time of a
+    step, and the median CPU time of this process in a step (which time spent descheduled while other
+    work runs on the machine does not inflate)."""
+    torch.set_num_threads(1)
+    device = torch.device("cpu")
+    tokens = tokens_for(setup, device)
+    models = {v: build(v, setup, device) for v in ("plain", "fused")}
+    steps = {v: make_step(m, tokens, gpu=False, compiled=False) for v, m in models.items()}
+    medians: dict[str, list[float]] = {v: [] for v in steps}
+    cpu_medians: dict[str, list[float]] = {v: [] for v in steps}
+    for _ in range(rounds):
+        for _ in range(warmup):
+            for step in steps.values():
+                step()
+        wall: dict[str, list[float]] = {v: [] for v in steps}
+        cpu: dict[str, list[float]] = {v: [] for v in steps}
+        for i in range(reps):
+            for v in list(steps) if i % 2 == 0 else list(steps)[::-1]:
+                t0 = time.process_time()
+                wall[v].append(steps[v]())
+                cpu[v].append(time.process_time() - t0)
+        for v in steps:
+            medians[v].append(statistics.median(wall[v]))
+            cpu_medians[v].append(statistics.median(cpu[v]))
+    tok = setup.batch * setup.seq
+    best = {v: min(m) for v, m in medians.items()}
+    best_cpu = {v: min(m) for v, m in cpu_medians.items()}
+    return {
+        "mode": "eager",
+        "params": sum(p.numel() for p in models["plain"].parameters()),
+        "ms": {v: best[v] * 1e3 for v in best},
+        "cpu_ms": {v: best_cpu[v] * 1e3 for v in best_cpu},
+        "round_ms": {v: [m * 1e3 for m in ms] for v, ms in medians.items()},
+        "tokens_per_s": {v: tok / best[v] for v in best},
+        "fused_over_plain": best["plain"] / best["fused"],
+        "fused_over_plain_cpu_time": best_cpu["plain"] / best_cpu["fused"],
+    }
+
+
+def run_gpu(setup: Setup, reps: int, warmup: int, modes: list[str]) -> list[dict]:
+    """Each variant on its own per mode: tokens/s (median step) and peak memory of the timed steps."""
+    device = torch.device("cuda")
+    tokens = tokens_for(setup, device)
+    variants = [v for v in VARIANTS if v != "liger" or importlib.util.find_spec("liger_kernel")]
+    rows = []
+    for mode in modes:
+        row = {"mode": mode, "tokens_per_s": {}, "peak_gib": {}, "ms": {}}
+        for variant in variants:
+            torch._dynamo.reset()
+            model = build(variant, setup, device)
+            step = make_step(model, tokens, gpu=True, compiled=mode == "compile")
+            for _ in range(warmup):
+                step()
+            torch.cuda.reset_peak_memory_stats()
+            median = statistics.median(step() for _ in range(reps))
+            row["ms"][variant] = median * 1e3
+            row["tokens_per_s"][variant] = setup.batch * setup.seq / median
+            row["peak_gib"][variant] = torch.cuda.max_memory_allocated() / 2**30
+            row["params"] = sum(p.numel() for p in model.parameters())
+            del model, step
+            torch.cuda.empty_cache()
+        rows.append(row)
+    return rows
+
+
+def _machine(gpu: bool) -> str:
+    import transformers
+
+    where = torch.cuda.get_device_name() if gpu else f"{cpu_model()}, {os.cpu_count()} logical cores"
+    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
+    return f"{where}; {versions}, Python {platform.python_version()}"
+
+
+def report(
+    setup: Setup, rows: list[dict], machine: str, *, gpu: bool, reps: int, warmup: int, rounds: int
+) -> str:
+    """The Markdown table of ``rows`` (one per mode)."""
+    s = setup
+    what = (
+        f"Llama: hidden {s.hidden}, {s.layers} layers, {s.heads} heads ({s.kv_heads} key/value), "
+        f"intermediate {s.intermediate}, vocab {s.vocab}, {rows[0]['params']:,} parameters; "
+        f"batch {s.batch} x seq {s.seq}; step = forward with labels + backward + AdamW"
+    )
+    if gpu:
+        what += f", bf16 autocast, fused AdamW; {warmup} warmup + {reps} timed steps per variant, median."
+    else:
+        what += (
+            f", float32, one torch thread; {warmup} warmup + {reps} timed steps interleaved, median, best of "
+            f"{rounds} rounds; tokens/s from wall time, and the process's CPU time per step (which time "
+            "spent descheduled while other work runs does not inflate)."
+        )
+    variants = list(rows[0]["tokens_per_s"])
+    head = [f"{v} tokens/s" for v in variants] + [f"{v}/plain" for v in variants if v != "plain"]
+    if gpu:
+        head += [f"{v} peak GiB" for v in variants]
+    else:
+        head += [f"{v} CPU ms/step" for v in variants] + ["fused/plain by CPU time"]
+    lines = [
+        f"# Hugging Face Llama training step: untouched vs addnorm.hf.fuse ({'GPU' if gpu else 'CPU'})",
+        "",
+        f"Machine: {machine}; {dt.date.today().isoformat()}.",
+        "",
+        what,
+        "",
+        "| mode | " + " | ".join(head) + " |",
+        "| --- " * (len(head) + 1) + "|",
+    ]
+    for row in rows:
+        t = row["tokens_per_s"]
+        cells = [f"{t[v]:.0f}" for v in variants]
+        cells += [f"{t[v] / t['plain']:.3f}x" for v in variants if v != "plain"]
+        if gpu:
+            cells += [f"{row['peak_gib'][v]:.2f}" for v in variants]
+        else:
+            cells += [f"{row['cpu_ms'][v]:.1f}" for v in variants]
+            cells.append(f"{row['fused_over_plain_cpu_time']:.3f}x")
+        lines.append(f"| {row['mode']} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true", help="the issue's 134M configuration on CUDA")
+    parser.add_argument("--modes", default="eager,compile", help="GPU: comma-separated eager,compile")
+    parser.add_argument("--reps", type=int, default=None, help="timed steps (CPU 30, GPU 20)")
+    parser.add_argument("--warmup", type=int, default=None, help="warmup steps (CPU 5, GPU 5)")
+    parser.add_argument("--rounds", type=int, default=3, help="CPU: rounds, best median kept")
+    parser.add_argument("--setup", type=json.loads, default=None, help="JSON overriding Setup fields")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    setup = GPU if args.gpu else CPU
+    if args.setup:
+        setup = Setup(**{**asdict(setup), **args.setup})
+    reps = args.reps or (20 if args.gpu else 30)
+    warmup = args.warmup if args.warmup is not None else 5
+    if args.gpu:
+        if not torch.cuda.is_available():
+            raise SystemExit("--gpu: no CUDA device")
+        rows = run_gpu(setup, reps, warmup, [m for m in args.modes.split(",") if m])
+    else:
+        rows = [run_cpu(setup, reps, warmup, args.rounds)]
+    machine = _machine(args.gpu)
+    text = report(setup, rows, machine, gpu=args.gpu, reps=reps, warmup=warmup, rounds=args.rounds)
+    print(text)
+    name = "hf_step_gpu" if args.gpu else "hf_step_cpu"
+    payload = {"machine": machine, "setup": asdict(setup), "reps": reps, "results": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"{name}.md").write_text(text)
+    (args.out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""``fuse(model)``: every residual add of a Hugging Face model that a norm reads runs in one
+:func:`addnorm.ops.add_norm` call with that norm; ``unfuse(model)`` restores the model's own forward.
+
+Each residual connection becomes an :class:`~addnorm.AddNorm` of the model's own placement (Llama family:
+``pre``; Gemma 2/3: ``sandwich``; GPT-2: ``pre``; BERT: ``post``) whose norms *read* the model's norm
+parameters: addnorm's RMSNorm/LayerNorm (which the op computes) holding the model's own weight and bias
+Parameters as plain attributes, not registered. The connections are registered on their layer as
+``<sublayer>_block`` (``self_attn_block``, ``mlp_block``), so ``model.train()``/``eval()`` reach them and
+:class:`addnorm.Probe` finds them, while the model's parameters, state dict and ``save_pretrained``
+output stay exactly as they were. The layers then run as :mod:`addnorm.hf.rewired` describes: a Pre-LN
+model of L layers makes 2L fused calls per forward, the last one with the final norm.
+
+Numerics: every norm is computed as the op computes it, statistics and the weight product in float32
+(float64 for float64), rounded once to the output dtype. In float32 and float64 that is the model's
+function; Llama-family and Gemma RMSNorms compute in float32 even for float64 inputs, so a float64
+model agrees with its fused self to float32 rounding of its norms; in bfloat16/float16 the Llama family
+rounds the normalised input before its weight product, which the op does not, so results differ by
+that rounding. Residual dropout (GPT-2, BERT) uses the op's hashed mask instead of ``nn.Dropout``'s:
+the same distribution, a different mask for the same seed.
+
+The norms hold the model's Parameter objects as they are when ``fuse`` runs: fuse after loading, moving
+and converting the model (``.to()`` keeps Parameters, so it may come before or after); after anything
+that replaces Parameter objects (``load_state_dict(assign=True)``, sharding), ``unfuse`` and fuse again.
+Gradient checkpointing works: a checkpointed layer fuses within itself only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from torch import nn
+
+from ..addnorm import AddNorm
+from ..norms import build_norm
+from .architectures import architecture_of, norm_eps, norm_options
+from .rewired import Rewiring, install, rewiring_of, uninstall
+
+__all__ = ["fuse", "fused", "reading", "unfuse"]
+
+
+def reading(norm: nn.Module, source: nn.Module) -> nn.Module:
+    """``norm`` (addnorm's RMSNorm/LayerNorm) made to compute with ``source``'s parameters: its own are
+    dropped, and ``source``'s weight and bias Parameters become plain attributes of it (not registered,
+    so no state dict or parameter list sees them twice)."""
+    for name in ("weight", "bias"):
+        if name in norm._parameters:
+            delattr(norm, name)
+        object.__setattr__(norm, name, getattr(source, name, None))
+    norm.eps = norm_eps(source)
+    return norm
+
+
+def fuse(model: nn.Module) -> nn.Module:
+    """Rewire ``model`` (a supported Hugging Face model) in place so that each residual add a norm reads
+    runs in one fused op with it, within layers and from layer to layer into the final norm; returns it.
+
+    Logits, loss and gradients are the model's (see the module docstring for numerics and dropout);
+    ``unfuse(model)`` or ``with fused(model):`` restores its forward. Raises ``ValueError`` for an
+    unsupported model type (listing the supported ones) or a model already rewired.
+    """
+    arch = architecture_of(model)
+    if rewiring_of(model) is not None:
+        raise ValueError(
+            f"model: {type(model).__name__} is already rewired by addnorm.hf ({rewiring_of(model).kind}); "
+            "a model from with_placement fuses its own connections (fused=True)"
+        )
+    base, config = model.base_model, model.config
+    layers = arch.layers_of(model)
+    if not layers:
+        raise ValueError(f"model: {type(model).__name__} has no layers to fuse")
+    dropout, options = arch.residual_dropout(config), norm_options(arch)
+    connections = []
+    for layer in layers:
+        blocks = []
+        for sublayer in arch.sublayers:
+            conn = AddNorm(config.hidden_size, arch.placement, arch.norm, dropout, norm_options=options)
+            for slot, path in sublayer.norm_paths().items():
+                reading(getattr(conn, slot), layer.get_submodule(path))
+            conn.train(layer.training)
+            layer.add_module(sublayer.block, conn)
+            blocks.append(conn)
+        connections.append(blocks)
+    final_module = base.get_submodule(arch.final_norm) if arch.final_norm else None
+    final_norm = None
+    if final_module is not None:
+        final_norm = reading(build_norm(arch.norm, config.hidden_size, **options), final_module)
+    rewiring = Rewiring("fused", arch, layers, connections, final_module=final_module)
+    install(model, rewiring, final_norm=final_norm)
+    return model
+
+
+def unfuse(model: nn.Module) -> nn.Module:
+    """Undo :func:`fuse`: the model's own forwards come back and its ``<sublayer>_block`` connections go;
+    returns the model."""
+    rewiring = rewiring_of(model)
+    if rewiring is None or rewiring.kind != "fused":
+        what = "not fused" if rewiring is None else "re-placed by with_placement, not fused"
+        raise ValueError(f"model: {type(model).__name__} is {what}")
+    uninstall(model)
+    for layer in rewiring.layers:
+        for sublayer in rewiring.arch.sublayers:
+            delattr(layer, sublayer.block)
+    return model
+
+
+@contextmanager
+def fused(model: nn.Module) -> Iterator[nn.Module]:
+    """``with fused(model):`` the model runs fused inside the block and unfused after it."""
+    fuse(model)
+    try:
+        yield model
+    finally:
+        unfuse(model)

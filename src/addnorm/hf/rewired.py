@@ -1,0 +1,215 @@
+"""A rewired Hugging Face model: each layer runs its sublayers through addnorm connections, and the add
+that closes a layer runs in one fused op with the norm that next reads the stream.
+
+Inside a layer, the stream is a :class:`~addnorm.model.stream.Stream` passed through one
+:class:`~addnorm.model.stream.Connection` per sublayer, exactly as in addnorm's own layers (the decision
+to fuse is :meth:`addnorm.AddNorm.add_fusion`'s). Between layers the model's own loop passes tensors, so
+its masks, caches, hooks and ``output_hidden_states`` see what they always see. To fuse across that
+loop, a layer whose stream ends in a held-back add does it at its end, in one
+``add_norm(prenorm=True)`` call with the norm that reads the stream next (the next layer's input norm
+or the model's final norm, known from the layer list), returns s and leaves N(s) in a
+:class:`Handover`; the next reader takes N(s) when its input is that very s, and otherwise computes its
+norm itself.
+
+Everything here is undone by :func:`uninstall`: the model's modules keep their classes, and a layer's
+own ``forward`` comes back when the instance attribute that shadows it is deleted.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+
+from ..addnorm import AddNorm
+from ..model.stream import Connection, Stream
+from .architectures import Architecture, Sublayer
+
+__all__ = ["FinalNorm", "Handover", "LayerRun", "Rewiring", "install", "rewiring_of", "uninstall"]
+
+_ATTRIBUTE = "_addnorm_rewiring"
+_CACHE_OFF = {"use_cache": False, "past_key_values": None}
+
+
+class Handover:
+    """The stream between two rewired layers: s and N(s), computed by the op that did the layer's last
+    add, for the norm N that reads s next. Taken once, by that norm's reader, for that very s."""
+
+    __slots__ = ("s", "normed", "norm")
+
+    def __init__(self) -> None:
+        self.s = self.normed = self.norm = None
+
+    def put(self, s: Tensor, normed: Tensor, norm: nn.Module) -> None:
+        self.s, self.normed, self.norm = s, normed, norm
+
+    def take(self, x: Tensor, norm: nn.Module | None) -> Tensor | None:
+        """N(x) if the last layer left it for ``norm`` and this ``x``, else None; forgets it either way
+        (it holds the autograd graph)."""
+        normed = self.normed if (x is self.s and norm is self.norm and norm is not None) else None
+        self.s = self.normed = self.norm = None
+        return normed
+
+
+class _Entering(Stream):
+    """The stream entering a layer: s, with N(s) already computed for the layer's first input norm."""
+
+    __slots__ = ("normed", "norm")
+
+    def __init__(self, s: Tensor, normed: Tensor, norm: nn.Module) -> None:
+        super().__init__(s)
+        self.normed, self.norm = normed, norm
+
+    def read(self, norm: nn.Module | None) -> tuple[Tensor, Tensor]:
+        if norm is self.norm:
+            return self.value, self.normed
+        return super().read(norm)
+
+
+class LayerRun:
+    """A rewired layer's ``forward``: its sublayers through their connections, over the stream.
+
+    Called like the layer's own forward (the model's loop does not change); positional arguments after
+    the hidden states are named as the layer's own forward names them. ``next_norm``: the norm that reads
+    this layer's output (None: none that can take it from here); ``final_norm``: a norm this layer applies
+    to its output itself (the last layer of a model that has no final norm but whose placement needs one).
+    Under the model's gradient checkpointing the layer runs checkpointed, fused within itself only.
+    """
+
+    def __init__(
+        self,
+        layer: nn.Module,
+        steps: list[tuple[Sublayer, Connection]],
+        handover: Handover,
+        *,
+        next_norm: nn.Module | None = None,
+        final_norm: nn.Module | None = None,
+    ) -> None:
+        self.layer, self.steps, self.handover = layer, steps, handover
+        self.first_norm = steps[0][1].conn.input_norm
+        self.next_norm, self.final_norm = next_norm, final_norm
+        params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
+        self.arg_names = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)
+
+    def __call__(self, *args, **kwargs) -> Tensor:
+        if args:
+            hidden_states, rest = args[0], args[1:]
+            if len(rest) > len(self.arg_names):
+                raise TypeError(f"{type(self.layer).__name__}: too many positional arguments ({len(args)})")
+            kwargs.update(zip(self.arg_names, rest, strict=False))
+        else:
+            hidden_states = kwargs.pop("hidden_states")
+        layer = self.layer
+        if getattr(layer, "gradient_checkpointing", False) and layer.training:
+            kwargs.update((k, v) for k, v in _CACHE_OFF.items() if k in kwargs)
+            run = functools.partial(self._run, local=True, **kwargs)
+            return layer._gradient_checkpointing_func(run, hidden_states)
+        return self._run(hidden_states, **kwargs)
+
+    def _run(self, x: Tensor, local: bool = False, **kwargs) -> Tensor:
+        normed = None if local else self.handover.take(x, self.first_norm)
+        stream = Stream(x) if normed is None else _Entering(x, normed, self.first_norm)
+        layer = self.layer
+        for sublayer, connection in self.steps:
+            stream = connection(stream, functools.partial(sublayer.call, layer, **kwargs))
+        if self.final_norm is not None:
+            return stream.output(self.final_norm)
+        if local or self.next_norm is None or stream.held is None:
+            return stream.tensor()
+        s, normed = stream.read(self.next_norm)
+        self.handover.put(s, normed, self.next_norm)
+        return s
+
+
+class FinalNorm:
+    """The ``forward`` of the model's final norm module: N(x) left by the last layer, or computed."""
+
+    def __init__(self, module: nn.Module, norm: nn.Module, handover: Handover) -> None:
+        self.module, self.norm, self.handover = module, norm, handover
+
+    def __call__(self, x: Tensor) -> Tensor:
+        normed = self.handover.take(x, self.norm)
+        return type(self.module).forward(self.module, x) if normed is None else normed
+
+
+def _identity(x: Tensor) -> Tensor:
+    """The forward of a residual dropout whose work the fused op's dropout does."""
+    return x
+
+
+@dataclass
+class Rewiring:
+    """What addnorm changed in a model (kept on its base model), so that it can be undone: ``kind``
+    ``"fused"`` (:func:`addnorm.hf.fuse`) or ``"placement"`` (:func:`addnorm.hf.with_placement`)."""
+
+    kind: str
+    arch: Architecture
+    layers: list[nn.Module]
+    connections: list[list[AddNorm]]
+    handover: Handover = field(default_factory=Handover)
+    final_module: nn.Module | None = None
+    silenced: list[nn.Module] = field(default_factory=list)
+
+
+def rewiring_of(model: nn.Module) -> Rewiring | None:
+    """The rewiring of a (base) Hugging Face model, or None for an untouched one."""
+    return getattr(model.base_model, _ATTRIBUTE, None)
+
+
+def install(
+    model: nn.Module,
+    rewiring: Rewiring,
+    *,
+    final_norm: nn.Module | None = None,
+    applied_final_norm: nn.Module | None = None,
+    b2t: bool = False,
+) -> None:
+    """Give each layer of ``rewiring`` its :class:`LayerRun` over its connections (one per sublayer, in
+    order; a B2T layer's first keeps its input for the last), silence the residual dropouts the op
+    replaces, and let the model's final norm module take its input's norm from the last layer.
+    ``final_norm``: the norm (computed by the op) that the model's final norm module applies;
+    ``applied_final_norm``: a final norm the last layer applies itself."""
+    arch, layers, conns = rewiring.arch, rewiring.layers, rewiring.connections
+    steps = []
+    for blocks in conns:
+        last = len(blocks) - 1
+        connections = [
+            Connection(c, keeps_layer_input=b2t and i == 0, adds_layer_input=b2t and i == last)
+            for i, c in enumerate(blocks)
+        ]
+        steps.append(list(zip(arch.sublayers, connections, strict=True)))
+    reads = [blocks[0].input_norm for blocks in conns[1:]] + [final_norm]
+    for layer, layer_steps, next_norm in zip(layers, steps, reads, strict=True):
+        is_last = layer is layers[-1]
+        layer.forward = LayerRun(
+            layer,
+            layer_steps,
+            rewiring.handover,
+            next_norm=next_norm,
+            final_norm=applied_final_norm if is_last else None,
+        )
+        for sublayer in arch.sublayers:
+            for path in sublayer.silenced:
+                dropout = layer.get_submodule(path)
+                dropout.forward = _identity
+                rewiring.silenced.append(dropout)
+    if rewiring.final_module is not None and final_norm is not None:
+        rewiring.final_module.forward = FinalNorm(rewiring.final_module, final_norm, rewiring.handover)
+    setattr(model.base_model, _ATTRIBUTE, rewiring)
+
+
+def uninstall(model: nn.Module) -> Rewiring:
+    """Undo :func:`install`: every shadowing ``forward`` deleted; returns the rewiring removed."""
+    rewiring = rewiring_of(model)
+    if rewiring is None:
+        raise ValueError(f"model: {type(model).__name__} is not rewired by addnorm.hf")
+    modules = [*rewiring.layers, *rewiring.silenced]
+    if rewiring.final_module is not None:
+        modules.append(rewiring.final_module)
+    for module in modules:
+        module.__dict__.pop("forward", None)
+    rewiring.silenced.clear()
+    delattr(model.base_model, _ATTRIBUTE)
+    return rewiring

@@ -1,0 +1,72 @@
+"""benchmarks/bench_hf_step.py runs end to end on a tiny Llama on the CPU, and its GPU table (tokens/s and
+peak memory of plain, fused and Liger) reads the rows a GPU session produces."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+TINY = {
+    "hidden": 16,
+    "layers": 2,
+    "heads": 2,
+    "kv_heads": 1,
+    "intermediate": 32,
+    "vocab": 50,
+    "batch": 1,
+    "seq": 8,
+}
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    sys.modules.pop("bench_hf_step", None)
+    import bench_hf_step
+
+    return bench_hf_step
+
+
+def test_cpu_benchmark_runs_and_writes_its_table(bench, tmp_path):
+    argv = [
+        "--setup",
+        json.dumps(TINY),
+        "--reps",
+        "2",
+        "--warmup",
+        "1",
+        "--rounds",
+        "2",
+        "--out",
+        str(tmp_path),
+    ]
+    payload = bench.main(argv)
+    (row,) = payload["results"]
+    assert set(row["tokens_per_s"]) == {"plain", "fused"} and len(row["round_ms"]["fused"]) == 2
+    assert row["tokens_per_s"]["fused"] == pytest.approx(8 / (row["ms"]["fused"] / 1e3))
+    assert row["fused_over_plain"] == pytest.approx(row["ms"]["plain"] / row["ms"]["fused"])
+    assert json.loads((tmp_path / "hf_step_cpu.json").read_text())["setup"] == TINY
+    md = (tmp_path / "hf_step_cpu.md").read_text()
+    assert "| eager |" in md and "fused/plain by CPU time" in md and "one torch thread" in md
+    assert row["fused_over_plain_cpu_time"] == pytest.approx(row["cpu_ms"]["plain"] / row["cpu_ms"]["fused"])
+
+
+def test_gpu_table_has_tokens_and_peak_memory_per_variant(bench):
+    rows = [
+        {
+            "mode": mode,
+            "params": 134_105_856,
+            "tokens_per_s": {"plain": 100.0, "fused": 110.0, "liger": 102.0},
+            "peak_gib": {"plain": 8.8, "fused": 8.0, "liger": 8.2},
+        }
+        for mode in ("eager", "compile")
+    ]
+    md = bench.report(bench.GPU, rows, "NVIDIA H100", gpu=True, reps=20, warmup=5, rounds=1)
+    assert "| eager | 100 | 110 | 102 | 1.100x | 1.020x | 8.80 | 8.00 | 8.20 |" in md
+    assert "bf16 autocast, fused AdamW" in md and "134,105,856 parameters" in md

@@ -1,0 +1,272 @@
+"""addnorm.hf.fuse on tiny random Hugging Face models of every supported type: the fused model is the
+model (logits, loss, every gradient, generated tokens, state dict, saved files), each add a norm reads
+is one add_norm call, and dropout matches the unfused model driven with the op's hashed mask."""
+
+from __future__ import annotations
+
+import copy
+import filecmp
+import types
+
+import pytest
+import torch
+from hf_models import LAYERS, TYPES, step, tiny, tokens
+from torch import nn
+
+import addnorm.addnorm as addnorm_module
+import addnorm.hf as anhf
+from addnorm.ops import dropout_keep_mask
+
+
+@pytest.fixture
+def spy(monkeypatch):
+    """Records each add_norm call's prenorm flag (the op used by every AddNorm)."""
+    calls: list[bool] = []
+    op = addnorm_module.add_norm
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["prenorm"])
+        return op(*args, **kwargs)
+
+    monkeypatch.setattr(addnorm_module, "add_norm", counted)
+    return calls
+
+
+def _assert_grads_equal(fused: dict, plain: dict, **tol) -> None:
+    assert fused.keys() == plain.keys()
+    for name in plain:
+        torch.testing.assert_close(fused[name], plain[name], msg=name, **tol)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_fused_model_is_the_model(model_type, spy):
+    plain = tiny(model_type)
+    fused = anhf.fuse(copy.deepcopy(plain))
+    ids = tokens()
+    logits, loss, grads = step(plain, ids)
+    assert spy == []
+    f_logits, f_loss, f_grads = step(fused, ids)
+    # every add meets a norm: 2 per layer; Pre-LN and sandwich hold the add for the next norm (the
+    # last one: the final norm), BERT's Post-LN adds meet their own
+    assert spy == [model_type != "bert"] * (2 * LAYERS)
+    torch.testing.assert_close(f_logits, logits)
+    torch.testing.assert_close(f_loss, loss)
+    _assert_grads_equal(f_grads, grads)  # norms included: the op reads the model's own Parameters
+    assert list(fused.state_dict()) == list(plain.state_dict())
+    assert [n for n, _ in fused.named_parameters()] == [n for n, _ in plain.named_parameters()]
+
+
+def _exact_rms_forward(self, x):
+    """The Llama-family / Gemma RMSNorm formula in the input's dtype (theirs computes in float32)."""
+    gain = (1.0 + self.weight) if "Gemma" in type(self).__name__ else self.weight
+    eps = getattr(self, "variance_epsilon", getattr(self, "eps", None))
+    return gain * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_fused_float64_equals_the_float64_model(model_type, monkeypatch):
+    plain = tiny(model_type).double()
+    for module in plain.modules():
+        if "RMSNorm" in type(module).__name__:  # the model's formula in float64 (the oracle)
+            monkeypatch.setattr(type(module), "forward", _exact_rms_forward)
+    fused = anhf.fuse(copy.deepcopy(plain))
+    ids = tokens()
+    logits, loss, grads = step(plain, ids)
+    f_logits, f_loss, f_grads = step(fused, ids)
+    tight = {"rtol": 1e-12, "atol": 1e-12}
+    torch.testing.assert_close(f_logits, logits, **tight)
+    torch.testing.assert_close(f_loss, loss, **tight)
+    _assert_grads_equal(f_grads, grads, **tight)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("model_type", TYPES)
+def test_low_precision_fused_is_as_close_to_float32_as_the_model(model_type, dtype):
+    """GPT-2's and BERT's LayerNorm round as the op does: the same logits bit for bit. The Llama family
+    rounds the normalised input before the weight product and Gemma computes its norm in float32 then
+    rounds, which the op does at other points: there the fused logits differ from the model's by
+    rounding, and are as close to the float32 model's as the model's own are."""
+    reference = tiny(model_type)
+    plain = copy.deepcopy(reference).to(dtype)
+    fused = anhf.fuse(copy.deepcopy(plain))
+    ids = tokens()
+    expected, got = plain(ids).logits, fused(ids).logits
+    if model_type in ("gpt2", "bert"):
+        assert torch.equal(got, expected)
+        return
+    exact = reference(ids).logits
+    model_error = (expected.float() - exact).abs().max().item()
+    assert 0 < (got.float() - exact).abs().max().item() <= 1.5 * model_error
+
+
+class _SeededDropouts:
+    """Stands in for the fused op's seed draws: each add_norm call with dropout gets the next seed of a
+    fixed list (so torch's generator is not consumed), and the unfused model's residual dropouts apply
+    the hashed keep mask of the same seeds, in the same order: the oracle of the op's dropout."""
+
+    def __init__(self, monkeypatch, n: int) -> None:
+        self.seeds = [1000 + 17 * i for i in range(n)]
+        self.monkeypatch = monkeypatch
+
+    def drive_op(self) -> None:
+        op, seeds = addnorm_module.add_norm, iter(self.seeds)
+
+        def seeded(*args, **kwargs):
+            if kwargs["training"] and kwargs["dropout_p"] > 0:
+                kwargs["seed"] = next(seeds)
+            return op(*args, **kwargs)
+
+        self.monkeypatch.setattr(addnorm_module, "add_norm", seeded)
+
+    def drive_dropouts(self, modules: list[nn.Dropout]) -> None:
+        seeds = iter(self.seeds)
+
+        def hashed(module, x):
+            if not module.training or module.p == 0:
+                return x
+            keep = dropout_keep_mask(next(seeds), x.numel() // x.shape[-1], x.shape[-1], module.p)
+            return x * keep.reshape(x.shape).to(x.dtype) / (1.0 - module.p)
+
+        for module in modules:
+            module.forward = types.MethodType(hashed, module)
+
+
+_RESIDUAL_DROPOUTS = {
+    "gpt2": lambda layer: [layer.attn.resid_dropout, layer.mlp.dropout],
+    "bert": lambda layer: [layer.attention.output.dropout, layer.output.dropout],
+}
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "bert"])
+def test_fused_dropout_is_the_op_s_hashed_mask(model_type, monkeypatch):
+    """Train mode with every dropout on (attention and embedding dropout draw from torch's generator in
+    both models alike): equal logits, loss and gradients."""
+    plain = tiny(model_type, dropout=True).train()
+    fused = anhf.fuse(copy.deepcopy(plain))
+    layers = plain.base_model.get_submodule(anhf.architecture_of(plain).layers)
+    seeded = _SeededDropouts(monkeypatch, 2 * LAYERS)
+    seeded.drive_dropouts([d for layer in layers for d in _RESIDUAL_DROPOUTS[model_type](layer)])
+    ids = tokens()
+    torch.manual_seed(5)
+    logits, loss, grads = step(plain, ids)
+    seeded.drive_op()
+    torch.manual_seed(5)
+    f_logits, f_loss, f_grads = step(fused, ids)
+    torch.testing.assert_close(f_logits, logits)
+    torch.testing.assert_close(f_loss, loss)
+    _assert_grads_equal(f_grads, grads)
+    # and the residual dropout did drop: in eval mode the same model gives other logits
+    assert not torch.allclose(fused.eval()(ids).logits, f_logits)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_generate_gives_the_same_tokens(model_type):
+    plain = tiny(model_type, causal=True)
+    fused = anhf.fuse(copy.deepcopy(plain))
+    ids = tokens(seq=5)
+    kwargs = {"max_new_tokens": 6, "do_sample": False, "attention_mask": torch.ones_like(ids)}
+    expected = plain.generate(ids, **kwargs)
+    assert expected.shape[1] > ids.shape[1]
+    assert torch.equal(fused.generate(ids, **kwargs), expected)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_save_pretrained_writes_the_same_files(model_type, tmp_path):
+    plain = tiny(model_type)
+    fused = anhf.fuse(copy.deepcopy(plain))
+    plain.save_pretrained(tmp_path / "plain")
+    fused.save_pretrained(tmp_path / "fused")
+    files = sorted(p.name for p in (tmp_path / "plain").iterdir())
+    assert files == sorted(p.name for p in (tmp_path / "fused").iterdir())
+    match, mismatch, errors = filecmp.cmpfiles(tmp_path / "plain", tmp_path / "fused", files, shallow=False)
+    assert (mismatch, errors) == ([], [])
+
+
+def test_unfuse_restores_the_model_s_own_forward():
+    plain = tiny("gpt2")
+    model = copy.deepcopy(plain)
+    with anhf.fused(model) as same:
+        assert same is model
+        assert "forward" in model.transformer.h[0].__dict__ and hasattr(model.transformer.h[0], "attn_block")
+        assert model.transformer.h[0].attn.resid_dropout.forward is not nn.Dropout.forward
+    for module in model.modules():
+        assert "forward" not in module.__dict__
+    assert not any(name.endswith("_block") for name, _ in model.named_modules())
+    ids = tokens()
+    assert torch.equal(model(ids).logits, plain(ids).logits)
+    anhf.fuse(model)  # and it fuses again
+    torch.testing.assert_close(model(ids).logits, plain(ids).logits)
+
+
+def test_fused_model_still_returns_hidden_states_and_checkpoints():
+    """output_hidden_states sees each layer's stream; gradient checkpointing runs each fused layer
+    checkpointed (fused within the layer), with the unfused model's gradients."""
+    plain = tiny("llama")
+    fused = anhf.fuse(copy.deepcopy(plain))
+    ids = tokens()
+    expected = plain(ids, output_hidden_states=True).hidden_states
+    got = fused(ids, output_hidden_states=True).hidden_states
+    assert len(got) == LAYERS + 1
+    for g, e in zip(got, expected, strict=True):
+        torch.testing.assert_close(g, e)
+    for model in (plain, fused):
+        if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.23
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable({"use_reentrant": False})
+        model.train()
+    _, loss, grads = step(plain, ids)
+    _, f_loss, f_grads = step(fused, ids)
+    torch.testing.assert_close(f_loss, loss)
+    _assert_grads_equal(f_grads, grads)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_fused_model_compiles_fullgraph_where_the_model_does(model_type):
+    """torch.compile(fullgraph=True) traces the fused model as it traces the model: one add_norm node per
+    add (none in the model's graph), the same logits and gradients. (The loss is computed outside: the
+    models' own loss functions log a warning, which breaks the graph of either.)"""
+    plain = tiny(model_type)
+    fused = anhf.fuse(copy.deepcopy(plain))
+    ids = tokens()
+    results = {}
+    for name, model in (("plain", plain), ("fused", fused)):
+        torch._dynamo.reset()
+        graphs = []
+
+        def backend(gm, example_inputs, graphs=graphs):
+            graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+            return gm
+
+        logits = torch.compile(model, fullgraph=True, backend=backend)(input_ids=ids, use_cache=False).logits
+        loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+        loss.backward()
+        assert len(graphs) == 1
+        grads = {n: p.grad for n, p in model.named_parameters()}
+        results[name] = (sum("add_norm_fwd" in t for t in graphs[0]), logits, loss, grads)
+    assert results["plain"][0] == 0 and results["fused"][0] == 2 * LAYERS
+    torch.testing.assert_close(results["fused"][1], results["plain"][1])
+    torch.testing.assert_close(results["fused"][2], results["plain"][2])
+    _assert_grads_equal(results["fused"][3], results["plain"][3])
+
+
+class _NotSupported(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = types.SimpleNamespace(model_type="opt")
+        self.base_model = self
+
+
+def test_bad_models_get_one_line_errors():
+    with pytest.raises(ValueError, match=r"unsupported model type 'opt'.*llama, mistral.*gpt2, bert") as err:
+        anhf.fuse(_NotSupported())
+    assert "\n" not in str(err.value)
+    with pytest.raises(TypeError, match="expected a Hugging Face transformers PreTrainedModel"):
+        anhf.fuse(nn.Linear(2, 2))
+    model = anhf.fuse(tiny("llama"))
+    with pytest.raises(ValueError, match="already rewired"):
+        anhf.fuse(model)
+    with pytest.raises(ValueError, match="not fused"):
+        anhf.unfuse(tiny("llama"))
+    with pytest.raises(ValueError, match="cross-attention"):
+        anhf.fuse(tiny("gpt2", add_cross_attention=True))
