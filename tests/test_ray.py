@@ -88,6 +88,21 @@ def test_ray_gives_the_runs_and_numbers_of_in_process(cluster, tmp_path):
             assert recorder.steps[run["id"]] == store.metric(run["id"], "train_loss")
 
 
+def test_remote_steps_reach_the_driver_while_the_run_trains(cluster):
+    """Progress from a remote run arrives live (through the progress actor, in batches), not only with
+    its result: steps are passed on well before the run comes back, each once and in order."""
+    (run,) = tiny(live={"set": {"steps": 400}}).expand()
+    executor = ray_executor.RayExecutor()
+    seen = []
+    executor.submit(run)
+    ((_, result),) = executor.results(lambda r, step, loss: seen.append((time.monotonic(), step, loss)))
+    back = time.monotonic()
+    assert result.status == "done"
+    assert [(s, v) for _, s, v in seen] == [(s, v) for s, n, v in result.metrics if n == "train_loss"]
+    early = [s for t, s, _ in seen if back - t > 0.25]
+    assert len(early) > 10, (len(early), len(seen))
+
+
 def _pids(run_id):
     """Processes whose title is the Ray task of ``run_id`` (Ray names a worker after its task)."""
     found = []
