@@ -4,7 +4,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= triton,hf,dev
+# The optional integrations are installed for the tests too, so CI exercises every extra.
+EXTRAS ?= triton,hf,dev,ray,tensorboard,mlflow
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.addnorm-installed
 ARGS ?= study

@@ -47,3 +47,17 @@ def test_stdlib_corpus_is_python_source():
     data = read_corpus(None, limit=200_000)
     assert len(data) == 200_000 and b"def " in data and b"import " in data
     assert read_corpus("stdlib", limit=200_000) == data  # same bytes, same order, every time
+
+
+def test_lm_batches_are_cut_on_the_device_from_cpu_drawn_starts():
+    """The batch is the corpus windows at starts drawn from the CPU generator (the same seed gives the
+    same batch on every device), cut by indexing on the device: equal to slicing each window by hand."""
+    task = build_task("lm")
+    gen = torch.Generator().manual_seed(7)
+    batch = task.batch("train", 5, 12, gen, torch.device("cpu"))
+    starts = torch.randint(
+        0, task.splits["train"].numel() - 13, (5,), generator=torch.Generator().manual_seed(7)
+    )
+    windows = torch.stack([task.splits["train"][s : s + 13].long() for s in starts.tolist()])
+    assert torch.equal(batch.inputs, windows[:, :-1]) and torch.equal(batch.targets, windows[:, 1:])
+    assert batch.inputs.dtype == torch.long

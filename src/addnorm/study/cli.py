@@ -10,18 +10,20 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from ..cli_errors import handle_errors
-from .executors import plan_workers
+from .executors import Executor, plan_workers
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
 from .report import build_report
 from .runner import estimate_seconds, fmt_time, resolved_base, run_study
 from .spec import (
     OVERRIDE_HELP,
+    SMOKE_HELP,
     StudySpec,
     load_spec,
     preset_names,
@@ -30,9 +32,11 @@ from .spec import (
     spec_keys_markdown,
 )
 from .store import Store
+from .trackers import TRACKERS, make_trackers
 
 DEFAULT_OUT = Path("addnorm-out")
 VERDICT_STYLE = {SUPPORTED: "green", NOT_SUPPORTED: "red", INCONCLUSIVE: "yellow"}
+EXECUTORS = ("local", "ray")
 
 
 def _database(out: Path) -> Path:
@@ -66,11 +70,10 @@ def findings_table(findings: list[Finding]) -> Table:
     return table
 
 
-def _dry_run(
-    plan: StudySpec, folder: Path, workers: int | str, threads: int | None, console: Console
-) -> None:
+def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console, **local) -> None:
     """What ``addnorm study`` would run: each run's resolved settings that differ from the base, whether
-    it is already stored, and an estimated wall time."""
+    it is already stored, and an estimated wall time. ``where``: the Ray cluster's description (its
+    size is unknown until connected), or None for the local executor (``local``: workers, threads)."""
     runs = plan.expand()
     db = folder / "study.sqlite"
     stored: set[str] = set()
@@ -78,14 +81,23 @@ def _dry_run(
         with Store(db) as store:
             stored = store.finished_ids()
     todo = [r for r in runs if r.run_id not in stored]
-    n_workers, n_threads = plan_workers(workers, threads, runs=len(todo))
-    cpu = sum(estimate_seconds(r.config) for r in todo)
+    gpu = "GPU" in (where or "") or (where is None and torch.cuda.is_available())
+    total = sum(estimate_seconds(r.config, gpu) for r in todo)
+    unit = (
+        "one GPU's time, a guess from FLOPs until timed"
+        if gpu
+        else "single-core time, calibrated on a 2-core machine"
+    )
+    if where is None:
+        n_workers, n_threads = plan_workers(local["workers"], local["threads"], runs=len(todo))
+        where = f"on {n_workers} worker(s) x {n_threads} torch thread(s)"
+        estimate = f"estimated {fmt_time(total / n_workers)} ({fmt_time(total)} of {unit})"
+    else:
+        estimate = f"estimated {fmt_time(total)} of {unit}, shared over the cluster"
     base = resolved_base(plan)
     console.print(
         f"study {plan.name!r} ({plan.source}): {len(runs)} runs, {len(runs) - len(todo)} already stored in "
-        f"{db}, {len(todo)} to run on {n_workers} worker(s) x {n_threads} torch thread(s); estimated "
-        f"{fmt_time(cpu / n_workers)} ({fmt_time(cpu)} of single-core time; a rough guess calibrated on a "
-        "2-core machine)",
+        f"{db}, {len(todo)} to run {where}; {estimate}",
         markup=False,
         highlight=False,
         soft_wrap=True,
@@ -103,7 +115,7 @@ def _dry_run(
             escape(run.label + (f" (also {'; '.join(also)})" if also else "")),
             run.run_id,
             "yes" if run.run_id in stored else "",
-            fmt_time(estimate_seconds(run.config)),
+            fmt_time(estimate_seconds(run.config, gpu)),
             escape(", ".join(f"{k}={json.dumps(v)}" for k, v in diff.items())),
         )
     console.print(table)
@@ -114,13 +126,45 @@ def study(
     out: Path = typer.Option(None, "--out", help="output folder (default addnorm-out/<study name>)"),
     set_: list[str] = typer.Option([], "--set", help=OVERRIDE_HELP),
     workers: str = typer.Option(
-        "auto", "--workers", help="processes running at once; auto: one per usable core (1: in this process)"
+        None,
+        "--workers",
+        help="processes running at once; auto (the default): one per usable core, one where CUDA is "
+        "available (1: in this process)",
     ),
     threads: int = typer.Option(
         None,
         "--threads",
         help="torch threads per worker (default 1; more only helps large models on an idle machine)",
     ),
+    executor: str = typer.Option(
+        "local",
+        "--executor",
+        help="local: this machine (see --workers); ray: one Ray task per run (the 'ray' extra)",
+    ),
+    address: str = typer.Option(
+        None,
+        "--address",
+        help="with --executor ray: the cluster (auto or host:port); default: a local one for this study",
+    ),
+    cpus_per_run: int = typer.Option(
+        None, "--cpus-per-run", help="with --executor ray: CPUs (= torch threads) per run (default 1)"
+    ),
+    gpus_per_run: float = typer.Option(
+        None, "--gpus-per-run", help="with --executor ray: GPUs per run, a fraction shares one (default 0)"
+    ),
+    track: list[str] = typer.Option(
+        [],
+        "--track",
+        help=f"log every run to an experiment tracker too, repeatable: {', '.join(TRACKERS)} (extras of "
+        "the same names)",
+    ),
+    mlflow_uri: str = typer.Option(
+        None,
+        "--mlflow-uri",
+        help="with --track mlflow: the tracking URI (default $MLFLOW_TRACKING_URI, else "
+        "sqlite:///<out>/mlflow.db)",
+    ),
+    smoke: bool = typer.Option(False, "--smoke", help=SMOKE_HELP),
     csv: bool = typer.Option(False, "--csv", help="also export runs and metrics to <out>/csv"),
     quiet: bool = typer.Option(False, "--quiet", help="no progress display"),
     dry_run: bool = typer.Option(
@@ -154,15 +198,50 @@ def study(
         for key, default, text in spec_keys():
             typer.echo(f"{key:<{width}}  {text} (default {default})")
         return
-    n_workers = _workers(workers)
+    n_workers = _workers(workers or "auto")
     if threads is not None and threads < 1:
         raise ValueError(f"--threads: expected a positive integer, got {threads}")
-    plan = load_spec(spec, set_)
+    ray_options = {"--address": address, "--cpus-per-run": cpus_per_run, "--gpus-per-run": gpus_per_run}
+    if executor not in EXECUTORS:
+        raise ValueError(f"--executor: expected one of {', '.join(EXECUTORS)}, got {executor!r}")
+    if executor == "ray":
+        for option, value in (("--workers", workers), ("--threads", threads)):
+            if value is not None:
+                raise ValueError(
+                    f"{option}: not with --executor ray (the cluster runs what fits; --cpus-per-run)"
+                )
+    else:
+        for option, value in ray_options.items():
+            if value is not None:
+                raise ValueError(f"{option}: only with --executor ray")
+    if mlflow_uri is not None and "mlflow" not in [t.strip().lower() for t in track]:
+        raise ValueError("--mlflow-uri: only with --track mlflow")
+    trackers = make_trackers(track, mlflow_uri)  # a missing extra is an error before anything runs
+    plan = load_spec(spec, set_, smoke=smoke)
     folder = out or DEFAULT_OUT / plan.name
+    runner: Executor | None = None
+    if executor == "ray":
+        from .ray_executor import RayExecutor
+
+        runner = RayExecutor(address, cpus_per_run or 1, gpus_per_run or 0.0)
     if dry_run:
-        _dry_run(plan, folder, n_workers, threads, console)
+        where = None
+        if runner is not None:
+            cluster = f"the Ray cluster at {address}" if address else "a local Ray cluster"
+            gpus = f" and {runner.gpus_per_run:g} GPU" if runner.gpu else ""
+            where = f"on {cluster} with {runner.cpus_per_run} CPU(s){gpus} per run"
+        _dry_run(plan, folder, where, console, workers=n_workers, threads=threads)
         return
-    outcome = run_study(plan, folder, workers=n_workers, threads=threads, progress=not quiet, prune=prune)
+    outcome = run_study(
+        plan,
+        folder,
+        workers=n_workers,
+        threads=threads,
+        executor=runner,
+        progress=not quiet,
+        prune=prune,
+        trackers=trackers,
+    )
     with Store(folder / "study.sqlite") as store:
         if not quiet:
             console.print(findings_table(compute_findings(store)))

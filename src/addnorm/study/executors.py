@@ -5,7 +5,9 @@ The interface every executor implements (a cluster executor such as Ray included
 - ``submit(run)`` queues a :class:`PlannedRun`; nothing runs before ``results`` is iterated is fine.
 - ``results(on_step=None)`` yields ``(run, result)`` pairs **in completion order** until everything
   submitted has come back, then releases its workers. ``on_step(run, step, loss)`` is called in the
-  driver's thread (never from a worker) as runs progress; an executor may call it rarely or never.
+  driver's thread (never from a worker) for every completed step of a run, in step order, before the
+  run's result is yielded: live as far as the executor can pass them back (in batches, at a bounded
+  rate), the rest from the result (:class:`StepRelay`). Trackers log the loss curve from it.
 - A run's exception never escapes: it comes back as a ``failed`` :class:`RunResult` with its message,
   and so does a worker that died. The driver stores failed runs and tries them again next time.
 - Each result carries ``provenance`` (versions, commit, device, threads, date) of the process that
@@ -13,12 +15,15 @@ The interface every executor implements (a cluster executor such as Ray included
 - ``threads`` torch threads per worker: an executor sets them in every process it trains in, and
   ``workers x threads`` should not exceed the cores it may use (:func:`plan_workers`).
 
-``LocalExecutor`` runs in this process; ``ProcessExecutor`` uses a pool of spawned processes.
+``LocalExecutor`` runs in this process; ``ProcessExecutor`` uses a pool of spawned processes;
+``RayExecutor`` (``ray_executor.py``, the ``ray`` extra) runs Ray tasks on a cluster. :data:`EXECUTORS`
+names them for ``addnorm study --executor``.
 """
 
 from __future__ import annotations
 
 import concurrent.futures as cf
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -51,9 +56,12 @@ def plan_workers(
     are ``runs``. Threads default to 1 per worker: the small models of a study gain little from
     intra-op threads, and multi-threaded processes stall each other as soon as anything else runs on
     the machine (a quick study took 6x longer beside one busy process). So by default
-    workers x threads <= usable cores; ``threads`` raises it for large models on an idle machine."""
+    workers x threads <= usable cores; ``threads`` raises it for large models on an idle machine.
+    Where CUDA is available, ``"auto"`` is one worker: the runs train on the GPU one at a time."""
     cores = usable_cores()
     if workers == "auto":
+        # on a GPU machine the runs share the GPU: one at a time (several GPUs: the Ray executor)
+        cores = 1 if torch.cuda.is_available() else cores
         workers = max(1, min(cores, runs if runs else cores))
     elif isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected a positive integer or 'auto', got {workers!r}")
@@ -72,17 +80,73 @@ def execute(config: dict, on_step: Callable[[int, float], None] | None = None) -
     except Exception as err:  # noqa: BLE001 - recorded, and the study goes on
         tail = traceback.format_exc(limit=3).strip().splitlines()[-1]
         result = RunResult(status=FAILED, error=f"{type(err).__name__}: {err}" if str(err) else tail)
-    result.provenance = provenance()
+    result.provenance = {**provenance(), **result.provenance}
     return result
+
+
+class StepRelay:
+    """Passes each run's steps to ``on_step`` once each and in step order: batches as workers send them,
+    then, when the result is in, the steps it holds that never came (a batch still in flight, or an
+    executor that sends none). Batches for a run whose result is in are ignored."""
+
+    def __init__(self, on_step: StepCallback | None) -> None:
+        self.on_step = on_step
+        self._last: dict[str, int] = {}
+        self._done: set[str] = set()
+
+    def deliver(self, run: PlannedRun, steps: Iterable[tuple[int, float]]) -> None:
+        if self.on_step is None or run.run_id in self._done:
+            return
+        last = self._last.get(run.run_id, -1)
+        for step, loss in steps:
+            if step > last:
+                self.on_step(run, step, loss)
+                last = step
+        self._last[run.run_id] = last
+
+    def complete(self, run: PlannedRun, result: RunResult) -> None:
+        """Deliver the completed steps of ``result`` not yet passed on; later batches are dropped."""
+        done = [(s, v) for s, name, v in result.metrics if name == "train_loss" and s < result.steps_done]
+        self.deliver(run, done)
+        self._done.add(run.run_id)
+        self._last.pop(run.run_id, None)
+
+
+class StepBatcher:
+    """In a worker: collects a run's (step, loss) pairs and hands them to ``send`` as one list at most
+    every ``every`` seconds (the first step at once), so progress costs a bounded message rate."""
+
+    def __init__(self, send: Callable[[list[tuple[int, float]]], None], every: float) -> None:
+        self.send, self.every = send, every
+        self._batch: list[tuple[int, float]] = []
+        self._last = -math.inf
+
+    def __call__(self, step: int, loss: float) -> None:
+        self._batch.append((step, loss))
+        now = time.monotonic()
+        if now - self._last >= self.every:
+            self._last = now
+            self.flush()
+
+    def flush(self) -> None:
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self.send(batch)
 
 
 class Executor:
     """Base of every executor: ``submit`` runs, iterate ``results``; ``map`` is both at once.
-    ``workers`` says how many runs are in flight at once (the progress display's ETA uses it)."""
+    ``workers`` says how many runs are in flight at once and ``gpu`` whether they train on GPUs (the
+    progress display's ETA uses both); ``cancel`` drops every run not yet yielded (an interrupt
+    between ``submit`` and ``results``)."""
 
     workers: int = 1
+    gpu: bool = False
 
     def submit(self, run: PlannedRun) -> None:
+        raise NotImplementedError
+
+    def cancel(self) -> None:
         raise NotImplementedError
 
     def results(self, on_step: StepCallback | None = None) -> Iterator[tuple[PlannedRun, RunResult]]:
@@ -103,19 +167,27 @@ class LocalExecutor(Executor):
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = plan_workers(1, threads)[1]
+        self.gpu = torch.cuda.is_available()
         self._queue: list[PlannedRun] = []
 
     def submit(self, run: PlannedRun) -> None:
         self._queue.append(run)
 
+    def cancel(self) -> None:
+        self._queue.clear()
+
     def results(self, on_step=None):
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
+        relay = StepRelay(on_step)
         try:
             while self._queue:
                 run = self._queue.pop(0)
-                callback = None if on_step is None else (lambda step, loss, run=run: on_step(run, step, loss))
-                yield run, execute(run.config.to_dict(), callback)
+                result = execute(
+                    run.config.to_dict(), lambda step, loss, run=run: relay.deliver(run, [(step, loss)])
+                )
+                relay.complete(run, result)
+                yield run, result
         finally:
             torch.set_num_threads(before)
 
@@ -140,23 +212,19 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _execute_in_worker(config: dict, run_id: str) -> RunResult:
-    last = [0.0]
-
-    def report(step: int, loss: float) -> None:
-        now = time.monotonic()
-        if _progress is not None and now - last[0] >= PROGRESS_EVERY:
-            last[0] = now
-            _progress.put((run_id, step, loss))
-
-    return execute(config, report)
+    batcher = StepBatcher(lambda steps: _progress.put((run_id, steps)) if _progress else None, PROGRESS_EVERY)
+    result = execute(config, batcher)
+    batcher.flush()
+    return result
 
 
 class ProcessExecutor(Executor):
     """A pool of ``workers`` spawned processes with ``threads`` torch threads each (default 1). Per-step
-    progress travels back through a queue, at most twice a second per run."""
+    losses travel back through a queue in batches, at most two a second per run."""
 
     def __init__(self, workers: int, threads: int | None = None) -> None:
         self.workers, self.threads = plan_workers(workers, threads)
+        self.gpu = torch.cuda.is_available()
         self._pool: cf.ProcessPoolExecutor | None = None
         self._queue: mp.Queue | None = None
         self._futures: dict[cf.Future, PlannedRun] = {}
@@ -173,34 +241,39 @@ class ProcessExecutor(Executor):
             )
         self._futures[self._pool.submit(_execute_in_worker, run.config.to_dict(), run.run_id)] = run
 
-    def _drain(self, on_step: StepCallback | None) -> None:
+    def _drain(self, relay: StepRelay) -> None:
         by_id = {run.run_id: run for run in self._futures.values()}
         while self._queue is not None:
             try:
-                run_id, step, loss = self._queue.get_nowait()
+                run_id, steps = self._queue.get_nowait()
             except queue.Empty:
                 return
-            if on_step is not None and run_id in by_id:
-                on_step(by_id[run_id], step, loss)
+            if run_id in by_id:
+                relay.deliver(by_id[run_id], steps)
 
     def results(self, on_step=None):
+        relay = StepRelay(on_step)
         try:
             pending = set(self._futures)
             while pending:
                 done, pending = cf.wait(pending, timeout=0.25, return_when=cf.FIRST_COMPLETED)
-                self._drain(on_step)
+                self._drain(relay)
                 for future in done:
                     run = self._futures.pop(future)
                     try:
                         result = future.result()
                     except Exception as err:  # noqa: BLE001 - a worker that died (e.g. out of memory)
                         result = RunResult(status=FAILED, error=f"worker died: {type(err).__name__}: {err}")
+                    relay.complete(run, result)
                     yield run, result
         except BaseException:  # interrupted (Ctrl-C) or abandoned: the runs in flight are not waited for
             self.close(kill=True)
             raise
         finally:
             self.close()
+
+    def cancel(self) -> None:
+        self.close(kill=True)
 
     def close(self, kill: bool = False) -> None:
         """Cancel what has not started and shut the pool down; ``kill`` stops the runs in flight too."""

@@ -1,7 +1,8 @@
 """Where and with what a run ran: package, commit, torch and Python versions, device, threads, date.
 
 Computed in the process that trains (an executor's worker), so it describes that process; the
-driver stores it with the run and the report prints it.
+driver stores it with the run and the report prints it. The training loop adds what it chose itself
+(the device it trained on, its precision, whether it compiled).
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from pathlib import Path
 import torch
 
 from .. import __version__
+from ..train.device import cpu_model, device_name
+
+__all__ = ["cpu_model", "device_name", "git_state", "provenance"]
 
 _PACKAGE = Path(__file__).resolve().parents[1]  # .../src/addnorm
 
@@ -39,23 +43,6 @@ def git_state() -> tuple[str | None, bool | None]:
     commit = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
     return commit, (bool(status) if status is not None else None)
-
-
-@functools.lru_cache(maxsize=1)
-def cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo (or what ``platform`` knows)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def device_name() -> str:
-    """The GPU's name when training runs on one, else the CPU model."""
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else cpu_model()
 
 
 def provenance() -> dict:

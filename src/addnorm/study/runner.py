@@ -3,6 +3,7 @@ write each result as it arrives, report."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from .executors import Executor, make_executor
 from .report import build_report
 from .spec import PlannedRun, StudySpec
 from .store import Store
+from .trackers import Tracker, TrackerGroup
 
 # Seconds per run = steps x (per-layer host overhead x layers + training FLOPs / FLOP rate) plus
 # evaluation; both constants fitted on a 2-core AMD EPYC with one torch thread per run (small models
@@ -26,6 +28,13 @@ from .store import Store
 # ETA's first guess, not a promise: the ETA corrects itself from measured run times.
 HOST_S_PER_LAYER_STEP = 3.4e-3
 FLOPS_PER_S = 5.7e10
+# On a GPU the host queues kernels while the device computes, so a step takes the longer of the two.
+# Neither constant is measured here (no GPU on the machines this was written on): the FLOP rate is an
+# H100 SXM's dense bf16 peak (989 TFLOP/s) at 25% utilisation, about the best small models (d_model
+# 512) reach; the host time assumes ~80 kernel launches per layer and step at ~5 us each.
+GPU_FLOPS_PER_S = 2.5e14
+GPU_HOST_S_PER_LAYER_STEP = 4e-4
+GPU_START_S = 3.0  # per run: build the model, move it to the device, probe and evaluate
 
 
 def run_flops(config: RunConfig) -> float:
@@ -40,16 +49,20 @@ def run_flops(config: RunConfig) -> float:
     return 6.0 * tokens * (layers * per_layer + m.d_model * 256)
 
 
-def estimate_seconds(config: RunConfig) -> float:
-    """Rough wall time of one run on one core (see :data:`FLOPS_PER_S`)."""
+def estimate_seconds(config: RunConfig, gpu: bool = False) -> float:
+    """Rough wall time of one run on one core (see :data:`FLOPS_PER_S`) or on one GPU (``gpu``, see
+    :data:`GPU_FLOPS_PER_S`; a guess until measured on one)."""
     layers = (
         config.model.n_layers
         if config.task == "lm"
         else config.model.encoder_layers + config.model.decoder_layers
     )
-    per_step = HOST_S_PER_LAYER_STEP * layers + run_flops(config) / FLOPS_PER_S
+    if gpu:
+        per_step = max(GPU_HOST_S_PER_LAYER_STEP * layers, run_flops(config) / GPU_FLOPS_PER_S)
+    else:
+        per_step = HOST_S_PER_LAYER_STEP * layers + run_flops(config) / FLOPS_PER_S
     evals = (config.steps // config.eval_every if config.eval_every else 0) + 1
-    return per_step * (config.steps + evals * config.eval_batches / 3)
+    return per_step * (config.steps + evals * config.eval_batches / 3) + (GPU_START_S if gpu else 0.0)
 
 
 def fmt_time(seconds: float) -> str:
@@ -57,11 +70,21 @@ def fmt_time(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
+def fmt_rate(tokens_per_s: float | None) -> str:
+    if not tokens_per_s:
+        return ""
+    for scale, unit in ((1e6, "M"), (1e3, "k")):
+        if tokens_per_s >= scale:
+            return f"{tokens_per_s / scale:.1f}{unit} tokens/s"
+    return f"{tokens_per_s:.0f} tokens/s"
+
+
 def describe(result: RunResult) -> str:
-    """One line for a finished run: its held-out loss, where it diverged, or its error."""
+    """One line for a finished run: its held-out loss (and throughput), where it diverged, or its error."""
     final = result.final.get("val_loss")
     if final is not None:
-        return f"val loss {final:.3f}"
+        rate = fmt_rate(result.tokens_per_s)
+        return f"val loss {final:.3f}" + (f", {rate}" if rate else "")
     if result.diverged_step is not None:
         return f"diverged at step {result.diverged_step}"
     return result.error or ""
@@ -82,12 +105,13 @@ class StudyProgress:
         stream: TextIO | None = None,
         enabled: bool = True,
         workers: int = 1,
+        gpu: bool = False,
     ) -> None:
         self.stream = stream or sys.stderr
         self.enabled = enabled
         self.tty = enabled and self.stream.isatty()
         self.total, self.done, self.workers = total, done, max(1, workers)
-        self.cost = {run.run_id: estimate_seconds(run.config) for run in todo}
+        self.cost = {run.run_id: estimate_seconds(run.config, gpu) for run in todo}
         self.remaining = sum(self.cost.values())
         self.spent, self.partial = 0.0, {}
         self.start = time.perf_counter()
@@ -206,10 +230,13 @@ def run_study(
     report: bool = True,
     prune: bool = False,
     stream: TextIO | None = None,
+    trackers: list[Tracker] | None = None,
 ) -> StudyOutcome:
     """Run every run of ``spec`` that ``out_dir/study.sqlite`` has no result for (failed runs are tried
     again), then write ``out_dir/report.html``. The report and findings cover exactly this spec's runs;
-    other stored runs are counted (``stale``) and deleted with ``prune=True``."""
+    other stored runs are counted (``stale``) and deleted with ``prune=True``. ``trackers`` log every
+    run of the plan (stored ones they lack included); they only read, and one that fails is dropped
+    with a warning while the study goes on."""
     out = Path(out_dir)
     planned = spec.expand()
     members = spec.memberships()
@@ -232,29 +259,50 @@ def run_study(
                 notes.append(f"{pruned} stale runs pruned")
             stream.write(f"study {spec.name!r}: {len(planned)} runs ({', '.join(notes)}) in {out}\n")
         executor = executor or make_executor(workers, threads, runs=len(todo))
-        bar = StudyProgress(
-            len(planned),
-            len(planned) - len(todo),
-            todo,
-            stream=stream,
-            enabled=progress,
-            workers=executor.workers,
-        )
+        tracking = TrackerGroup(trackers or [], stream)
+        tracking.open(out, spec.name, store)
+        bar = None
         failed = []
         try:
-            for run, result in executor.map(todo, on_step=bar.step if progress else None):
-                store.save_run(
-                    spec.name,
-                    run.run_id,
-                    members[run.run_id],
-                    run.config.to_dict(),
-                    result,
-                    time.time() - result.wall_s,
-                )
-                bar.finished(run, result)
-                if result.status == FAILED:
-                    failed.append(f"{run.experiment}: {run.label} ({result.error})")
+            try:
+                for run in todo:  # an executor on a cluster connects here, and then knows its size
+                    executor.submit(run)
+            except BaseException:
+                executor.cancel()
+                raise
+            bar = StudyProgress(
+                len(planned),
+                len(planned) - len(todo),
+                todo,
+                stream=stream,
+                enabled=progress,
+                workers=executor.workers,
+                gpu=executor.gpu,
+            )
+
+            def on_step(run: PlannedRun, step: int, loss: float) -> None:
+                bar.step(run, step, loss)
+                tracking.step(run, step, loss)
+
+            watched = progress or tracking.trackers
+            with contextlib.closing(executor.results(on_step if watched else None)) as results:
+                for run, result in results:
+                    store.save_run(
+                        spec.name,
+                        run.run_id,
+                        members[run.run_id],
+                        run.config.to_dict(),
+                        result,
+                        time.time() - result.wall_s,
+                    )
+                    bar.finished(run, result)
+                    if tracking.trackers:
+                        tracking.log_run(store.run_record(run.run_id))
+                    if result.status == FAILED:
+                        failed.append(f"{run.experiment}: {run.label} ({result.error})")
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
+            tracking.close()
     path = build_report(out) if report else None
     return StudyOutcome(out, len(planned), len(planned) - len(todo), len(todo), failed, stale, pruned, path)

@@ -265,6 +265,72 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+# --smoke: each setting's value at smoke size (widths tiny, a few steps, no compilation); depths,
+# placements, norms, seeds, learning rates and precision keep theirs, so every run's code path is kept.
+SMOKE: dict[str, object] = {
+    "d_model": lambda v: 16,
+    "n_heads": lambda v: 2,
+    "d_ff": lambda v: 32,
+    "batch_size": lambda v: 2,
+    "seq_len": lambda v: 16,
+    "eval_batches": lambda v: 1,
+    "corpus_bytes": lambda v: min(v, 200_000) if isinstance(v, int) else v,
+    "steps": lambda v: min(v, 4) if isinstance(v, int) else v,
+    "warmup": lambda v: 1 if v else v,
+    "eval_every": lambda v: min(v, 2) if v else v,
+    "probe_every": lambda v: 2 if v else v,
+    "compile": lambda v: False,
+}
+SMOKE_HELP = (
+    "run the spec shrunk to a smoke size: d_model 16, 2 heads, d_ff 32, batch 2, seq 16, at most 4 "
+    "steps, compile off; depths, placements, seeds and precision kept (the same code path in a minute, "
+    "into <name>-smoke)"
+)
+
+
+def smoke_spec(data: dict) -> dict:
+    """``data`` (a loaded spec) with every run setting at smoke size (:data:`SMOKE`) wherever it is
+    given (base, ``set``, sweeps, variants) and in the base where it is not; named ``<name>-smoke``."""
+    shrink = lambda key, value: SMOKE[key](value) if key in SMOKE else value  # noqa: E731
+    data = dict(data)
+    if isinstance(data.get("name"), str):
+        data["name"] = data["name"].strip() + "-smoke"
+    defaults = RunConfig.defaults()
+    base = dict(data.get("base") or {}) if isinstance(data.get("base"), dict) else data.get("base")
+    if isinstance(base, dict):
+        base = {k: shrink(k, v) for k, v in base.items()}
+        for key in SMOKE:
+            base.setdefault(key, shrink(key, defaults[key]))
+        data["base"] = base
+    experiments = {}
+    for name, exp in (
+        (data.get("experiments") or {}).items() if isinstance(data.get("experiments"), dict) else ()
+    ):
+        if isinstance(exp, dict):
+            exp = dict(exp)
+            if isinstance(exp.get("set"), dict):
+                exp["set"] = {k: shrink(k, v) for k, v in exp["set"].items()}
+            if isinstance(exp.get("sweep"), dict):
+                sweep = {}
+                for axis, values in exp["sweep"].items():
+                    if not isinstance(values, list):
+                        sweep[axis] = values
+                    elif axis == "variant":
+                        sweep[axis] = [
+                            {k: (x if k == "label" else shrink(k, x)) for k, x in v.items()}
+                            if isinstance(v, dict)
+                            else v
+                            for v in values
+                        ]
+                    else:
+                        sweep[axis] = list(dict.fromkeys(shrink(axis, v) for v in values))
+                exp["sweep"] = sweep
+        experiments[name] = exp
+    if experiments:
+        data["experiments"] = experiments
+    return data
+
+
 def preset_names() -> list[str]:
     files = resources.files("addnorm.study").joinpath("presets")
     return sorted(p.name[: -len(".yaml")] for p in files.iterdir() if p.name.endswith(".yaml"))
@@ -324,8 +390,11 @@ def spec_keys_markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-def load_spec(name_or_path: str | Path | None = None, overrides: list[str] | None = None) -> StudySpec:
-    """A preset by name (default ``quick``) or a YAML file by path, with ``--set`` overrides applied."""
+def load_spec(
+    name_or_path: str | Path | None = None, overrides: list[str] | None = None, smoke: bool = False
+) -> StudySpec:
+    """A preset by name (default ``quick``) or a YAML file by path, with ``--set`` overrides applied
+    (then shrunk to smoke size with ``smoke``, see :func:`smoke_spec`)."""
     name_or_path = name_or_path or "quick"
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():
@@ -348,4 +417,6 @@ def load_spec(name_or_path: str | Path | None = None, overrides: list[str] | Non
         raise SpecError(f"{source}: not valid YAML{where}: {problem}") from None
     if isinstance(data, dict) and overrides:
         data = apply_overrides(data, overrides)
+    if isinstance(data, dict) and smoke:
+        data, source = smoke_spec(data), f"{source} at smoke size"
     return parse_spec(data, source)

@@ -39,7 +39,11 @@ CREATE TABLE IF NOT EXISTS plan (
 );
 """
 # Columns added after the first release: (table, column, type); older databases gain them on open.
-ADDED_COLUMNS = (("runs", "provenance", "TEXT"), ("studies", "base", "TEXT"))
+ADDED_COLUMNS = (
+    ("runs", "provenance", "TEXT"),
+    ("studies", "base", "TEXT"),
+    ("runs", "tokens_per_s", "REAL"),
+)
 
 RUN_COLUMNS = (
     "id",
@@ -54,6 +58,7 @@ RUN_COLUMNS = (
     "final_val_loss",
     "final_val_metric",
     "metric",
+    "tokens_per_s",
 )
 
 
@@ -107,7 +112,7 @@ class Store:
             self.db.execute(
                 "INSERT OR REPLACE INTO runs (id, study, experiments, config, status, error, diverged_step, "
                 "steps_done, started, finished, wall_s, final_train_loss, final_val_loss, final_val_metric, "
-                "metric, provenance) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "metric, provenance, tokens_per_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     run_id,
                     study,
@@ -125,6 +130,7 @@ class Store:
                     final.get("val_metric"),
                     final.get("metric"),
                     json.dumps(getattr(result, "provenance", None) or {}, sort_keys=True),
+                    getattr(result, "tokens_per_s", None),
                 ),
             )
             self.db.executemany(
@@ -204,6 +210,28 @@ class Store:
             d["experiments"] = members.get(d["id"], stored)
             out.append(d)
         return sorted(out, key=lambda d: order.get(d["id"], len(order))) if plan else out
+
+    def run_record(self, run_id: str) -> dict | None:
+        """One stored run whole, as the trackers log it: the runs row (``config`` and ``provenance``
+        decoded, ``experiments`` its memberships in the plan), ``metrics`` as (step, name, value) and
+        ``layer_metrics`` as rows; None for a run not stored."""
+        row = self.db.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+        if row is None:
+            return None
+        d = dict(row)
+        d["config"] = json.loads(d["config"])
+        d["provenance"] = json.loads(d["provenance"]) if d.get("provenance") else {}
+        plan = self.db.execute(
+            "SELECT experiment, label FROM plan WHERE run_id = ? ORDER BY position", (run_id,)
+        )
+        d["experiments"] = [tuple(r) for r in plan] or [tuple(x) for x in json.loads(d["experiments"])]
+        rows = self.db.execute(
+            "SELECT step, name, value FROM metrics WHERE run_id = ? ORDER BY rowid", (run_id,)
+        )
+        d["metrics"] = [(r["step"], r["name"], r["value"]) for r in rows]
+        rows = self.db.execute("SELECT * FROM layer_metrics WHERE run_id = ? ORDER BY rowid", (run_id,))
+        d["layer_metrics"] = [dict(r) for r in rows]
+        return d
 
     def metric(self, run_id: str, name: str) -> list[tuple[int, float]]:
         rows = self.db.execute(

@@ -27,11 +27,11 @@ class _SequenceTask(Task):
     def target(self, src: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def batch(self, split, batch_size, seq_len, generator):
+    def batch(self, split, batch_size, seq_len, generator, device=None):
         src = torch.randint(FIRST_SYMBOL, self.vocab, (batch_size, seq_len), generator=generator)
         tgt = self.target(src)
         inputs = torch.cat([torch.full((batch_size, 1), BOS, dtype=torch.long), tgt[:, :-1]], dim=1)
-        return Batch(src, inputs, tgt)
+        return Batch(src, inputs, tgt).to(device)
 
     def build_model(self, cfg) -> nn.Module:
         return Transformer(cfg, self.vocab, self.vocab, pad_id=PAD)

@@ -20,9 +20,22 @@ class Batch:
     inputs: Tensor
     targets: Tensor
 
-    def to(self, device) -> Batch:
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Batch(move(self.src), move(self.inputs), move(self.targets))
+    def to(self, device: torch.device | str | None) -> Batch:
+        """On ``device``; host tensors bound for a GPU go through pinned memory without blocking."""
+        return Batch(*(to_device(t, device) for t in (self.src, self.inputs, self.targets)))
+
+
+def to_device(t: Tensor | None, device: torch.device | str | None) -> Tensor | None:
+    """``t`` on ``device`` (None: where it is). A CPU tensor bound for CUDA is pinned and copied
+    asynchronously, so the host goes on queueing work while it travels."""
+    if t is None or device is None:
+        return t
+    device = torch.device(device)
+    if t.device == device:
+        return t
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class Task:
@@ -32,7 +45,16 @@ class Task:
     metric: str = ""  # the held-out metric: "accuracy" or "bits_per_byte"
     vocab: int = 0
 
-    def batch(self, split: str, batch_size: int, seq_len: int, generator: torch.Generator) -> Batch:
+    def batch(
+        self,
+        split: str,
+        batch_size: int,
+        seq_len: int,
+        generator: torch.Generator,
+        device: torch.device | None = None,
+    ) -> Batch:
+        """A batch drawn with ``generator`` (a CPU generator: the same seed gives the same batch on
+        every device), on ``device`` (None: the CPU)."""
         raise NotImplementedError
 
     def build_model(self, cfg) -> nn.Module:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from ..model import LanguageModel
-from .base import TASKS, Batch, Task
+from .base import TASKS, Batch, Task, to_device
 
 DEFAULT_CORPUS_BYTES = 4_000_000
 
@@ -59,23 +59,37 @@ def read_corpus(path: str | Path | None = None, limit: int = DEFAULT_CORPUS_BYTE
 @TASKS.register("lm", aliases=("language_modelling", "char_lm"))
 class LanguageModelling(Task):
     """Byte-level next-token prediction (vocab 256) with a decoder-only model; the last 10% of the
-    corpus is held out. Metric: bits per byte = loss / ln 2."""
+    corpus is held out. Metric: bits per byte = loss / ln 2.
+
+    Batches are cut on the device: the corpus is copied there once (as bytes), and each batch sends
+    only its window starts, drawn on the CPU so that a seed gives the same batches on every device."""
 
     name = "lm"
     metric = "bits_per_byte"
     vocab = 256
 
     def __init__(self, corpus: str | None = None, limit: int = DEFAULT_CORPUS_BYTES) -> None:
-        data = torch.frombuffer(bytearray(read_corpus(corpus, limit)), dtype=torch.uint8).long()
+        data = torch.frombuffer(bytearray(read_corpus(corpus, limit)), dtype=torch.uint8)
         cut = int(0.9 * data.numel())
         self.splits = {"train": data[:cut], "val": data[cut:]}
+        self._placed: dict[tuple[str, torch.device], torch.Tensor] = {}
 
-    def batch(self, split: str, batch_size: int, seq_len: int, generator: torch.Generator) -> Batch:
+    def _split_on(self, split: str, device: torch.device) -> torch.Tensor:
+        if device.type == "cpu":
+            return self.splits[split]
+        key = (split, device)
+        if key not in self._placed:
+            self._placed[key] = self.splits[split].to(device)
+        return self._placed[key]
+
+    def batch(self, split, batch_size, seq_len, generator, device=None):
         data = self.splits[split]
         if data.numel() <= seq_len + 1:
             raise ValueError(f"seq_len: {seq_len} is too long for the {split} split ({data.numel()} bytes)")
+        device = torch.device("cpu") if device is None else torch.device(device)
         starts = torch.randint(0, data.numel() - seq_len - 1, (batch_size,), generator=generator)
-        windows = torch.stack([data[s : s + seq_len + 1] for s in starts.tolist()])
+        offsets = to_device(starts, device)[:, None] + torch.arange(seq_len + 1, device=device)
+        windows = self._split_on(split, device)[offsets].long()
         return Batch(None, windows[:, :-1], windows[:, 1:])
 
     def build_model(self, cfg) -> nn.Module:

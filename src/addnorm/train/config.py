@@ -15,6 +15,8 @@ from typing import Any
 
 from ..model import TransformerConfig
 from ..tasks import TASKS
+from ..tasks.corpus import DEFAULT_CORPUS_BYTES
+from .device import PRECISIONS
 from .schedules import SCHEDULES
 
 # The study's small-model defaults where they differ from TransformerConfig's (torch.nn.Transformer's).
@@ -45,6 +47,9 @@ class RunConfig:
     model: TransformerConfig
     task: str = _f("lm", "lm (byte-level language modelling), copy, reverse or sort")
     corpus: str | None = _f(None, "text file or folder for lm (default: the Python standard library)")
+    corpus_bytes: int = _f(
+        DEFAULT_CORPUS_BYTES, "bytes of the corpus read for lm (at most; the rest is left)"
+    )
     symbols: int = _f(10, "alphabet size of the copy/reverse/sort tasks")
     steps: int = _f(200, "optimiser steps")
     batch_size: int = _f(16, "sequences per step")
@@ -59,6 +64,10 @@ class RunConfig:
     eval_batches: int = _f(4, "batches per held-out evaluation")
     probe_every: int = _f(0, "per-layer statistics every this many steps (0: first and last step only)")
     diverge_factor: float = _f(3.0, "a loss above this multiple of the first one ends the run as diverged")
+    precision: str = _f(
+        "auto", "fp32; bf16 (autocast, on any device); auto: bf16 on a GPU that has it, else fp32"
+    )
+    compile: bool = _f(False, "torch.compile the model (probed steps run it uncompiled)")
 
     def __init__(self, model: TransformerConfig | None = None, **values: Any) -> None:
         model_values = {k: values.pop(k) for k in list(values) if k in MODEL_KEYS}
@@ -79,6 +88,11 @@ class RunConfig:
         """Validate and canonicalise the training settings (the model validates its own)."""
         for name in ("symbols", "steps", "batch_size", "seq_len"):
             _integer(name, getattr(self, name), minimum=1)
+        _integer("corpus_bytes", self.corpus_bytes, minimum=1024)
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: expected one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"compile: expected true or false, got {self.compile!r}")
         for name in ("warmup", "seed", "eval_every", "eval_batches", "probe_every"):
             _integer(name, getattr(self, name), minimum=0)
         for name, positive in (
@@ -144,8 +158,10 @@ class RunConfig:
 
     @property
     def run_id(self) -> str:
-        """Stable id: the first 12 hex digits of the SHA-1 of the canonical config as sorted JSON."""
-        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        """Stable id: the first 12 hex digits of the SHA-1 of the canonical config as sorted JSON,
+        without the :data:`LATER_KEYS` that hold the value runs had before those keys existed."""
+        values = {k: v for k, v in self.to_dict().items() if k not in LATER_KEYS or LATER_KEYS[k] != v}
+        text = json.dumps(values, sort_keys=True, separators=(",", ":"))
         return hashlib.sha1(text.encode()).hexdigest()[:12]
 
     def __hash__(self) -> int:
@@ -159,11 +175,14 @@ class RunConfig:
 
 
 TRAIN_KEYS: tuple[str, ...] = tuple(f.name for f in fields(RunConfig) if f.name != "model")
+# Settings added after studies were first stored, each with the value that does what runs did before
+# it existed: at that value a key is left out of the run id, so stored studies keep their runs' ids.
+LATER_KEYS: dict[str, Any] = {"corpus_bytes": DEFAULT_CORPUS_BYTES, "precision": "auto", "compile": False}
 
 
 def _integer(name: str, value: Any, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive integer" if minimum > 0 else "a non-negative integer"
+        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer >= {minimum}")
         raise ValueError(f"{name}: expected {kind}, got {value!r}")
 
 

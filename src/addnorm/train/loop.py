@@ -16,17 +16,19 @@ from ..model import admin_init, ngpt_matrices, ngpt_normalize_
 from ..probe import Probe
 from ..tasks import build_task
 from .config import RunConfig
+from .device import Throughput, autocast, autocast_dtype, device_name, precision_name, select_device
 from .optim import build_optimizer
 from .schedules import lr_multiplier
 
 DONE, DIVERGED, FAILED = "done", "diverged", "failed"
+SYNC_EVERY = 16  # steps between reads of the loss from a GPU (see train)
 
 
 @dataclass
 class RunResult:
     """What a run produced: status, final numbers, per-step metrics (step, name, value) and per-layer
-    rows in the Probe's format (plus ``update_ratio`` rows), and where it ran (``provenance``, filled by the
-    study's executors)."""
+    rows in the Probe's format (plus ``update_ratio`` rows), training throughput, and where and how it
+    ran (``provenance``: device, precision and compile here, the rest filled in by the study's executors)."""
 
     status: str
     steps_done: int = 0
@@ -37,29 +39,23 @@ class RunResult:
     metrics: list[tuple[int, str, float]] = field(default_factory=list)
     layer_metrics: list[dict] = field(default_factory=list)
     provenance: dict = field(default_factory=dict)
-
-
-def _device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _autocast(device: torch.device):
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    tokens_per_s: float | None = None  # training tokens per second after the first step
 
 
 @torch.no_grad()
-def evaluate(task, model, cfg: RunConfig, device) -> tuple[float, float]:
-    """Mean held-out loss and metric over ``eval_batches`` batches from a fixed generator."""
+def evaluate(task, model, cfg: RunConfig, device, dtype: torch.dtype | None = None) -> tuple[float, float]:
+    """Mean held-out loss and metric over ``eval_batches`` batches from a fixed generator, under the
+    run's autocast (``dtype``; default: what ``cfg.precision`` gives on ``device``)."""
+    device = torch.device(device)
+    dtype = autocast_dtype(device, cfg.precision) if dtype is None else dtype
     gen = torch.Generator().manual_seed(10_000 + cfg.seed)
     was_training = model.training
     model.eval()
     losses, metrics = [], []
     try:
         for _ in range(cfg.eval_batches or 1):
-            batch = task.batch("val", cfg.batch_size, cfg.seq_len, gen).to(device)
-            with _autocast(device):
+            batch = task.batch("val", cfg.batch_size, cfg.seq_len, gen, device)
+            with autocast(device, dtype):
                 loss, logits = task.loss(model, batch)
             losses.append(loss.item())
             metrics.append(task.metric_value(loss.item(), logits, batch))
@@ -123,47 +119,120 @@ def _residual_picture(model, task, batch, step: int) -> list[tuple[int, str, flo
     return [(step, "xf_x_rms", rms(x)), (step, "xf_f_rms", rms(f)), (step, "xf_sum_rms", rms(x + f))]
 
 
-def train(cfg: RunConfig, *, on_step: Callable[[int, float], None] | None = None) -> RunResult:
-    """Train one run to completion or divergence. Exceptions propagate (the runner records them)."""
+class _StepLog:
+    """The per-step record of a run, read from the device every ``sync_every`` steps (reading a value
+    waits for the device's queued work). A divergence found in a read is recorded at its step and the
+    steps computed past it are dropped, so the result is the same for every ``sync_every``."""
+
+    def __init__(self, result: RunResult, cfg: RunConfig, on_step: Callable[[int, float], None] | None):
+        self.result, self.cfg, self.on_step = result, cfg, on_step
+        self.first_loss: float | None = None
+        self.pending: list[tuple[int, torch.Tensor | float, torch.Tensor, float]] = []
+
+    def diverges(self, step: int, value: float) -> bool:
+        """Whether ``value`` (the loss of ``step``) ends the run; if so it is recorded as the divergence."""
+        self.first_loss = value if self.first_loss is None else self.first_loss
+        if math.isfinite(value) and value <= self.cfg.diverge_factor * self.first_loss:
+            return False
+        self.result.status, self.result.diverged_step = DIVERGED, step
+        self.result.metrics.append((step, "train_loss", value if math.isfinite(value) else float("nan")))
+        return True
+
+    def add(self, step: int, loss: torch.Tensor | float, grad_norm: torch.Tensor, lr: float) -> None:
+        self.pending.append((step, loss, grad_norm.detach(), lr))
+
+    def flush(self) -> bool:
+        """Read the pending steps (one wait for the device) and record them in order; False when one of
+        them diverged (the run is over)."""
+        if not self.pending:
+            return self.result.status == DONE
+        pending, self.pending = self.pending, []
+        values = torch.stack(
+            [
+                torch.as_tensor(x, dtype=torch.float32, device=g.device)
+                for _, loss, g, _ in pending
+                for x in (loss, g)
+            ]
+        ).tolist()
+        for i, (step, loss, _, lr) in enumerate(pending):
+            value = loss if isinstance(loss, float) else values[2 * i]
+            if self.diverges(step, value):
+                return False
+            self.result.metrics += [
+                (step, "train_loss", value),
+                (step, "grad_norm", values[2 * i + 1]),
+                (step, "lr", lr),
+            ]
+            self.result.steps_done = step + 1
+            if self.on_step is not None:
+                self.on_step(step, value)
+        return True
+
+
+def train(
+    cfg: RunConfig,
+    *,
+    on_step: Callable[[int, float], None] | None = None,
+    device: str | torch.device | None = None,
+    sync_every: int | None = None,
+) -> RunResult:
+    """Train one run to completion or divergence. Exceptions propagate (the runner records them).
+
+    ``device``: where to train (default ``auto``: CUDA when this process sees a GPU, else the CPU).
+    ``on_step(step, loss)`` is called for every completed step, in order. ``sync_every``: steps between
+    reads of the loss from the device (default 1 on the CPU, :data:`SYNC_EVERY` on a GPU); probed steps
+    are read at once. The result does not depend on it (see :class:`_StepLog`); ``on_step`` only comes
+    later. With ``compile: true`` the training steps run the model through ``torch.compile``, except
+    probed steps (their hooks run it uncompiled) and evaluation (a few forward passes would not repay
+    compiling the evaluation graph)."""
     start = time.perf_counter()
-    device = _device()
+    device = select_device(device)
+    dtype = autocast_dtype(device, cfg.precision)
+    sync_every = sync_every or (1 if device.type == "cpu" else SYNC_EVERY)
     torch.manual_seed(cfg.seed)
-    task = build_task(cfg.task, **({"corpus": cfg.corpus} if cfg.task == "lm" else {"symbols": cfg.symbols}))
+    options = (
+        {"corpus": cfg.corpus, "limit": cfg.corpus_bytes} if cfg.task == "lm" else {"symbols": cfg.symbols}
+    )
+    task = build_task(cfg.task, **options)
     model = task.build_model(cfg.model).to(device)
+    forward = torch.compile(model) if cfg.compile else model
     gen = torch.Generator().manual_seed(cfg.seed)
     # Admin's profiling pass sets omega from data
     if any(p.init == "admin" for p in cfg.model.placements_for(cfg.model.n_layers)):
-        profile = task.batch(
-            "train", cfg.batch_size, cfg.seq_len, torch.Generator().manual_seed(cfg.seed + 1)
-        )
-        admin_init(model, *task.model_inputs(profile.to(device)))
+        seed = torch.Generator().manual_seed(cfg.seed + 1)
+        admin_init(model, *task.model_inputs(task.batch("train", cfg.batch_size, cfg.seq_len, seed, device)))
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
     on_sphere = bool(ngpt_matrices(model))  # nGPT: matrices back on the unit sphere after each step
     result = RunResult(status=DONE)
+    result.provenance = {
+        "device": device_name(device),
+        "precision": precision_name(dtype),
+        "compile": cfg.compile,
+    }
     probe_steps = {0, cfg.steps - 1}
     if cfg.probe_every:
         probe_steps |= set(range(0, cfg.steps, cfg.probe_every))
-    first_loss = None
+    log = _StepLog(result, cfg, on_step)
+    speed = Throughput(device)
     fixed_batch = task.batch(
-        "val", min(cfg.batch_size, 8), cfg.seq_len, torch.Generator().manual_seed(99)
-    ).to(device)
+        "val", min(cfg.batch_size, 8), cfg.seq_len, torch.Generator().manual_seed(99), device
+    )
     result.metrics += _residual_picture(model, task, fixed_batch, 0)
     model.train()
     for step in range(cfg.steps):
+        lr = cfg.lr * lr_multiplier(cfg.schedule, step, cfg.warmup, cfg.steps)
         for group in opt.param_groups:
-            group["lr"] = cfg.lr * lr_multiplier(cfg.schedule, step, cfg.warmup, cfg.steps)
-        batch = task.batch("train", cfg.batch_size, cfg.seq_len, gen).to(device)
+            group["lr"] = lr
+        batch = task.batch("train", cfg.batch_size, cfg.seq_len, gen, device)
         probing = step in probe_steps
+        read_now = probing or sync_every == 1
         probe = Probe(model) if probing else contextlib.nullcontext()
         with probe:
-            with _autocast(device):
-                loss, _ = task.loss(model, batch)
-            value = loss.item()
-            first_loss = value if first_loss is None else first_loss
-            if not math.isfinite(value) or value > cfg.diverge_factor * first_loss:
-                result.status, result.diverged_step = DIVERGED, step
-                result.metrics.append((step, "train_loss", value if math.isfinite(value) else float("nan")))
-                break
+            with autocast(device, dtype):
+                loss, _ = task.loss(model if probing else forward, batch)
+            if read_now:  # a diverged step is recorded before it updates anything
+                if not log.flush() or log.diverges(step, value := loss.item()):
+                    break
             opt.zero_grad(set_to_none=True)
             loss.backward()
             if probing:
@@ -187,19 +256,24 @@ def train(cfg: RunConfig, *, on_step: Callable[[int, float], None] | None = None
             ngpt_normalize_(model)
         if probing:
             result.layer_metrics += _update_ratios(model, before, layer_names, step)
-        result.metrics += [
-            (step, "train_loss", value),
-            (step, "grad_norm", grad_norm.item()),
-            (step, "lr", opt.param_groups[0]["lr"]),
-        ]
-        result.steps_done = step + 1
-        if on_step is not None:
-            on_step(step, value)
+        log.add(step, value if read_now else loss.detach(), grad_norm, lr)
+        speed.count(cfg.batch_size * cfg.seq_len)
+        if (read_now or len(log.pending) >= sync_every) and not log.flush():
+            break
+        if step == 0:
+            speed.resume()  # tokens/s from here on: the first step holds compilation and warm-up
         if cfg.eval_every and ((step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1):
-            val_loss, val_metric = evaluate(task, model, cfg, device)
+            if not log.flush():
+                break
+            speed.pause()
+            val_loss, val_metric = evaluate(task, model, cfg, device, dtype)
             result.metrics += [(step, "val_loss", val_loss), (step, f"val_{task.metric}", val_metric)]
+            speed.resume()
+    log.flush()
+    speed.pause()
+    result.tokens_per_s = speed.rate
     if result.status == DONE:
-        val_loss, val_metric = evaluate(task, model, cfg, device)
+        val_loss, val_metric = evaluate(task, model, cfg, device, dtype)
         train_tail = [v for _, n, v in result.metrics if n == "train_loss"][-10:]
         result.final = {
             "train_loss": sum(train_tail) / len(train_tail),
