@@ -8,9 +8,13 @@ Memory-bound, so judged in bytes moved per second, counting the minimum bytes:
 (dx = dresidual when alpha = 1 without dropout or gate; weight-sized vectors are negligible).
 
 On CUDA: for each norm (layernorm, rmsnorm), prenorm on/off, dtype (bf16, fp16, fp32) and hidden size
-(1024 ... 16384, rows = 2**27 / hidden), median time and effective bandwidth of ours (Triton), eager
-PyTorch (x + r, then F.layer_norm / F.rms_norm), ``torch.compile`` of that eager function, and a
-device-to-device copy of the same tensor in the same run (the bandwidth ceiling).
+(256 ... 16384, rows = 2**27 / hidden), median time and effective bandwidth of ours (Triton), eager
+PyTorch (x + r, then F.layer_norm / F.rms_norm), ``torch.compile`` of that eager function, our op under
+``torch.compile`` with its Triton kernels (``addnorm_compiled``: the registered triton_op, compile path
+"kernel"), Liger-Kernel when installed (``pip install liger-kernel``; its LayerNorm after the add, its
+fused add + RMSNorm), and a device-to-device copy of the same tensor in the same run (the bandwidth
+ceiling). Compiled functions are built with donated buffers off, since the backward alone is timed
+on a retained graph.
 On the CPU: our torch path against eager PyTorch (fp32, smaller sizes; ``--quick`` smaller still);
 ``--compile`` adds torch.compile on the CPU too. fwd+bwd bandwidth counts both phases' bytes.
 
@@ -25,10 +29,7 @@ than eager.
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
-import os
-import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -36,13 +37,22 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from machine import cpu_model
+from machine import machine_info, machine_line
 
 from addnorm.ops import add_norm
+from addnorm.ops.policy import using_compile_path
 
-GPU_HIDDEN = (1024, 2048, 4096, 8192, 16384)
+GPU_HIDDEN = (256, 1024, 2048, 4096, 8192, 16384)
 GPU_ELEMENTS = 2**27
-GPU_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# name -> (x's dtype, the stream's: residual, s, y, weight); "mixed" is what autocast gives a model:
+# a bf16 branch added into an fp32 stream
+DTYPES = {
+    "bfloat16": (torch.bfloat16, torch.bfloat16),
+    "mixed": (torch.bfloat16, torch.float32),
+    "float16": (torch.float16, torch.float16),
+    "float32": (torch.float32, torch.float32),
+}
+GPU_DTYPES = ("bfloat16", "mixed", "float16", "float32")
 
 
 def eager_add_norm(x, r, w, b, norm: str, prenorm: bool, eps: float = 1e-5):
@@ -56,7 +66,46 @@ def eager_add_norm(x, r, w, b, norm: str, prenorm: bool, eps: float = 1e-5):
 
 
 def fused_add_norm(x, r, w, b, norm: str, prenorm: bool, eps: float = 1e-5):
-    return add_norm(x, r, w, b if norm == "layernorm" else None, norm=norm, eps=eps, prenorm=prenorm)
+    bias = b if norm == "layernorm" else None
+    out = torch.promote_types(x.dtype, r.dtype)  # y in the stream's dtype, as the unfused add gives it
+    return add_norm(x, r, w, bias, norm=norm, eps=eps, prenorm=prenorm, out_dtype=out)
+
+
+def compiled_kernel_add_norm() -> Callable:
+    """Our op under torch.compile with its Triton kernels (the triton_op, compile path "kernel")."""
+    compiled = torch.compile(fused_add_norm, dynamic=False)
+
+    def fn(*args):
+        with using_compile_path("kernel"):
+            return compiled(*args)
+
+    return fn
+
+
+def liger_add_norm() -> Callable | None:
+    """Liger-Kernel's LayerNorm after the add, and its fused add + RMSNorm (returns (y, s)), or None
+    when liger-kernel is not installed (it runs on GPUs only)."""
+    try:
+        from liger_kernel.transformers.fused_add_rms_norm import LigerFusedAddRMSNorm
+        from liger_kernel.transformers.layer_norm import LigerLayerNorm
+    except ImportError:
+        return None
+    modules: dict = {}
+
+    def fn(x, r, w, b, norm: str, prenorm: bool, eps: float = 1e-5):
+        key = (norm, x.shape[-1], x.device)
+        if key not in modules:
+            cls = LigerLayerNorm if norm == "layernorm" else LigerFusedAddRMSNorm
+            modules[key] = cls(x.shape[-1], eps=eps).to(x.device)
+        mod = modules[key]
+        if norm == "layernorm":
+            s = x + r
+            y = torch.func.functional_call(mod, {"weight": w, "bias": b}, (s,))
+        else:
+            y, s = torch.func.functional_call(mod, {"weight": w}, (x, r))
+        return (y, s) if prenorm else y
+
+    return fn
 
 
 def time_once(fn: Callable[[], object], device: str) -> float:
@@ -88,19 +137,20 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], device: str, warmu
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def min_bytes(rows: int, hidden: int, elem: int, prenorm: bool) -> int:
-    """fwd: x, r, y (+ s); bwd: dy, (ds,) s or y, dx: the same count for both phases."""
-    return (4 if prenorm else 3) * rows * hidden * elem
+def min_bytes(rows: int, hidden: int, x_elem: int, s_elem: int, prenorm: bool) -> int:
+    """Per phase: fwd x, r, y (+ s); bwd dy, (ds,) s or y, dx (x's size; r, s, y in the stream's)."""
+    return rows * hidden * (x_elem + (3 if prenorm else 2) * s_elem)
 
 
-def make_calls(fn, rows, hidden, dtype, norm, prenorm, device) -> dict:
+def make_calls(fn, rows, hidden, dtypes, norm, prenorm, device) -> dict:
     """Closures for the forward (no grad), the backward alone (on a retained graph) and both."""
+    x_dtype, s_dtype = dtypes
     g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(rows, hidden, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
-    r = torch.randn(rows, hidden, generator=g).to(device=device, dtype=dtype).requires_grad_(True)
+    x = torch.randn(rows, hidden, generator=g).to(device=device, dtype=x_dtype).requires_grad_(True)
+    r = torch.randn(rows, hidden, generator=g).to(device=device, dtype=s_dtype).requires_grad_(True)
     # trained-looking affine parameters (|b| < |w| everywhere: x_hat is recomputed from y on the GPU)
-    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device=device, dtype=dtype).requires_grad_(True)
-    b = (0.02 * torch.randn(hidden, generator=g)).to(device=device, dtype=dtype).requires_grad_(True)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(device=device, dtype=s_dtype).requires_grad_(True)
+    b = (0.02 * torch.randn(hidden, generator=g)).to(device=device, dtype=s_dtype).requires_grad_(True)
     params = (x, r, w, b) if norm == "layernorm" else (x, r, w)
 
     def fwd():
@@ -129,7 +179,7 @@ def run(args) -> dict:
         elements = GPU_ELEMENTS
     else:
         hiddens = (256, 1024, 4096) if args.quick else (512, 1024, 2048, 4096, 8192)
-        dtypes = (torch.float32,)
+        dtypes = ("float32",)
         elements = 2**20 if args.quick else 2**22
     hiddens = tuple(args.hidden or hiddens)
     elements = args.elements or elements
@@ -137,52 +187,56 @@ def run(args) -> dict:
     if device == "cuda" or args.compile:
         # one compiled graph per (norm, prenorm, dtype, shape, grad mode): more than dynamo's default 8
         torch._dynamo.config.recompile_limit = 256
+        # the backward alone is timed on a retained graph, which buffers donated to it would break
+        # ("This backward function was compiled with non-empty donated buffers")
+        torch._functorch.config.donated_buffer = False
         impls["compiled"] = torch.compile(eager_add_norm, dynamic=False)
+        impls["addnorm_compiled"] = compiled_kernel_add_norm()
+    liger = liger_add_norm() if device == "cuda" else None
+    if liger is not None:
+        impls["liger"] = liger
+    elif device == "cuda":
+        print("liger-kernel not installed: no Liger column (pip install liger-kernel)")
     results = []
     for norm in ("layernorm", "rmsnorm"):
         for prenorm in (True, False):
             for dtype in dtypes:
                 for hidden in hiddens:
                     rows = elements // hidden
-                    elem = torch.empty((), dtype=dtype).element_size()
-                    row = {"norm": norm, "prenorm": prenorm, "dtype": str(dtype).replace("torch.", "")}
-                    row |= {"hidden": hidden, "rows": rows, "ms": {}, "GBps": {}}
-                    src = torch.randn(rows, hidden, device=device).to(dtype)
+                    x_dtype, s_dtype = DTYPES[dtype]
+                    row = {"norm": norm, "prenorm": prenorm, "dtype": dtype, "hidden": hidden, "rows": rows}
+                    row |= {"ms": {}, "GBps": {}}
+                    src = torch.randn(rows, hidden, device=device).to(x_dtype)
                     dst = torch.empty_like(src)
                     fns = {"copy": lambda d=dst, s=src: d.copy_(s)}
-                    for name, fn in impls.items():
-                        calls = make_calls(fn, rows, hidden, dtype, norm, prenorm, device)
+                    # Liger's fused add + RMSNorm takes one dtype: no Liger cell for the autocast mix
+                    used = {k: f for k, f in impls.items() if not (k == "liger" and x_dtype != s_dtype)}
+                    for name, fn in used.items():
+                        calls = make_calls(fn, rows, hidden, DTYPES[dtype], norm, prenorm, device)
                         fns |= {f"{name}_{phase}": c for phase, c in calls.items()}
                     med = interleaved_medians(fns, device, args.warmup, args.reps)
                     row["ms"] = {k: v * 1e3 for k, v in med.items()}
-                    row["GBps"]["copy"] = 2 * src.numel() * elem / med["copy"] / 1e9
-                    nbytes = min_bytes(rows, hidden, elem, prenorm)
-                    for name in impls:
+                    row["GBps"]["copy"] = 2 * src.numel() * src.element_size() / med["copy"] / 1e9
+                    size = torch.empty((), dtype=s_dtype).element_size()
+                    nbytes = min_bytes(rows, hidden, src.element_size(), size, prenorm)
+                    for name in used:
                         for phase, n in (("fwd", nbytes), ("bwd", nbytes), ("fwd_bwd", 2 * nbytes)):
                             row["GBps"][f"{name}_{phase}"] = n / med[f"{name}_{phase}"] / 1e9
-                    for other in impls:
+                    for other in used:
                         if other != "addnorm":
                             row[f"speedup_fwd_bwd_vs_{other}"] = (
                                 row["ms"][f"{other}_fwd_bwd"] / row["ms"]["addnorm_fwd_bwd"]
                             )
                     results.append(row)
-                    print(_line(row, impls), flush=True)
-    machine = {
-        "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "cpu": cpu_model(),
-        "logical_cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "date": dt.date.today().isoformat(),
-    }
+                    print(_line(row, used), flush=True)
+    machine = machine_info(device)
     return {"machine": machine, "device": device, "quick": args.quick, "reps": args.reps, "results": results}
 
 
 def check_targets(report: dict) -> list[dict]:
-    """The issue's targets, each with the rows it covers, the worst value and whether it holds:
-    on CUDA (bf16 rows), fwd >= 95% and fwd+bwd >= 90% of the copy bandwidth, never slower than
-    torch.compile, Post-LN fwd+bwd >= 1.2x torch.compile; on the CPU, RMSNorm fwd+bwd >= eager."""
+    """The issue's targets, each with the rows it covers, the worst value and whether it holds: on
+    CUDA, bf16 forward >= 95% of the copy bandwidth, and forward+backward no slower than the better of
+    torch.compile and Liger-Kernel in bf16 and the autocast mix; on the CPU, RMSNorm fwd+bwd >= eager."""
     rows = report["results"]
 
     def pct(r, phase):
@@ -190,22 +244,14 @@ def check_targets(report: dict) -> list[dict]:
 
     if report["device"] == "cuda":
         bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
-        post = [r for r in bf16 if not r["prenorm"]]
+        lowp = [r for r in rows if r["dtype"] in ("bfloat16", "mixed")]
         specs = [
             ("bf16 forward >= 95% of copy bandwidth", bf16, lambda r: pct(r, "fwd"), 0.95, "{:.0%}"),
-            ("bf16 fwd+bwd >= 90% of copy bandwidth", bf16, lambda r: pct(r, "fwd_bwd"), 0.90, "{:.0%}"),
             (
-                "never slower than torch.compile (fwd+bwd, every row)",
-                rows,
-                lambda r: r.get("speedup_fwd_bwd_vs_compiled", float("nan")),
+                "fwd+bwd >= the better of torch.compile and Liger (bf16 and the autocast mix)",
+                lowp,
+                lambda r: min(r.get(f"speedup_fwd_bwd_vs_{k}", float("inf")) for k in ("compiled", "liger")),
                 1.0,
-                "{:.2f}x",
-            ),
-            (
-                "Post-LN bf16 forward+backward >= 1.2x torch.compile",
-                post,
-                lambda r: r.get("speedup_fwd_bwd_vs_compiled", float("nan")),
-                1.2,
                 "{:.2f}x",
             ),
         ]
@@ -238,7 +284,7 @@ def _line(row: dict, impls) -> str:
             f"{name}: fwd {ms[name + '_fwd']:.3f}ms {bw[name + '_fwd']:.1f}GB/s "
             f"bwd {ms[name + '_bwd']:.3f}ms {bw[name + '_bwd']:.1f}GB/s"
         )
-    speeds = ", ".join(f"{k.rsplit('_', 1)[1]} {v:.2f}x" for k, v in row.items() if k.startswith("speedup"))
+    speeds = ", ".join(f"{k.split('_vs_')[1]} {v:.2f}x" for k, v in row.items() if k.startswith("speedup"))
     parts.append(f"copy {bw['copy']:.1f}GB/s; fwd+bwd speed vs {speeds}")
     return " | ".join(parts)
 
@@ -246,18 +292,18 @@ def _line(row: dict, impls) -> str:
 def to_markdown(report: dict) -> str:
     m = report["machine"]
     impls = sorted({k.rsplit("_", 1)[0] for r in report["results"] for k in r["ms"] if k != "copy"})
-    impls = [i for i in ("addnorm", "eager", "compiled") if i in impls]
+    impls = [i for i in ("addnorm", "eager", "compiled", "addnorm_compiled", "liger") if i in impls]
     title = "GPU" if report["device"] == "cuda" else "CPU"
     lines = [
         f"# addnorm.ops.add_norm vs eager PyTorch ({title})",
         "",
-        f"Machine: {m['device']}; CPU {m['cpu']}, {m['logical_cores']} logical cores (torch threads "
-        f"{m['torch_threads']}); torch {m['torch']}, Python {m['python']}; {m['date']}.",
+        machine_line(m),
         "",
         f"Median of {report['reps']} calls, implementations timed in alternation. GB/s counts the minimum "
         "bytes (fwd prenorm: x, r, y, s; fwd post: x, r, y; bwd prenorm: dy, ds, s, dx; "
-        "bwd post: dy, y, dx; fwd+bwd: both). speed vs X = X's fwd+bwd time / ours (>= 1: ours no "
-        "slower). copy = device-to-device copy, read + write; % = our bandwidth / copy's.",
+        "bwd post: dy, y, dx; fwd+bwd: both; mixed = bf16 x, fp32 r / s / y). speed vs X = X's fwd+bwd "
+        "time / ours (>= 1: ours no slower). copy = device-to-device copy of x, read + write; % = our "
+        "bandwidth / copy's. addnorm_compiled = our op under torch.compile with its Triton kernels.",
         "",
     ]
     if report.get("note"):
@@ -272,6 +318,9 @@ def to_markdown(report: dict) -> str:
         ms, bw = r["ms"], r["GBps"]
         cells = [r["norm"], str(r["prenorm"]), r["dtype"], str(r["hidden"]), str(r["rows"])]
         for i in impls:
+            if i + "_fwd" not in ms:
+                cells += ["-"] * 3
+                continue
             cells += [
                 f"{ms[i + '_fwd']:.3f} ({bw[i + '_fwd']:.1f})",
                 f"{ms[i + '_bwd']:.3f} ({bw[i + '_bwd']:.1f})",
@@ -279,7 +328,9 @@ def to_markdown(report: dict) -> str:
             ]
         cells += [f"{bw['copy']:.1f}"]
         cells += [f"{bw['addnorm_' + p] / bw['copy']:.0%}" for p in ("fwd", "fwd_bwd")]
-        cells += [f"{r['speedup_fwd_bwd_vs_' + i]:.2f}x" for i in others]
+        cells += [
+            f"{r['speedup_fwd_bwd_vs_' + i]:.2f}x" if "speedup_fwd_bwd_vs_" + i in r else "-" for i in others
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## Targets", "", "| target | rows | worst | met |", "| --- | --- | --- | --- |"]
     for t in check_targets(report):

@@ -15,7 +15,7 @@ from torch import nn
 
 import addnorm.addnorm as addnorm_module
 import addnorm.hf as anhf
-from addnorm.ops import dropout_keep_mask
+from addnorm.ops import dropout_keep_mask, policy
 
 
 @pytest.fixture
@@ -140,7 +140,9 @@ _RESIDUAL_DROPOUTS = {
 @pytest.mark.parametrize("model_type", ["gpt2", "bert"])
 def test_fused_dropout_is_the_op_s_hashed_mask(model_type, monkeypatch):
     """Train mode with every dropout on (attention and embedding dropout draw from torch's generator in
-    both models alike): equal logits, loss and gradients."""
+    both models alike): equal logits, loss and gradients. The op runs wherever the model fuses (on the
+    CPU the policy would give dropout to the unfused modules)."""
+    monkeypatch.setattr(policy, "fused_op_preferred", lambda device, *, dropout: True)
     plain = tiny(model_type, dropout=True).train()
     fused = anhf.fuse(copy.deepcopy(plain))
     layers = plain.base_model.get_submodule(anhf.architecture_of(plain).layers)
@@ -223,9 +225,10 @@ def test_fused_model_still_returns_hidden_states_and_checkpoints():
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
 def test_fused_model_compiles_fullgraph_where_the_model_does(model_type):
-    """torch.compile(fullgraph=True) traces the fused model as it traces the model: one add_norm node per
-    add (none in the model's graph), the same logits and gradients. (The loss is computed outside: the
-    models' own loss functions log a warning, which breaks the graph of either.)"""
+    """torch.compile(fullgraph=True) traces the fused model as it traces the model: with the op's kernel
+    compile path one add_norm node per add (none in the model's graph), the same logits and gradients.
+    (The loss is computed outside: the models' own loss functions log a warning, which breaks the graph
+    of either.)"""
     plain = tiny(model_type)
     fused = anhf.fuse(copy.deepcopy(plain))
     ids = tokens()
@@ -238,7 +241,9 @@ def test_fused_model_compiles_fullgraph_where_the_model_does(model_type):
             graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
             return gm
 
-        logits = torch.compile(model, fullgraph=True, backend=backend)(input_ids=ids, use_cache=False).logits
+        with policy.using_compile_path("kernel"):
+            compiled = torch.compile(model, fullgraph=True, backend=backend)
+            logits = compiled(input_ids=ids, use_cache=False).logits
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
         loss.backward()
         assert len(graphs) == 1

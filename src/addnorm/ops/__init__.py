@@ -1,8 +1,11 @@
-"""Functional Add & Norm ops: the fused ``add_norm`` (Triton on CUDA, eager PyTorch on CPU) and the
-float reference it is tested against. Triton is imported lazily, only by ``ops/triton*`` modules."""
+"""Functional Add & Norm ops: the fused ``add_norm`` (Triton on CUDA, torch ops on the CPU), its
+float64 reference and dropout mask, and the policy that tells models where to use it. Triton is
+imported lazily, only by ``ops/triton*`` modules (and by ``library`` where CUDA is present)."""
 
+from .args import MAX_FUSED_HIDDEN
 from .functional import add_norm
-from .library import BACKENDS, MAX_FUSED_HIDDEN, resolve_backend
+from .library import BACKENDS, resolve_backend
+from .policy import compile_path, fused_op_preferred, set_compile_path
 from .reference import add_norm_reference, dropout_keep_mask, dropout_threshold, hash32
 
 __all__ = [
@@ -10,8 +13,11 @@ __all__ = [
     "MAX_FUSED_HIDDEN",
     "add_norm",
     "add_norm_reference",
+    "compile_path",
     "dropout_keep_mask",
     "dropout_threshold",
+    "fused_op_preferred",
     "hash32",
     "resolve_backend",
+    "set_compile_path",
 ]

@@ -1,20 +1,87 @@
-"""``add_norm``: the public fused Add & Norm, with its argument checks."""
+"""``add_norm``: the public fused Add & Norm, its argument checks, and the one place that decides how
+a call runs.
+
+Everything a call's options, dtypes, device and hidden size determine (the checks of those, the
+backend, the dtypes of s and y, where the backward takes x_hat from, the composite's casts) is decided
+once and cached as a :class:`Plan`; a call then checks only what can differ between calls with the
+same plan (shapes, the gate, the seed). How it runs:
+
+- eager, torch backend (the CPU; CUDA for float64 or rows wider than ``MAX_FUSED_HIDDEN``): the
+  :class:`~addnorm.ops.torch_path.Composite` under torch's autograd, the dropout multiplier from the
+  hashed mask of the given seed (NumPy on the CPU), or on the CPU without a seed ``nn.Dropout``'s
+  Bernoulli draws;
+- eager, Triton backend: :class:`~addnorm.ops.library.TritonAddNorm` (the kernels, no op dispatch);
+- under ``torch.compile``: the composite (Inductor fuses it with its neighbours) or the registered op
+  (the Triton kernels, launched by Inductor), as :func:`addnorm.ops.policy.compile_path` says;
+- under ``torch.func`` transforms: the composite (every transform differentiates or batches it);
+- traced by a dispatch mode (make_fx, fake tensors) or called with a tensor subclass: the registered op.
+"""
 
 from __future__ import annotations
 
 import math
 import numbers
 
+import numpy as np
 import torch
 from torch import Tensor
+from torch.compiler import is_compiling
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .library import BACKENDS, add_norm_2d
-from .reference import _canonical_norm
+from . import policy
+from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y, FwdArgs
+from .library import BACKENDS, TritonAddNorm, add_norm_fwd, resolve_backend
+from .reference import _canonical_norm, dropout_keep_mask_numpy
+from .torch_path import Composite, dropout_multiplier
 
-__all__ = ["add_norm"]
+__all__ = ["Plan", "add_norm", "clear_plans"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _SEED_HIGH = 2**62
+_NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
+
+
+class Plan:
+    """What a call signature fixes, decided once: the backend (``triton``), the composite (torch
+    backend), the effective dropout rate ``p`` (0 in eval), the op's dtypes and ``xhat_from``."""
+
+    __slots__ = ("alpha", "backend", "composite", "eps", "hidden", "norm", "np_dtype", "p", "prenorm", "rms")
+    __slots__ += ("s_dtype", "scale", "shape", "simple", "triton", "xhat_from", "y_dtype")
+
+    def __init__(self, x, residual, weight, bias, norm, eps, prenorm, alpha, p, s_dtype, y_dtype, backend):
+        hidden = x.shape[-1]
+        dtypes = (x.dtype, residual.dtype, s_dtype, y_dtype)
+        self.backend = backend
+        self.triton = resolve_backend(backend, x.device, hidden, dtypes) == "triton"
+        self.norm, self.eps, self.alpha, self.prenorm, self.p = norm, float(eps), float(alpha), prenorm, p
+        self.hidden, self.s_dtype, self.y_dtype = hidden, s_dtype, y_dtype
+        self.shape, self.rms = torch.Size([hidden]), norm == "rmsnorm"
+        w_dtype = None if weight is None else weight.dtype
+        b_dtype = None if bias is None else bias.dtype
+        self.composite = Composite(
+            norm, self.eps, self.alpha, hidden, x.dtype, residual.dtype, w_dtype, b_dtype, s_dtype, y_dtype
+        )
+        cdt = self.composite.cdt
+        # eager's own ops (s = x + r, then the norm) cover the call: torch backend, no casts, no dropout
+        self.simple = self.composite.simple and not self.triton and not p
+        # the eager CPU path draws its dropout multiplier with NumPy, elsewhere in torch ops
+        self.np_dtype = _NP_DTYPES[cdt] if x.device.type == "cpu" else None
+        self.scale = 1.0 / (1.0 - p) if p else 1.0
+        # Post-LN backward: from s on the torch path (the CPU: recomputing costs time), from y on the
+        # Triton path where y is fp32, else from s recomputed from x and residual: a bf16/fp16 y is
+        # coarser than the statistics, and dweight sums its rounding error over every row
+        if prenorm or not self.triton:
+            self.xhat_from = XHAT_FROM_S
+        else:
+            self.xhat_from = XHAT_FROM_Y if y_dtype == torch.float32 else XHAT_FROM_XR
+
+
+_PLANS: dict[tuple, Plan] = {}
+
+
+def clear_plans() -> None:
+    """Forget the cached plans (after ``ADDNORM_BACKEND`` changes: see ``library.read_backend_env``)."""
+    _PLANS.clear()
 
 
 def _check_float_tensor(name: str, t: object) -> Tensor:
@@ -25,17 +92,100 @@ def _check_float_tensor(name: str, t: object) -> Tensor:
     return t
 
 
-def _check_vector(name: str, t: object, hidden: int, device: torch.device) -> Tensor | None:
+def _check_vector(name: str, t: object, hidden: int, device: torch.device) -> None:
     if t is None:
-        return None
-    t = _check_float_tensor(name, t)
+        return
+    _check_float_tensor(name, t)
     if tuple(t.shape) != (hidden,):
         raise ValueError(
             f"{name}: expected shape ({hidden},) (the hidden size) or None, got {tuple(t.shape)}"
         )
     if t.device != device:
         raise ValueError(f"{name}: expected a tensor on {device} like x, got one on {t.device}")
-    return t
+
+
+def _check_gate(gate: Tensor, hidden: int, device: torch.device) -> None:
+    _check_float_tensor("gate", gate)
+    if gate.numel() != 1 and tuple(gate.shape) != (hidden,):
+        raise ValueError(
+            f"gate: expected None, a one-element tensor (ReZero) or shape ({hidden},) (LayerScale), "
+            f"got shape {tuple(gate.shape)}"
+        )
+    if gate.device != device:
+        raise ValueError(f"gate: expected a tensor on {device} like x, got one on {gate.device}")
+
+
+def _check_tensors(x, residual, weight, bias, gate) -> int:
+    """Every tensor argument's type, dtype, shape and device against x's; returns the hidden size."""
+    x = _check_float_tensor("x", x)
+    residual = _check_float_tensor("residual", residual)
+    if x.ndim == 0 or x.shape[-1] == 0:
+        raise ValueError(
+            "x: expected at least one dimension with a non-empty last (hidden) one, got shape "
+            f"{tuple(x.shape)}"
+        )
+    if residual.shape != x.shape:
+        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if residual.device != x.device:
+        raise ValueError(f"residual: expected a tensor on {x.device} like x, got one on {residual.device}")
+    hidden = x.shape[-1]
+    _check_vector("weight", weight, hidden, x.device)
+    _check_vector("bias", bias, hidden, x.device)
+    if gate is not None:
+        _check_gate(gate, hidden, x.device)
+    return hidden
+
+
+def _new_plan(
+    x,
+    residual,
+    weight,
+    bias,
+    gate,
+    norm,
+    eps,
+    prenorm,
+    alpha,
+    dropout_p,
+    training,
+    in_fp32,
+    out_dtype,
+    backend,
+):
+    """Check every argument (a clear error naming the first bad one) and build the call's plan."""
+    _check_tensors(x, residual, weight, bias, gate)
+    if not isinstance(norm, str):
+        raise TypeError(f"norm: expected 'layernorm' or 'rmsnorm', got {type(norm).__name__}")
+    norm = _canonical_norm(norm)
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
+        raise TypeError(f"alpha: expected a finite Python float (the residual scale), got {alpha!r}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
+    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
+        raise TypeError(f"out_dtype: expected None or one of {FLOAT_DTYPES}, got {out_dtype!r}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    s_dtype = torch.float32 if in_fp32 and residual.dtype != torch.float64 else residual.dtype
+    y_dtype = out_dtype or x.dtype
+    p = float(dropout_p) if training else 0.0
+    return Plan(x, residual, weight, bias, norm, eps, bool(prenorm), alpha, p, s_dtype, y_dtype, backend)
+
+
+def _seed_value(seed: object, device: torch.device, as_int: bool) -> int | Tensor:
+    """The dropout seed: drawn from torch's generator when None (so ``torch.manual_seed`` makes runs
+    reproducible), as a Python int (``as_int``: the NumPy mask) or an int64 tensor on ``device``."""
+    if seed is None:
+        t = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device=device)
+        return int(t) if as_int else t
+    if isinstance(seed, Tensor):
+        if seed.numel() != 1 or seed.dtype.is_floating_point or seed.dtype.is_complex:
+            raise ValueError(f"seed: expected an int or a one-element integer tensor, got {seed!r}")
+        return int(seed) & (2**64 - 1) if as_int else seed.to(device=device, dtype=torch.int64).reshape(())
+    if isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and 0 <= seed < 2**63:
+        return int(seed) if as_int else torch.tensor(int(seed), dtype=torch.int64, device=device)
+    raise ValueError(f"seed: expected None, an int in [0, 2**63) or an integer tensor, got {seed!r}")
 
 
 def add_norm(
@@ -67,85 +217,132 @@ def add_norm(
     vector of the hidden size (LayerScale); ``weight`` None means no affine. Statistics are in fp32;
     s has residual's dtype (fp32 with ``residual_in_fp32``), y has ``out_dtype`` or x's dtype.
 
-    Dropout (``dropout_p`` > 0 and ``training``) uses a counter-based hash of (seed, row, column)
-    (:func:`addnorm.ops.dropout_keep_mask`), regenerated in backward, never stored; the same seed gives
-    the same mask on every backend. ``seed=None`` draws one from torch's generator, so
-    ``torch.manual_seed`` makes runs reproducible. The mask differs from ``nn.Dropout``'s.
+    Dropout (``dropout_p`` > 0 and ``training``) with a ``seed`` uses a counter-based hash of (seed,
+    row, column) (:func:`addnorm.ops.dropout_keep_mask`, rows = x flattened to (-1, hidden)); the same
+    seed gives the same mask on every backend, in eager mode and under torch.compile (not
+    ``nn.Dropout``'s mask). ``seed=None`` draws a seed from torch's generator for the hashed mask,
+    except in eager mode on the CPU, where the mask is ``nn.Dropout``'s own (torch's Bernoulli draws,
+    element for element what ``F.dropout`` would drop). Either way ``torch.manual_seed`` makes runs
+    reproducible. The Triton path regenerates the mask in backward; the eager CPU path keeps the
+    multiplier for backward (as ``nn.Dropout`` keeps its mask).
 
     ``backend``: ``"auto"`` (Triton for CUDA tensors when triton is installed, else eager torch),
     ``"torch"`` or ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``); with ``"auto"`` the
-    environment variable ``ADDNORM_BACKEND`` may choose. Hidden sizes above 65,536 use the torch path.
+    environment variable ``ADDNORM_BACKEND`` (read at import) may choose. Hidden sizes above 65,536
+    use the torch path. Works under ``torch.compile`` (see :mod:`addnorm.ops.policy`) and
+    ``torch.func`` transforms (grad, vmap, ...: the composite of torch ops; under vmap every example
+    gets the same mask, drawn from the per-example shape).
     """
-    x = _check_float_tensor("x", x)
-    residual = _check_float_tensor("residual", residual)
-    if x.ndim == 0 or x.shape[-1] == 0:
-        raise ValueError(
-            f"x: expected at least one dimension with a non-empty last (hidden) one, got shape "
-            f"{tuple(x.shape)}"
-        )
-    if residual.shape != x.shape:
-        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if residual.device != x.device:
-        raise ValueError(f"residual: expected a tensor on {x.device} like x, got one on {residual.device}")
-    hidden = x.shape[-1]
-    weight = _check_vector("weight", weight, hidden, x.device)
-    bias = _check_vector("bias", bias, hidden, x.device)
+    compiling, plan, key = is_compiling(), None, None
+    if not compiling:
+        try:
+            xs = x.shape
+            key = (
+                x.dtype, residual.dtype, x.device, xs[-1], weight is None or weight.dtype,
+                bias is None or bias.dtype, norm, eps, prenorm, alpha, dropout_p if training else 0.0,
+                residual_in_fp32, out_dtype, backend,
+            )  # fmt: skip
+            plan = _PLANS.get(key)
+        except Exception:  # arguments that cannot be keyed: the checks below name the bad one
+            key = None
+    if plan is None:  # a new call signature (or under torch.compile: once per trace): checked in full
+        plan = _new_plan(
+            x, residual, weight, bias, gate, norm, eps, prenorm, alpha, dropout_p, training,
+            residual_in_fp32, out_dtype, backend,
+        )  # fmt: skip
+        if key is not None:
+            _PLANS[key] = plan
+    if compiling:
+        seed_t = _seed_value(seed, x.device, False) if plan.p else None
+        if policy.compile_path() == "composite":
+            return _composite(plan, x, residual, weight, bias, gate, seed_t)
+        return _via_op(plan, x, residual, weight, bias, gate, seed_t)
+    if residual.shape != xs:
+        raise ValueError(f"residual: expected the shape of x {tuple(xs)}, got {tuple(residual.shape)}")
+    traced = _get_current_dispatch_mode() is not None or type(x) is not Tensor
+    if plan.simple and gate is None and not traced:  # s = x + r, then the norm: eager's own ops
+        try:
+            s = x + residual
+            if plan.rms:
+                y = torch.rms_norm(s, plan.shape, weight, plan.eps)
+                if bias is not None:
+                    y = y + _bias_checked(bias, plan.shape)
+            else:
+                y = torch.layer_norm(s, plan.shape, weight, bias, plan.eps, False)
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            _check_tensors(x, residual, weight, bias, gate)  # a clear error for what torch rejected
+            raise
+        return (y, s) if plan.prenorm else y
     if gate is not None:
-        gate = _check_float_tensor("gate", gate)
-        if gate.numel() != 1 and tuple(gate.shape) != (hidden,):
-            raise ValueError(
-                f"gate: expected None, a one-element tensor (ReZero) or shape ({hidden},) (LayerScale), "
-                f"got shape {tuple(gate.shape)}"
-            )
-        if gate.device != x.device:
-            raise ValueError(f"gate: expected a tensor on {x.device} like x, got one on {gate.device}")
-    if not isinstance(norm, str):
-        raise TypeError(f"norm: expected 'layernorm' or 'rmsnorm', got {type(norm).__name__}")
-    norm = _canonical_norm(norm)
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps: expected a positive finite float, got {eps!r}")
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not math.isfinite(alpha):
-        raise TypeError(f"alpha: expected a finite Python float (the residual scale), got {alpha!r}")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, numbers.Real) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"dropout_p: expected a probability in [0, 1), got {dropout_p!r}")
-    if out_dtype is not None and out_dtype not in FLOAT_DTYPES:
-        raise TypeError(f"out_dtype: expected None or one of {FLOAT_DTYPES}, got {out_dtype!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-
-    seed_t = None
-    if training and dropout_p > 0:
-        if seed is None:
-            seed_t = torch.randint(0, _SEED_HIGH, (), dtype=torch.int64, device=x.device)
-        elif isinstance(seed, Tensor):
-            if seed.numel() != 1 or seed.dtype.is_floating_point or seed.dtype.is_complex:
-                raise ValueError(f"seed: expected an int or a one-element integer tensor, got {seed!r}")
-            seed_t = seed.to(device=x.device, dtype=torch.int64).reshape(())
-        elif isinstance(seed, numbers.Integral) and not isinstance(seed, bool) and 0 <= seed < 2**63:
-            seed_t = torch.tensor(int(seed), dtype=torch.int64, device=x.device)
+        _check_gate(gate, plan.hidden, x.device)
+    if plan.triton:
+        _check_vector("weight", weight, plan.hidden, x.device)
+        _check_vector("bias", bias, plan.hidden, x.device)
+        seed_t = _seed_value(seed, x.device, False) if plan.p else None
+        if torch._C._are_functorch_transforms_active():
+            return _composite(plan, x, residual, weight, bias, gate, seed_t)
+        if traced:
+            return _via_op(plan, x, residual, weight, bias, gate, seed_t)
+        return _via_function(plan, x, residual, weight, bias, gate, seed_t)
+    if traced:
+        return _via_op(
+            plan, x, residual, weight, bias, gate, _seed_value(seed, x.device, False) if plan.p else None
+        )
+    if plan.rms and bias is not None:
+        _bias_checked(bias, plan.shape)
+    mult = None
+    if plan.p:
+        if seed is None and plan.np_dtype is not None:
+            # the CPU with no seed given: torch's Bernoulli draws, exactly as nn.Dropout makes them
+            # (a drawn seed's hashed mask costs ~2x a whole eager call here; no other backend draws
+            # the same seed from the same generator, so no equality across backends is lost)
+            mult = torch.empty(xs, dtype=plan.composite.cdt).bernoulli_(1.0 - plan.p).div_(1.0 - plan.p)
+        elif plan.np_dtype is not None:  # the CPU, a given seed: the hashed mask in NumPy, kept for backward
+            rows = x.numel() // plan.hidden
+            keep = dropout_keep_mask_numpy(_seed_value(seed, x.device, True), rows, plan.hidden, plan.p)
+            mult = torch.from_numpy((keep * plan.np_dtype(plan.scale)).reshape(xs))
         else:
-            raise ValueError(f"seed: expected None, an int in [0, 2**63) or an integer tensor, got {seed!r}")
-    p = float(dropout_p) if seed_t is not None else 0.0
+            mult = dropout_multiplier(_seed_value(seed, x.device, False), x, plan.p, plan.composite.cdt)
+    try:
+        y, s = plan.composite(x, residual, weight, bias, gate, mult)
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        _check_tensors(x, residual, weight, bias, gate)  # a clear error for what torch rejected
+        raise
+    return (y, s) if plan.prenorm else y
 
-    s_dtype = torch.float32 if residual_in_fp32 and residual.dtype != torch.float64 else residual.dtype
-    y_dtype = out_dtype or x.dtype
-    shape = x.shape
-    y, s = add_norm_2d(
-        x.reshape(-1, hidden),  # (rows, hidden): leading dimensions flattened
-        residual.reshape(-1, hidden),
-        weight,
-        bias,
-        gate,
-        seed_t,
-        norm,
-        float(eps),
-        float(alpha),
-        p,
-        s_dtype,
-        y_dtype,
-        bool(prenorm),
-        x.device.type == "cuda" or backend == "triton",  # Post-LN: recompute x_hat from y, as on the GPU
-        backend,
-    )
-    y = y.reshape(shape)
-    return (y, s.reshape(shape)) if prenorm else y
+
+def _bias_checked(bias: Tensor, shape: torch.Size) -> Tensor:
+    """RMSNorm's bias, added after ``torch.rms_norm``: checked, since an add would broadcast it."""
+    if bias.shape != shape:
+        raise ValueError(
+            f"bias: expected shape ({shape[0]},) (the hidden size) or None, got {tuple(bias.shape)}"
+        )
+    return bias
+
+
+def _via_function(plan: Plan, x, residual, weight, bias, gate, seed_t) -> Tensor | tuple[Tensor, Tensor]:
+    """The call through :class:`TritonAddNorm` on (rows, hidden) views (eager, Triton backend)."""
+    xs, hidden = x.shape, plan.hidden
+    y, s = TritonAddNorm.apply(
+        x.reshape(-1, hidden), residual.reshape(-1, hidden), weight, bias, gate, seed_t, plan.norm, plan.eps,
+        plan.alpha, plan.p, plan.s_dtype, plan.y_dtype, plan.prenorm, plan.xhat_from, plan.backend,
+    )[:2]  # fmt: skip
+    return (y.view(xs), s.view(xs)) if plan.prenorm else y.view(xs)
+
+
+def _composite(plan: Plan, x, residual, weight, bias, gate, seed_t) -> Tensor | tuple[Tensor, Tensor]:
+    """The call as the composite of torch ops, the multiplier from the hashed mask in torch ops."""
+    mult = dropout_multiplier(seed_t, x, plan.p, plan.composite.cdt) if plan.p else None
+    y, s = plan.composite(x, residual, weight, bias, gate, mult)
+    return (y, s) if plan.prenorm else y
+
+
+def _via_op(plan: Plan, x, residual, weight, bias, gate, seed_t) -> Tensor | tuple[Tensor, Tensor]:
+    """The call through the registered op ``addnorm::add_norm_fwd`` on (rows, hidden) views."""
+    shape, hidden = x.shape, plan.hidden
+    a = FwdArgs(
+        x.reshape(-1, hidden), residual.reshape(-1, hidden), weight, bias, gate, seed_t, plan.norm, plan.eps,
+        plan.alpha, plan.p, plan.s_dtype, plan.y_dtype, plan.prenorm, plan.xhat_from, plan.backend,
+    )  # fmt: skip
+    y, s = add_norm_fwd(*a)[:2]
+    return (y.reshape(shape), s.reshape(shape)) if plan.prenorm else y.reshape(shape)

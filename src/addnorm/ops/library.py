@@ -1,11 +1,13 @@
-"""``torch.library`` registration of the fused Add & Norm: two custom ops and their autograd.
+"""The fused Add & Norm as registered ops and autograd: backend choice, ``addnorm::add_norm_fwd`` /
+``addnorm::add_norm_bwd`` and the eager autograd function of the Triton path.
 
-``addnorm::add_norm_fwd`` and ``addnorm::add_norm_bwd`` work on 2-D (rows, hidden) tensors. Their
-implementation picks a backend at run time (:func:`resolve_backend`): the Triton kernels
-(``triton_add_norm``) or the eager torch path (``reference``). Fake (meta) implementations let
-``torch.compile(fullgraph=True)`` trace them as opaque nodes, and the autograd formula calls the
-backward op, which regenerates the dropout mask from the seed. In eager mode :func:`add_norm_2d` runs
-the same implementations through a plain ``autograd.Function``, skipping the custom-op dispatch.
+The two ops take :class:`~addnorm.ops.args.FwdArgs` / :class:`~addnorm.ops.args.BwdArgs` (their
+schemas are generated from those fields) on 2-D (rows, hidden) tensors. Where CUDA and triton are
+present they are ``torch.library.triton_op``s: under torch.compile their body is traced and Inductor
+launches the Triton kernels itself (``wrap_triton``), with no Python per call; elsewhere they are
+``custom_op``s running the torch path. Either way the autograd formula calls the backward op, which
+regenerates the dropout mask from the seed. Eager calls on the Triton backend skip the op dispatch and
+run the same launchers through :class:`TritonAddNorm` (``addnorm.ops.functional`` decides).
 """
 
 from __future__ import annotations
@@ -13,19 +15,34 @@ from __future__ import annotations
 import importlib.util
 import os
 import warnings
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .reference import add_norm_bwd_torch, add_norm_fwd_autograd, add_norm_fwd_torch, compute_dtype
+from .args import (
+    MAX_FUSED_HIDDEN,
+    TRITON_DTYPES,
+    XHAT_FROM_S,
+    XHAT_FROM_XR,
+    XHAT_FROM_Y,
+    BwdArgs,
+    FwdArgs,
+    interpreting,
+    op_signature,
+)
+from .torch_path import add_norm_bwd_torch, add_norm_fwd_torch
 
-__all__ = ["BACKENDS", "MAX_FUSED_HIDDEN", "add_norm_2d", "add_norm_bwd", "add_norm_fwd", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "TritonAddNorm",
+    "add_norm_bwd",
+    "add_norm_fwd",
+    "read_backend_env",
+    "resolve_backend",
+    "triton_available",
+]
 
 BACKENDS = ("auto", "torch", "triton")
-MAX_FUSED_HIDDEN = 65536  # one row per pass in the Triton kernels; wider rows take the torch path
-TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _warned: set[str] = set()
 
 
@@ -34,22 +51,32 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+def read_backend_env() -> str:
+    """Read ``ADDNORM_BACKEND``, the backend that ``"auto"`` stands for (at import, and again only when
+    this is called: no environment lookup per call), and return it."""
+    global _ENV_BACKEND
+    _ENV_BACKEND = os.environ.get("ADDNORM_BACKEND", "auto").strip().lower() or "auto"
+    from . import functional  # its cached call plans hold resolved backends
+
+    functional.clear_plans()
+    return _ENV_BACKEND
+
+
+_ENV_BACKEND = os.environ.get("ADDNORM_BACKEND", "auto").strip().lower() or "auto"
 
 
 def _warn_once(msg: str) -> None:
     if msg not in _warned:
         _warned.add(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
 def resolve_backend(backend: str, device: torch.device, hidden: int, dtypes: tuple[torch.dtype, ...]) -> str:
-    """``"torch"`` or ``"triton"`` for a call: an explicit ``backend`` wins, then the environment
-    variable ``ADDNORM_BACKEND``, then auto (triton for CUDA tensors when triton imports).
-    Rows wider than ``MAX_FUSED_HIDDEN`` and float64 fall back to torch."""
+    """``"torch"`` or ``"triton"`` for a call: an explicit ``backend`` wins, then ``ADDNORM_BACKEND``
+    (see :func:`read_backend_env`), then auto (triton for CUDA tensors when triton imports). Rows
+    wider than ``MAX_FUSED_HIDDEN`` and float64 fall back to torch."""
     if backend == "auto":
-        backend = os.environ.get("ADDNORM_BACKEND", "auto").strip().lower() or "auto"
+        backend = _ENV_BACKEND
         if backend not in BACKENDS:
             raise ValueError(f"ADDNORM_BACKEND: expected one of {BACKENDS}, got {backend!r}")
         if backend == "auto":
@@ -60,15 +87,15 @@ def resolve_backend(backend: str, device: torch.device, hidden: int, dtypes: tup
         return "torch"
     if not triton_available():
         raise RuntimeError("backend='triton': triton is not installed (pip install 'addnorm[triton]')")
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not interpreting():
         raise RuntimeError(
             f"backend='triton': tensors are on {device.type}, and Triton kernels run on CUDA only, or on "
             "the CPU with TRITON_INTERPRET=1 set before triton is imported; use backend='torch' or 'auto'"
         )
     if device.type == "cpu":
-        from .triton_add_norm import add_norm_fwd_kernel_is_interpreted
+        from .triton_add_norm import kernels_are_interpreted
 
-        if not add_norm_fwd_kernel_is_interpreted():
+        if not kernels_are_interpreted():
             raise RuntimeError(
                 "backend='triton' on CPU tensors: the kernels were compiled before TRITON_INTERPRET=1 "
                 "was set; set it before importing addnorm's Triton kernels"
@@ -78,180 +105,98 @@ def resolve_backend(backend: str, device: torch.device, hidden: int, dtypes: tup
         raise TypeError(f"backend='triton': supports float32, float16 and bfloat16 tensors, got {bad[0]}")
     if hidden > MAX_FUSED_HIDDEN:
         _warn_once(
-            f"add_norm: hidden size {hidden} > {MAX_FUSED_HIDDEN} does not fit one Triton pass; "
+            f"add_norm: hidden size {hidden} > {MAX_FUSED_HIDDEN} exceeds the Triton kernels' widest row; "
             "using the torch path"
         )
         return "torch"
     return "triton"
 
 
-# --- forward ------------------------------------------------------------------------------------
+def _on_triton(backend: str, t: Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
+    """Whether an op body runs the Triton launchers: the backend resolves to triton, and on the CPU
+    (interpreter) only for real tensors (fake or functional ones, while tracing, take the torch path,
+    which has the same outputs' metadata)."""
+    if resolve_backend(backend, t.device, t.shape[-1], dtypes) != "triton":
+        return False
+    return t.device.type == "cuda" or type(t) is Tensor
 
 
-def add_norm_fwd_impl(
-    x: Tensor,
-    residual: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    gate: Tensor | None,
-    seed: Tensor | None,
-    norm: str,
-    eps: float,
-    alpha: float,
-    dropout_p: float,
-    s_dtype: torch.dtype,
-    y_dtype: torch.dtype,
-    prenorm: bool,
-    recompute_from_y: bool,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(y, s or empty, mean or empty, rstd) for 2-D x, residual. s is returned for ``prenorm``, and for
-    Post-LN unless ``recompute_from_y`` (then s is never written: backward takes x_hat from y, or from
-    s recomputed from x and residual where that is unsafe)."""
-    store_s = prenorm or not recompute_from_y
-    args = (x, residual, weight, bias, gate, seed, norm, eps, alpha, dropout_p, s_dtype, y_dtype, store_s)
-    dtypes = (x.dtype, residual.dtype, s_dtype, y_dtype)
-    if resolve_backend(backend, x.device, x.shape[-1], dtypes) == "triton":
-        from .triton_add_norm import add_norm_fwd_triton
-
-        return add_norm_fwd_triton(*args)
-    return add_norm_fwd_torch(*args)
+# --- the registered ops --------------------------------------------------------------------------
 
 
-add_norm_fwd = torch.library.custom_op("addnorm::add_norm_fwd", add_norm_fwd_impl, mutates_args=())
+def _use_triton_op() -> bool:
+    """``torch.library.triton_op`` where its kernels can run (CUDA and triton present; it imports
+    triton), a ``custom_op`` elsewhere. ``ADDNORM_TRITON_OP=1``/``0`` forces the choice (read once)."""
+    forced = os.environ.get("ADDNORM_TRITON_OP", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1" and triton_available()
+    return triton_available() and torch.cuda.is_available()
 
 
-@add_norm_fwd.register_fake
-def _add_norm_fwd_fake(
-    x,
-    residual,
-    weight,
-    bias,
-    gate,
-    seed,
-    norm,
-    eps,
-    alpha,
-    dropout_p,
-    s_dtype,
-    y_dtype,
-    prenorm,
-    recompute_from_y,
-    backend,
-):
-    rows, hidden = x.shape
-    store_s = prenorm or not recompute_from_y
-    stat = compute_dtype(x.dtype, residual.dtype, s_dtype)
-    y = x.new_empty(rows, hidden, dtype=y_dtype)
-    s = x.new_empty(rows, hidden, dtype=s_dtype) if store_s else x.new_empty(0, dtype=s_dtype)
-    mean = x.new_empty(rows if norm == "layernorm" else 0, dtype=stat)
-    return y, s, mean, x.new_empty(rows, dtype=stat)
+TRITON_OP = _use_triton_op()
+if TRITON_OP:  # imported here, so that triton_op's analysis of the op bodies finds the kernels
+    from .triton_add_norm import add_norm_bwd_triton, add_norm_fwd_triton
+else:  # imported on first use: only where the Triton backend runs (the CPU interpreter)
+
+    def add_norm_fwd_triton(a: FwdArgs, *, traceable: bool = False) -> tuple[Tensor, ...]:
+        from . import triton_add_norm
+
+        return triton_add_norm.add_norm_fwd_triton(a, traceable=traceable)
+
+    def add_norm_bwd_triton(a: BwdArgs, *, traceable: bool = False) -> tuple[Tensor, ...]:
+        from . import triton_add_norm
+
+        return triton_add_norm.add_norm_bwd_triton(a, traceable=traceable)
 
 
-# --- backward -----------------------------------------------------------------------------------
+def _fwd_body(a: FwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(y, s or empty, mean or empty, rstd) for 2-D x and residual."""
+    if _on_triton(a.backend, a.x, (a.x.dtype, a.residual.dtype, a.s_dtype, a.y_dtype)):
+        return add_norm_fwd_triton(a, traceable=True)
+    return add_norm_fwd_torch(a)
 
 
-def add_norm_bwd_impl(
-    dy: Tensor,
-    ds: Tensor | None,
-    saved: Tensor,
-    saved_is_y: bool,
-    x: Tensor | None,
-    residual: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    gate: Tensor | None,
-    seed: Tensor | None,
-    mean: Tensor,
-    rstd: Tensor,
-    norm: str,
-    alpha: float,
-    dropout_p: float,
-    x_dtype: torch.dtype,
-    res_dtype: torch.dtype,
-    s_dtype: torch.dtype,
-    need_dx: bool,
-    backend: str,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dx or empty, dresidual, dweight or empty, dbias or empty, dgate or empty). x is needed for dgate
-    and, with residual, where x_hat cannot come from y (``saved_is_y``; see ``reference.xhat_from_y_ok``)."""
-    args = (dy, ds, saved, saved_is_y, x, residual, weight, bias, gate, seed, mean, rstd, norm, alpha)
-    args = (*args, dropout_p, x_dtype, res_dtype, s_dtype, need_dx)
-    dtypes = (dy.dtype, saved.dtype, x_dtype, res_dtype, s_dtype)
-    if rstd.dtype == torch.float32 and resolve_backend(backend, dy.device, dy.shape[-1], dtypes) == "triton":
-        from .triton_add_norm import add_norm_bwd_triton
-
-        return add_norm_bwd_triton(*args)
-    return add_norm_bwd_torch(*args)
+def _bwd_body(a: BwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(dx or empty, dresidual, dweight or empty, dbias or empty, dgate or empty)."""
+    dtypes = (a.dy.dtype, a.saved.dtype, a.x_dtype, a.res_dtype, a.s_dtype)
+    if a.rstd.dtype == torch.float32 and _on_triton(a.backend, a.dy, dtypes):
+        return add_norm_bwd_triton(a, traceable=True)
+    return add_norm_bwd_torch(a)
 
 
-add_norm_bwd = torch.library.custom_op("addnorm::add_norm_bwd", add_norm_bwd_impl, mutates_args=())
+def add_norm_fwd_op(*args):
+    return _fwd_body(FwdArgs._make(args))
 
 
-@add_norm_bwd.register_fake
-def _add_norm_bwd_fake(
-    dy,
-    ds,
-    saved,
-    saved_is_y,
-    x,
-    residual,
-    weight,
-    bias,
-    gate,
-    seed,
-    mean,
-    rstd,
-    norm,
-    alpha,
-    dropout_p,
-    x_dtype,
-    res_dtype,
-    s_dtype,
-    need_dx,
-    backend,
-):
-    rows, hidden = saved.shape
-    dx = dy.new_empty(rows, hidden, dtype=x_dtype) if need_dx else dy.new_empty(0, dtype=x_dtype)
-    dres = dy.new_empty(rows, hidden, dtype=res_dtype)
-    dw = weight.new_empty(weight.shape) if weight is not None else dy.new_empty(0, dtype=rstd.dtype)
-    db = bias.new_empty(bias.shape) if bias is not None else dy.new_empty(0, dtype=rstd.dtype)
-    dg = gate.new_empty(gate.shape) if gate is not None else dy.new_empty(0, dtype=rstd.dtype)
-    return dx, dres, dw, db, dg
+def add_norm_bwd_op(*args):
+    return _bwd_body(BwdArgs._make(args))
 
 
-# --- autograd -----------------------------------------------------------------------------------
+def _register(name: str, body, args_type, returns: int):
+    body.__signature__ = op_signature(args_type, returns)
+    if TRITON_OP:
+        return torch.library.triton_op(name, body, mutates_args=())
+    op = torch.library.custom_op(name, body, mutates_args=())
+    op.register_fake(body)  # the torch path runs on fake tensors as well
+    return op
 
 
-class FwdArgs(NamedTuple):
-    """``add_norm_fwd``'s arguments by name (autograd receives them as a tuple)."""
-
-    x: Tensor
-    residual: Tensor
-    weight: Tensor | None
-    bias: Tensor | None
-    gate: Tensor | None
-    seed: Tensor | None
-    norm: str
-    eps: float
-    alpha: float
-    dropout_p: float
-    s_dtype: torch.dtype
-    y_dtype: torch.dtype
-    prenorm: bool
-    recompute: bool
-    backend: str
+add_norm_fwd = _register("addnorm::add_norm_fwd", add_norm_fwd_op, FwdArgs, 4)
+add_norm_bwd = _register("addnorm::add_norm_bwd", add_norm_bwd_op, BwdArgs, 5)
 
 
-def _setup_context(ctx, inputs, output) -> None:
-    a = FwdArgs(*inputs)
+# --- autograd ------------------------------------------------------------------------------------
+
+
+def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
+    a = FwdArgs._make(inputs)
     y, s, mean, rstd = output
-    # Pre-LN keeps s (an output anyway). Post-LN keeps s (the CPU policy, where recomputing costs time)
-    # or y (the CUDA policy: the forward writes only y): backward takes x_hat = (y - b) / w where
-    # w_j != 0 and |b_j| <= |w_j|, else from s recomputed from x and residual, which are kept alive
-    # (references, not copies: the memory cost of one activation).
-    from_y = a.recompute and not a.prenorm
-    keep_xr = from_y and (a.weight is not None or a.bias is not None)  # no affine: x_hat = y everywhere
+    # Pre-LN keeps s (an output anyway); Post-LN keeps what its xhat_from says: s (S), y (Y: x and
+    # residual too where an affine may make some columns recompute s), or x and residual (XR). x
+    # and residual are references, not copies: the memory cost of one activation.
+    xhat_from = XHAT_FROM_S if a.prenorm else a.xhat_from
+    with_affine = a.weight is not None or a.bias is not None
+    keep_xr = xhat_from == XHAT_FROM_XR or (xhat_from == XHAT_FROM_Y and with_affine)
     ctx.save_for_backward(
         a.x if a.gate is not None or keep_xr else None,
         a.residual if keep_xr else None,
@@ -259,55 +204,29 @@ def _setup_context(ctx, inputs, output) -> None:
         a.bias,
         a.gate,
         a.seed,
-        y if from_y else s,
+        y if xhat_from == XHAT_FROM_Y else s,
         mean,
         rstd,
     )
-    ctx.meta = (
-        a.norm,
-        a.alpha,
-        a.dropout_p,
-        a.prenorm,
-        from_y,
-        a.backend,
-        a.x.dtype,
-        a.residual.dtype,
-        a.s_dtype,
-    )
-    ctx.dropout = a.seed is not None and a.dropout_p > 0
+    ctx.meta = (a.norm, a.alpha, a.dropout_p, a.prenorm, xhat_from, a.x.dtype, a.residual.dtype, a.s_dtype)
+    ctx.backend = a.backend
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs that go unused
 
 
-def _grads(bwd, ctx, dy, ds):
-    """The gradients of add_norm_fwd's inputs, computed by ``bwd`` (the backward op or its impl)."""
+def _grads(bwd, ctx, dy: Tensor | None, ds: Tensor | None) -> tuple:
+    """The gradients of add_norm_fwd's inputs, computed by ``bwd`` (the backward op or a launcher)."""
     x, residual, weight, bias, gate, seed, saved, mean, rstd = ctx.saved_tensors
-    norm, alpha, p, prenorm, from_y, backend, x_dtype, res_dtype, s_dtype = ctx.meta
-    if dy is None:
+    norm, alpha, p, prenorm, xhat_from, x_dtype, res_dtype, s_dtype = ctx.meta
+    if dy is None:  # only s was used (Pre-LN: saved is s)
         dy = torch.zeros_like(saved)
+    dropout = seed is not None and p > 0
     # dx differs from dresidual unless the branch is the identity and the dtypes agree
-    need_dx = ctx.dropout or gate is not None or alpha != 1.0 or x_dtype != res_dtype
-    dx, dres, dw, db, dg = bwd(
-        dy,
-        ds if prenorm else None,
-        saved,
-        from_y,
-        x,
-        residual,
-        weight,
-        bias,
-        gate,
-        seed,
-        mean,
-        rstd,
-        norm,
-        alpha,
-        p,
-        x_dtype,
-        res_dtype,
-        s_dtype,
-        need_dx,
-        backend,
-    )
+    need_dx = dropout or gate is not None or alpha != 1.0 or x_dtype != res_dtype
+    a = BwdArgs(
+        dy, ds if prenorm else None, saved, x, residual, weight, bias, gate, seed, mean, rstd, norm, alpha, p,
+        xhat_from, x_dtype, res_dtype, s_dtype, need_dx, ctx.backend,
+    )  # fmt: skip
+    dx, dres, dw, db, dg = bwd(a)
     if not need_dx:
         dx = dres
     return (
@@ -316,55 +235,28 @@ def _grads(bwd, ctx, dy, ds):
         dw if weight is not None else None,
         db if bias is not None else None,
         dg if gate is not None else None,
-        *([None] * 10),
+        *([None] * (len(FwdArgs._fields) - 5)),
     )
 
 
 def _backward(ctx, dy, ds, _dmean, _drstd):
-    return _grads(add_norm_bwd, ctx, dy, ds)
+    return _grads(lambda a: add_norm_bwd(*a), ctx, dy, ds)
 
 
 add_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _EagerAddNorm(torch.autograd.Function):
-    """The same forward, context and backward as the registered op, without its dispatch: in eager
-    mode the custom-op machinery costs about 0.3 ms a call in Python, as much as the kernels of a
-    small model's add and norm. (The old-style ``forward(ctx, ...)``: a ``setup_context`` method would
-    make ``apply`` inspect the signature on every call.)"""
+class TritonAddNorm(torch.autograd.Function):
+    """The Triton launchers under autograd without the op dispatch (eager calls): the same context
+    and backward as the registered op. (The old-style ``forward(ctx, ...)``: a ``setup_context``
+    method would make ``apply`` inspect the signature on every call.)"""
 
     @staticmethod
     def forward(ctx, *args):
-        out = add_norm_fwd_impl(*args)
+        out = add_norm_fwd_triton(FwdArgs._make(args))
         _setup_context(ctx, args, out)
         return out
 
     @staticmethod
     def backward(ctx, dy, ds, _dmean, _drstd):
-        return _grads(add_norm_bwd_impl, ctx, dy, ds)
-
-
-def add_norm_2d(*args) -> tuple[Tensor, Tensor]:
-    """(y, s or empty) of ``add_norm_fwd(*args)`` with autograd: the registered op wherever something
-    traces (Dynamo / torch.compile, a dispatch mode such as make_fx or fake tensors, a tensor
-    subclass), plain autograd otherwise: LayerNorm without dropout on CPU tensors through torch's own
-    autograd (:func:`reference.add_norm_fwd_autograd`), the rest through the op's implementations."""
-    if (
-        torch.compiler.is_compiling()
-        or _get_current_dispatch_mode() is not None
-        or type(args[0]) is not Tensor
-    ):
-        return add_norm_fwd(*args)[:2]
-    a = FwdArgs(*args)
-    if (
-        a.norm == "layernorm"
-        and (a.seed is None or a.dropout_p == 0)
-        and a.x.device.type == "cpu"
-        and resolve_backend(a.backend, a.x.device, a.x.shape[-1], (a.x.dtype, a.residual.dtype, a.s_dtype))
-        == "torch"
-    ):
-        store_s = a.prenorm or not a.recompute  # as add_norm_fwd returns it
-        return add_norm_fwd_autograd(
-            a.x, a.residual, a.weight, a.bias, a.gate, a.alpha, a.eps, a.s_dtype, a.y_dtype, store_s
-        )
-    return _EagerAddNorm.apply(*args)[:2]
+        return _grads(add_norm_bwd_triton, ctx, dy, ds)

@@ -1,4 +1,5 @@
-"""Eager PyTorch Add & Norm: the CPU path of :func:`addnorm.ops.add_norm` and the test oracle.
+"""The definition of the fused Add & Norm: the float64 oracle the op is tested against, and its
+dropout mask.
 
     s = alpha * residual + gate * dropout(x)
     y = N(s),  N = LayerNorm (Ba et al. 2016): w * (s - mean) / sqrt(var + eps) + b
@@ -6,11 +7,15 @@
 
 The dropout mask is not drawn from torch's RNG but from a counter-based hash of (seed, row, column),
 so it can be regenerated in backward instead of being stored, and the Triton kernels produce the same
-mask bit for bit (:func:`dropout_keep_mask` is the definition both follow).
+mask bit for bit (:func:`dropout_keep_mask` is the definition every backend follows; the eager CPU
+path computes it with NumPy, :func:`dropout_keep_mask_numpy`, a few times faster on small tensors).
 """
 
 from __future__ import annotations
 
+import functools
+
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -21,6 +26,7 @@ __all__ = [
     "HASH_ROW",
     "add_norm_reference",
     "dropout_keep_mask",
+    "dropout_keep_mask_numpy",
     "dropout_threshold",
     "hash32",
     "xhat_from_y_ok",
@@ -84,8 +90,52 @@ def dropout_keep_mask(
     h = torch.bitwise_xor(_as_int32(a)[:, None], _as_int32(c)[None, :])
     _hash32_int32_(h, torch.empty_like(h))
     # unsigned h >= (threshold << 8), i.e. (h >> 8) >= threshold, as a signed comparison
+    bound = dropout_threshold(p) << 8
+    if bound > _M32:  # p within 2**-25 of 1: every element dropped
+        return torch.zeros(rows, cols, dtype=torch.bool, device=device)
     h.bitwise_xor_(-(2**31))
-    return h >= (dropout_threshold(p) << 8) - 2**31
+    return h >= bound - 2**31
+
+
+@functools.lru_cache(maxsize=64)
+def _line_hash_base(n: int, mult: int) -> np.ndarray:
+    """(i * mult) mod 2**32 for i < n, uint32 (read-only: shared between calls)."""
+    v = (np.arange(n, dtype=np.uint64) * np.uint64(mult)).astype(np.uint32)
+    v.flags.writeable = False
+    return v
+
+
+_NP_STEPS = tuple(
+    (np.uint32(shift), None if m is None else np.uint32(m))
+    for shift, m in ((16, HASH_M1), (15, HASH_M2), (16, None))
+)
+
+
+def _hash32_numpy_(v: np.ndarray, tmp: np.ndarray) -> np.ndarray:
+    """:func:`hash32` in place on uint32 (wrapping multiplication, logical shifts)."""
+    for shift, mult in _NP_STEPS:
+        np.right_shift(v, shift, out=tmp)
+        np.bitwise_xor(v, tmp, out=v)
+        if mult is not None:
+            np.multiply(v, mult, out=v)
+    return v
+
+
+def dropout_keep_mask_numpy(seed: int, rows: int, cols: int, p: float) -> np.ndarray:
+    """:func:`dropout_keep_mask` for an int ``seed`` as a NumPy bool array: the same bits, computed in
+    uint32 (fewer, cheaper operations than torch's int64/int32 ones: the eager CPU path's mask)."""
+    k0, k1 = np.uint32(seed & _M32), np.uint32((seed >> 32) & _M32)
+    a = _line_hash_base(rows, HASH_ROW) + k1
+    tmp = np.empty_like(a)
+    _hash32_numpy_(a, tmp)
+    np.bitwise_xor(a, k0, out=a)
+    _hash32_numpy_(a, tmp)
+    h = np.bitwise_xor(a[:, None], _line_hash_base(cols, HASH_COL)[None, :])
+    _hash32_numpy_(h, np.empty_like(h))
+    bound = dropout_threshold(p) << 8
+    if bound > _M32:
+        return np.zeros((rows, cols), dtype=bool)
+    return h >= np.uint32(bound)
 
 
 def _as_int32(v: Tensor) -> Tensor:
@@ -165,14 +215,6 @@ def add_norm_reference(
     return (y, s) if prenorm else y
 
 
-# --- the CPU path of the op (torch kernels with explicit backward) --------------------------------
-
-
-def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """Statistics and accumulation dtype: float32, or float64 when an input is float64."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
-
-
 def xhat_from_y_ok(weight: Tensor | None, bias: Tensor | None) -> Tensor | None:
     """The columns where Post-LN backward may take x_hat = (y - b) / w from the output y:
 
@@ -188,190 +230,3 @@ def xhat_from_y_ok(weight: Tensor | None, bias: Tensor | None) -> Tensor | None:
         return bias.abs() <= 1.0
     ok = weight != 0
     return ok if bias is None else ok & (bias.abs() <= weight.abs())
-
-
-def _stream(
-    x: Tensor,
-    residual: Tensor,
-    gate: Tensor | None,
-    keep: Tensor | None,
-    alpha: float,
-    dropout_p: float,
-    cdt: torch.dtype,
-    s_dtype: torch.dtype,
-) -> tuple[Tensor, Tensor]:
-    """s = alpha * residual + gate * dropout(x) in ``cdt`` (``keep``: the dropout keep mask or None):
-    returns (s in s_dtype, s rounded to s_dtype and back in cdt). Forward and backward (recomputing s)
-    both call this, so the two agree bit for bit."""
-    xf = x if x.dtype == cdt else x.to(cdt)
-    if keep is not None:
-        xf = torch.where(keep, xf * (1.0 / (1.0 - dropout_p)), 0.0)
-    if gate is not None:
-        xf = xf * gate.to(cdt)
-    rf = residual if residual.dtype == cdt else residual.to(cdt)
-    s = torch.add(xf, rf, alpha=alpha) if alpha != 1.0 else xf + rf
-    s_out = s.to(s_dtype)
-    return s_out, s if s_dtype == cdt else s_out.to(cdt)  # the stream is rounded as stored
-
-
-def _keep(seed: Tensor | None, rows: int, hidden: int, p: float, device: torch.device) -> Tensor | None:
-    """The dropout keep mask, or None without dropout."""
-    if seed is None or p <= 0:
-        return None
-    return dropout_keep_mask(seed, rows, hidden, p, device)
-
-
-def add_norm_fwd_torch(
-    x: Tensor,
-    residual: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    gate: Tensor | None,
-    seed: Tensor | None,
-    norm: str,
-    eps: float,
-    alpha: float,
-    dropout_p: float,
-    s_dtype: torch.dtype,
-    y_dtype: torch.dtype,
-    store_s: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Forward on 2-D (rows, hidden) inputs: returns (y, s or an empty tensor, mean or empty, rstd)."""
-    rows, hidden = x.shape
-    cdt = compute_dtype(x.dtype, residual.dtype, s_dtype)
-    keep = _keep(seed, rows, hidden, dropout_p, x.device)
-    s_out, s = _stream(x, residual, gate, keep, alpha, dropout_p, cdt, s_dtype)
-    w = None if weight is None else weight.to(cdt)
-    b = None if bias is None else bias.to(cdt)
-    if norm == "layernorm":
-        y, mean, rstd = torch.native_layer_norm(s, [hidden], w, b, eps)
-        mean = mean.reshape(rows)
-    else:
-        y, rstd = torch.ops.aten._fused_rms_norm(s, [hidden], w, eps)
-        if b is not None:
-            y = y + b
-        mean = s.new_empty(0)
-    y = y.to(y_dtype)
-    if not store_s:
-        s_out = s_out.new_empty(0)
-    return y, s_out, mean, rstd.reshape(rows)
-
-
-def add_norm_fwd_autograd(
-    x: Tensor,
-    residual: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    gate: Tensor | None,
-    alpha: float,
-    eps: float,
-    s_dtype: torch.dtype,
-    y_dtype: torch.dtype,
-    store_s: bool,
-) -> tuple[Tensor, Tensor]:
-    """:func:`add_norm_fwd_torch`'s LayerNorm without dropout, left to torch's autograd: (y, s or empty).
-
-    Its backward is the one :func:`add_norm_bwd_torch` computes (``native_layer_norm_backward`` plus
-    the add's), run by the C++ engine: for small CPU tensors the Python of an explicit backward costs
-    more than the kernels. With dropout the mask must be regenerated rather than kept, and for RMSNorm
-    the explicit backward is faster than torch's composite one: both stay with the explicit path."""
-    cdt = compute_dtype(x.dtype, residual.dtype, s_dtype)
-    s_out, s = _stream(x, residual, gate, None, alpha, 0.0, cdt, s_dtype)
-    w = None if weight is None else weight.to(cdt)
-    b = None if bias is None else bias.to(cdt)
-    y = torch.nn.functional.layer_norm(s, (s.shape[-1],), w, b, eps).to(y_dtype)
-    return y, s_out if store_s else s_out.new_empty(0)
-
-
-def add_norm_bwd_torch(
-    dy: Tensor,
-    ds: Tensor | None,
-    saved: Tensor,
-    saved_is_y: bool,
-    x: Tensor | None,
-    residual: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    gate: Tensor | None,
-    seed: Tensor | None,
-    mean: Tensor,
-    rstd: Tensor,
-    norm: str,
-    alpha: float,
-    dropout_p: float,
-    x_dtype: torch.dtype,
-    res_dtype: torch.dtype,
-    s_dtype: torch.dtype,
-    need_dx: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward on 2-D inputs. ``saved`` is s (``saved_is_y=False``: x_hat = (s - mean) * rstd, or
-    s * rstd for RMSNorm) or the output y (memory-efficient LayerNorm: s is never stored). From y,
-    x_hat = (y - b) / w where w_j != 0 and |b_j| <= |w_j| (:func:`xhat_from_y_ok`), else from s
-    recomputed from x and residual exactly as the forward computed it (same ops, dropout mask and
-    rounding to ``s_dtype``). Returns (dx or empty, dresidual, dweight or empty, dbias or empty,
-    dgate or empty)."""
-    rows, hidden = saved.shape
-    cdt = rstd.dtype
-    r = rstd.reshape(rows, 1)
-    dyf = dy.to(cdt)
-    w = None if weight is None else weight.to(cdt)
-    b = None if bias is None else bias.to(cdt)
-    keep = _keep(seed, rows, hidden, dropout_p, saved.device)
-    xhat = None
-    if saved_is_y:
-        xhat = saved.to(cdt)
-        if b is not None:
-            xhat = xhat - b
-        if w is not None:
-            xhat = xhat / w
-        ok = xhat_from_y_ok(w, b)
-        if ok is not None:  # pure ops, no sync: s is recomputed in every column, used where not ok
-            if x is None or residual is None:
-                raise ValueError("add_norm_bwd: x_hat from y with an affine needs x and residual")
-            s = _stream(x, residual, gate, keep, alpha, dropout_p, cdt, s_dtype)[1]
-            xhat = torch.where(ok, xhat, (s - mean.reshape(rows, 1) if norm == "layernorm" else s) * r)
-    if norm == "rmsnorm":
-        # x_hat = s * rstd; d/ds = rstd * (w dy - x_hat * mean(x_hat * w dy))
-        if xhat is None:
-            xhat = saved.to(cdt) * r
-        wdy = dyf * w if w is not None else dyf
-        c1 = (xhat * wdy).mean(-1, keepdim=True)
-        dsum = torch.addcmul(wdy, xhat, c1, value=-1.0).mul_(r)
-        dw = (dyf * xhat).sum(0) if w is not None else None
-        db = dyf.sum(0) if b is not None else None
-    else:
-        mask = [True, w is not None, b is not None]
-        if xhat is not None:
-            # the native kernel sees x_hat with mean 0 and rstd 1 and returns the gradient with
-            # respect to x_hat, which rstd turns into d/ds
-            mu = torch.zeros(rows, 1, dtype=cdt, device=saved.device)
-            one = torch.ones(rows, 1, dtype=cdt, device=saved.device)
-            dsum, dw, db = torch.ops.aten.native_layer_norm_backward(dyf, xhat, [hidden], mu, one, w, b, mask)
-            dsum = dsum * r
-        else:
-            dsum, dw, db = torch.ops.aten.native_layer_norm_backward(
-                dyf, saved.to(cdt), [hidden], mean.reshape(rows, 1), r, w, b, mask
-            )
-    if ds is not None:
-        dsum = dsum + ds.to(cdt)
-    dres = (dsum * alpha if alpha != 1.0 else dsum).to(res_dtype)
-    dgate = dsum.new_empty(0)
-    if need_dx:
-        dx = dsum
-        if gate is not None:
-            xd = x.to(cdt)
-            if keep is not None:
-                xd = torch.where(keep, xd * (1.0 / (1.0 - dropout_p)), 0.0)
-            gsum = (dsum * xd).sum(0)
-            dgate = (gsum.sum() if gate.numel() == 1 else gsum).reshape(gate.shape).to(gate.dtype)
-            dx = dx * gate.to(cdt)
-        if keep is not None:
-            dx = torch.where(keep, dx * (1.0 / (1.0 - dropout_p)), 0.0)
-        dx = dx.to(x_dtype)
-        if dx is dres:
-            dx = dx.clone()
-    else:
-        dx = dsum.new_empty(0)
-    dw = dsum.new_empty(0) if w is None or dw is None else dw.to(weight.dtype)
-    db = dsum.new_empty(0) if b is None or db is None else db.to(bias.dtype)
-    return dx, dres, dw, db, dgate

@@ -1,32 +1,47 @@
-"""Triton kernels of the fused Add & Norm (the CUDA path; ``TRITON_INTERPRET=1`` runs them on the CPU).
+"""Triton kernels of the fused Add & Norm and their launchers (CUDA, or the CPU interpreter).
 
-Forward, one program per row: s = alpha * r + g * dropout(x) (rounded to the stream's dtype), the
-statistics of s in fp32, y = N(s) (LayerNorm, Ba et al. 2016; RMSNorm, Zhang & Sennrich 2019).
-Backward, a fixed number of programs each looping over a block of rows: d/ds from x_hat, which is
-(s - mean) * rstd (s * rstd for RMSNorm) from the saved s for Pre-LN. For Post-LN the forward writes
-only y: x_hat = (y - b) / w where w_j != 0 and |b_j| <= |w_j|
-(:func:`addnorm.ops.reference.xhat_from_y_ok`), else from s recomputed from x and residual (the
-forward's own fp32 operations and rounding, bit for bit; x and residual are kept alive, the memory
-cost of one activation, and are read only in those columns). Per-program partial sums of dweight /
-dbias / dgate (fp32) are reduced afterwards by torch: deterministic, no atomics. The dropout mask is
+Forward, per tile of ``BLOCK_M`` rows x ``BLOCK_N`` columns (rows of at most ``BLOCK_N`` columns: one
+pass, the row in registers; wider rows in column chunks, two passes)::
+
+    s = alpha * r + g * dropout(x)   (rounded to s's dtype)      y = N(s) = w * x_hat + b
+    LayerNorm: x_hat = (s - mean) * rstd, rstd = 1 / sqrt(var + eps)   (Ba et al. 2016)
+    RMSNorm:   x_hat = s * rstd,          rstd = 1 / sqrt(mean(s^2) + eps)   (Zhang & Sennrich 2019)
+
+Chunked statistics merge per-chunk means and centred sums of squares (Chan et al. 1979), so the
+variance never comes from E[s^2] - mean^2.
+
+Backward, with g = w * dy and x_hat from s (saved), from y (x_hat = (y - b) / w where w_j != 0 and
+|b_j| <= |w_j|, see ``reference.xhat_from_y_ok``) or from s recomputed from x and residual::
+
+    LayerNorm: ds = rstd * (g - x_hat * mean(x_hat * g) - mean(g))
+    RMSNorm:   ds = rstd * (g - x_hat * mean(x_hat * g))
+
+Each program takes a contiguous run of row tiles and accumulates dweight / dbias / dgate over them in
+fp32 (per-program partial sums, summed afterwards by torch: deterministic, no atomics); chunked rows
+accumulate each chunk's partial sums in the program's row of the partial buffer. The dropout mask is
 regenerated from the seed with the hash of :func:`addnorm.ops.reference.dropout_keep_mask`, bit for bit.
+
+Launch configurations are chosen per hidden size and cached (:func:`fwd_config`, :func:`bwd_config`);
+the kernel variants they map to are compiled for sm_80 / sm_90 by ``triton_variants`` (no spills).
 
 This module imports triton at import time: import it lazily (``addnorm.ops`` does).
 """
 
 from __future__ import annotations
 
-import os
+import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+from torch.library import wrap_triton
 
+from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y, BwdArgs, FwdArgs, interpreting
 from .reference import HASH_COL, HASH_M1, HASH_M2, HASH_ROW, dropout_threshold
 
-MAX_FUSED_HIDDEN = 65536
-_S_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+S_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 # Triton kernels read module globals only as constexpr
 _M1 = tl.constexpr(HASH_M1)
 _M2 = tl.constexpr(HASH_M2)
@@ -45,13 +60,24 @@ def _hash32(v):
 
 
 @triton.jit
-def _keep_mask(seed_ptr, row, cols, drop_thr):
+def _keep_mask(seed_ptr, rows, cols, drop_thr):
+    # rows: [BLOCK_M, 1], cols: [1, BLOCK_N] -> [BLOCK_M, BLOCK_N] keep mask of reference.dropout_keep_mask
     seed = tl.load(seed_ptr)
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-    a = _hash32(k0 ^ _hash32(row.to(tl.uint32) * _ROW + k1))
+    a = _hash32(k0 ^ _hash32(rows.to(tl.uint32) * _ROW + k1))
     h = _hash32(a ^ (cols.to(tl.uint32) * _COL))
     return (h >> 8).to(tl.int32) >= drop_thr
+
+
+@triton.jit
+def _keep(SEED, rows64, cols, m, drop_thr, DROPOUT: tl.constexpr):
+    # a tile's dropout keep mask (computed once per tile and shared), or m without dropout
+    if DROPOUT:
+        keep = _keep_mask(SEED, rows64, cols, drop_thr)
+    else:
+        keep = m
+    return keep
 
 
 @triton.jit
@@ -65,15 +91,44 @@ def _round_to(v, S_CODE: tl.constexpr):
 
 @triton.jit
 def _stream(
-    x, r, g, keep, alpha, drop_scale, GATE: tl.constexpr, DROPOUT: tl.constexpr, S_CODE: tl.constexpr
+    X,
+    R,
+    G,
+    keep,
+    rows64,
+    cols,
+    col_ok,
+    m,
+    stride_x,
+    stride_r,
+    alpha,
+    drop_scale,
+    GATE: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    S_CODE: tl.constexpr,
 ):
-    # s = alpha * r + g * dropout(x) rounded to the stream's dtype, in fp32: the forward's operations,
-    # which the backward repeats where it recomputes s
+    # s = alpha * r + g * dropout(x) on a [BLOCK_M, BLOCK_N] tile (masked-out elements 0), rounded to
+    # the stream's dtype, in fp32: the forward's operations, which the backward repeats where it
+    # recomputes s
+    x = tl.load(X + rows64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(R + rows64 * stride_r + cols, mask=m, other=0.0).to(tl.float32)
     if DROPOUT:
         x = tl.where(keep, x * drop_scale, 0.0)
-    if GATE != 0:
-        x = x * g
+    if GATE == 1:
+        x = x * tl.load(G).to(tl.float32)
+    elif GATE == 2:
+        x = x * tl.load(G + cols, mask=col_ok, other=0.0).to(tl.float32)
     return _round_to(alpha * r + x, S_CODE)
+
+
+@triton.jit
+def _vec(P, cols, col_ok, other, HAS: tl.constexpr):
+    # a per-column vector (weight, bias, gate) as a [1, BLOCK_N] fp32 row, or the constant ``other``
+    if HAS:
+        v = tl.load(P + cols, mask=col_ok, other=other).to(tl.float32)
+    else:
+        v = tl.full(cols.shape, other, tl.float32)
+    return v
 
 
 @triton.jit
@@ -90,7 +145,9 @@ def _add_norm_fwd_kernel(
     RSTD,
     stride_x,
     stride_r,
+    n_rows,
     N,
+    n_chunks,
     eps,
     alpha,
     drop_thr,
@@ -98,45 +155,272 @@ def _add_norm_fwd_kernel(
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
-    GATE: tl.constexpr,  # 0 none, 1 scalar, 2 vector
+    GATE: tl.constexpr,  # 0 none, 1 scalar (ReZero), 2 vector (LayerScale)
     DROPOUT: tl.constexpr,
     STORE_S: tl.constexpr,
     S_CODE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    CHUNKED: tl.constexpr,  # rows wider than BLOCK_N: n_chunks column chunks, two passes
 ):
-    row = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    inb = cols < N
-    x = tl.load(X + row.to(tl.int64) * stride_x + cols, mask=inb, other=0.0).to(tl.float32)
-    r = tl.load(R + row.to(tl.int64) * stride_r + cols, mask=inb, other=0.0).to(tl.float32)
-    keep = inb
-    if DROPOUT:
-        keep = _keep_mask(SEED, row, cols, drop_thr)
-    g = 1.0
-    if GATE == 1:
-        g = tl.load(G).to(tl.float32)
-    elif GATE == 2:
-        g = tl.load(G + cols, mask=inb, other=0.0).to(tl.float32)
-    s = _stream(x, r, g, keep, alpha, drop_scale, GATE, DROPOUT, S_CODE)
-    out = row.to(tl.int64) * N + cols
-    if STORE_S:
-        tl.store(S + out, s.to(S.dtype.element_ty), mask=inb)
-    if IS_RMS:
-        rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=0) / N + eps)
-        xhat = s * rstd
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    lane = tl.arange(0, BLOCK_N)[None, :]  # [1, BLOCK_N]
+    if not CHUNKED:
+        col_ok = lane < N
+        m = row_ok & col_ok
+        keep = _keep(SEED, rows64, lane, m, drop_thr, DROPOUT)
+        s = _stream(
+            X,
+            R,
+            G,
+            keep,
+            rows64,
+            lane,
+            col_ok,
+            m,
+            stride_x,
+            stride_r,
+            alpha,
+            drop_scale,
+            GATE,
+            DROPOUT,
+            S_CODE,
+        )
+        if STORE_S:
+            tl.store(S + rows64 * N + lane, s.to(S.dtype.element_ty), mask=m)
+        if IS_RMS:
+            rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
+            xhat = s * rstd[:, None]
+        else:
+            mean = tl.sum(s, axis=1) / N
+            xc = tl.where(m, s - mean[:, None], 0.0)
+            rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+            xhat = xc * rstd[:, None]
+        y = xhat * _vec(W, lane, col_ok, 1.0, HAS_W) + _vec(B, lane, col_ok, 0.0, HAS_B)
+        tl.store(Y + rows64 * N + lane, y.to(Y.dtype.element_ty), mask=m)
     else:
-        mean = tl.sum(s, axis=0) / N
-        xc = tl.where(inb, s - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=0) / N + eps)
-        xhat = xc * rstd
-        tl.store(MEAN + row, mean)
-    tl.store(RSTD + row, rstd)
-    y = xhat
-    if HAS_W:
-        y = y * tl.load(W + cols, mask=inb, other=0.0).to(tl.float32)
-    if HAS_B:
-        y = y + tl.load(B + cols, mask=inb, other=0.0).to(tl.float32)
-    tl.store(Y + out, y.to(Y.dtype.element_ty), mask=inb)
+        # pass 1: s chunk by chunk (stored when STORE_S), statistics merged across chunks
+        mean = tl.zeros((BLOCK_M,), tl.float32)
+        m2 = tl.zeros((BLOCK_M,), tl.float32)
+        for c in range(n_chunks):
+            cols = c * BLOCK_N + lane
+            col_ok = cols < N
+            m = row_ok & col_ok
+            keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
+            s = _stream(
+                X,
+                R,
+                G,
+                keep,
+                rows64,
+                cols,
+                col_ok,
+                m,
+                stride_x,
+                stride_r,
+                alpha,
+                drop_scale,
+                GATE,
+                DROPOUT,
+                S_CODE,
+            )
+            if STORE_S:
+                tl.store(S + rows64 * N + cols, s.to(S.dtype.element_ty), mask=m)
+            if IS_RMS:
+                m2 += tl.sum(s * s, axis=1)
+            else:
+                done = c * BLOCK_N * 1.0
+                cnt = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
+                mean_c = tl.sum(s, axis=1) / cnt
+                d = tl.where(m, s - mean_c[:, None], 0.0)
+                delta = mean_c - mean
+                mean += delta * (cnt / (done + cnt))
+                m2 += tl.sum(d * d, axis=1) + delta * delta * (done * cnt / (done + cnt))
+        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+        if STORE_S:
+            tl.debug_barrier()  # pass 2 reads s written by other threads of this program
+        # pass 2: s again (reloaded, or recomputed from x and r: both L2-resident by now), then y
+        for c in range(n_chunks):
+            cols = c * BLOCK_N + lane
+            col_ok = cols < N
+            m = row_ok & col_ok
+            if STORE_S:
+                s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+            else:
+                keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
+                s = _stream(
+                    X,
+                    R,
+                    G,
+                    keep,
+                    rows64,
+                    cols,
+                    col_ok,
+                    m,
+                    stride_x,
+                    stride_r,
+                    alpha,
+                    drop_scale,
+                    GATE,
+                    DROPOUT,
+                    S_CODE,
+                )
+            if IS_RMS:
+                xhat = s * rstd[:, None]
+            else:
+                xhat = (s - mean[:, None]) * rstd[:, None]
+            y = xhat * _vec(W, cols, col_ok, 1.0, HAS_W) + _vec(B, cols, col_ok, 0.0, HAS_B)
+            tl.store(Y + rows64 * N + cols, y.to(Y.dtype.element_ty), mask=m)
+    stat_rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    if not IS_RMS:
+        tl.store(MEAN + stat_rows, mean, mask=stat_rows < n_rows)
+    tl.store(RSTD + stat_rows, rstd, mask=stat_rows < n_rows)
+
+
+@triton.jit
+def _xhat(
+    SAVED,
+    X,
+    R,
+    G,
+    keep,
+    rows64,
+    cols,
+    col_ok,
+    m,
+    N,
+    w,
+    b,
+    mean,
+    rstd,
+    stride_x,
+    stride_r,
+    alpha,
+    drop_scale,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    GATE: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    XHAT_FROM: tl.constexpr,
+    RECOMPUTE: tl.constexpr,
+    S_CODE: tl.constexpr,
+):
+    # x_hat on a [BLOCK_M, BLOCK_N] tile (0 where masked out), from s saved, y saved, or s recomputed
+    if XHAT_FROM == 0:
+        s = tl.load(SAVED + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+        if not IS_RMS:
+            s = s - mean
+        xhat = tl.where(m, s * rstd, 0.0)
+    elif XHAT_FROM == 2:
+        s = _stream(
+            X,
+            R,
+            G,
+            keep,
+            rows64,
+            cols,
+            col_ok,
+            m,
+            stride_x,
+            stride_r,
+            alpha,
+            drop_scale,
+            GATE,
+            DROPOUT,
+            S_CODE,
+        )
+        if not IS_RMS:
+            s = s - mean
+        xhat = tl.where(m, s * rstd, 0.0)
+    else:
+        v = tl.load(SAVED + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+        # reference.xhat_from_y_ok: x_hat = (y - b) / w where w != 0 and |b| <= |w|, else from s
+        from_s = col_ok & ~((w != 0.0) & (tl.abs(b) <= tl.abs(w)))
+        if HAS_B:
+            v = v - b
+        if HAS_W:
+            v = v / tl.where(from_s, 1.0, w)
+        xhat = tl.where(m, v, 0.0)
+        if RECOMPUTE:
+            ms = m & from_s  # x and residual are read in these columns only
+            s = _stream(
+                X,
+                R,
+                G,
+                keep,
+                rows64,
+                cols,
+                col_ok,
+                ms,
+                stride_x,
+                stride_r,
+                alpha,
+                drop_scale,
+                GATE,
+                DROPOUT,
+                S_CODE,
+            )
+            if not IS_RMS:
+                s = s - mean
+            xhat = tl.where(ms, s * rstd, xhat)
+    return xhat
+
+
+@triton.jit
+def _dsum(
+    dy, wdy, xhat, c1, c2, rstd, DS, rows64, cols, m, stride_ds, IS_RMS: tl.constexpr, HAS_DS: tl.constexpr
+):
+    # d/ds of the norm (plus the gradient arriving at s itself, Pre-LN) on a tile
+    if IS_RMS:
+        dsum = (wdy - xhat * c1) * rstd
+    else:
+        dsum = (wdy - (xhat * c1 + c2)) * rstd
+    if HAS_DS:
+        dsum += tl.load(DS + rows64 * stride_ds + cols, mask=m, other=0.0).to(tl.float32)
+    return dsum
+
+
+@triton.jit
+def _store_dx(
+    dsum,
+    X,
+    G,
+    keep,
+    DX,
+    DRES,
+    rows64,
+    cols,
+    col_ok,
+    m,
+    N,
+    stride_x,
+    alpha,
+    drop_scale,
+    GATE: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    WRITE_DX: tl.constexpr,
+):
+    # dresidual = alpha * dsum; dx = dropout'(gate * dsum); returns dsum * dropout(x), the gate's term
+    tl.store(DRES + rows64 * N + cols, (alpha * dsum).to(DRES.dtype.element_ty), mask=m)
+    gterm = dsum
+    if WRITE_DX:
+        dx = dsum
+        if GATE != 0:
+            xd = tl.load(X + rows64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+            if DROPOUT:
+                xd = tl.where(keep, xd * drop_scale, 0.0)
+            gterm = dsum * xd
+            if GATE == 1:
+                dx = dx * tl.load(G).to(tl.float32)
+            else:
+                dx = dx * tl.load(G + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if DROPOUT:
+            dx = tl.where(keep, dx * drop_scale, 0.0)
+        tl.store(DX + rows64 * N + cols, dx.to(DX.dtype.element_ty), mask=m)
+    return gterm
 
 
 @triton.jit
@@ -162,8 +446,9 @@ def _add_norm_bwd_kernel(
     stride_x,
     stride_r,
     n_rows,
-    rows_per_program,
     N,
+    n_chunks,
+    tiles_per_program,
     alpha,
     drop_thr,
     drop_scale,
@@ -173,287 +458,429 @@ def _add_norm_bwd_kernel(
     GATE: tl.constexpr,
     DROPOUT: tl.constexpr,
     HAS_DS: tl.constexpr,
-    SAVED_IS_Y: tl.constexpr,
-    RECOMPUTE: tl.constexpr,  # SAVED_IS_Y with an affine: s recomputed where x_hat cannot come from y
+    XHAT_FROM: tl.constexpr,  # 0: s saved, 1: y saved (s recomputed where unsafe), 2: s recomputed
+    RECOMPUTE: tl.constexpr,  # XHAT_FROM 1 with an affine: some columns recompute s
     S_CODE: tl.constexpr,
     WRITE_DX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    CHUNKED: tl.constexpr,  # rows wider than BLOCK_N: n_chunks column chunks, two passes per tile
 ):
     pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK_N)
-    inb = cols < N
-    w = tl.full((BLOCK_N,), 1.0, tl.float32)
-    b = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    if HAS_W:
-        w = tl.load(W + cols, mask=inb, other=1.0).to(tl.float32)
-    if HAS_B:
-        b = tl.load(B + cols, mask=inb, other=0.0).to(tl.float32)
-    g = 1.0
-    if GATE == 1:
-        g = tl.load(G).to(tl.float32)
-    elif GATE == 2:
-        g = tl.load(G + cols, mask=inb, other=0.0).to(tl.float32)
-    # reference.xhat_from_y_ok: x_hat = (y - b) / w where w != 0 and |b| <= |w|, else from s
-    from_s = inb & ~((w != 0.0) & (tl.abs(b) <= tl.abs(w)))
-    w_y = tl.where(from_s, 1.0, w)  # the divisor of (y - b) / w: never 0
-    dw_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    db_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    dg_acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    row_start = pid * rows_per_program
-    for i in range(0, rows_per_program):
-        row = row_start + i
-        valid = row < n_rows
-        m = inb & ((cols * 0 + row) < n_rows)  # (a scalar & a block confuses the interpreter)
-        row64 = row.to(tl.int64)
-        off = row64 * N + cols
-        rstd = tl.load(RSTD + row, mask=valid, other=0.0)
-        if not IS_RMS:
-            mean = tl.load(MEAN + row, mask=valid, other=0.0)
-        keep = m
-        if DROPOUT:
-            keep = _keep_mask(SEED, row, cols, drop_thr)
-        v = tl.load(SAVED + off, mask=m, other=0.0).to(tl.float32)
-        if SAVED_IS_Y:
-            if HAS_B:
-                v = v - b
-            if HAS_W:
-                v = v / w_y
-            xhat = tl.where(m, v, 0.0)
-            if RECOMPUTE:
-                ms = m & from_s  # x and residual are read in these columns only
-                xs = tl.load(X + row64 * stride_x + cols, mask=ms, other=0.0).to(tl.float32)
-                rs = tl.load(R + row64 * stride_r + cols, mask=ms, other=0.0).to(tl.float32)
-                s = _stream(xs, rs, g, keep, alpha, drop_scale, GATE, DROPOUT, S_CODE)
-                if not IS_RMS:
-                    s = s - mean
-                xhat = tl.where(ms, s * rstd, xhat)
-        elif IS_RMS:
-            xhat = v * rstd
-        else:
-            xhat = tl.where(m, (v - mean) * rstd, 0.0)
-        dy = tl.load(DY + row64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-        wdy = dy
-        if HAS_W:
+    lane = tl.arange(0, BLOCK_N)[None, :]
+    lane1 = tl.arange(0, BLOCK_N)
+    part = pid.to(tl.int64) * N
+    if not CHUNKED:
+        col_ok = lane < N
+        w = _vec(W, lane, col_ok, 1.0, HAS_W)
+        b = _vec(B, lane, col_ok, 0.0, HAS_B)
+        dw_acc = tl.zeros((BLOCK_N,), tl.float32)
+        db_acc = tl.zeros((BLOCK_N,), tl.float32)
+        dg_acc = tl.zeros((BLOCK_N,), tl.float32)
+        for t in range(tiles_per_program):
+            rows = (pid * tiles_per_program + t) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+            row_ok = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            m = row_ok & col_ok
+            keep = _keep(SEED, rows64, lane, m, drop_thr, DROPOUT)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            mean = rstd * 0.0
+            if not IS_RMS:
+                mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+            xhat = _xhat(
+                SAVED,
+                X,
+                R,
+                G,
+                keep,
+                rows64,
+                lane,
+                col_ok,
+                m,
+                N,
+                w,
+                b,
+                mean,
+                rstd,
+                stride_x,
+                stride_r,
+                alpha,
+                drop_scale,
+                IS_RMS,
+                HAS_W,
+                HAS_B,
+                GATE,
+                DROPOUT,
+                XHAT_FROM,
+                RECOMPUTE,
+                S_CODE,
+            )
+            dy = tl.load(DY + rows64 * stride_dy + lane, mask=m, other=0.0).to(tl.float32)
             wdy = dy * w
-            dw_acc += dy * xhat
-        if HAS_B:
-            db_acc += dy
-        c1 = tl.sum(xhat * wdy, axis=0) / N
-        if IS_RMS:
-            dsum = (wdy - xhat * c1) * rstd
-        else:
-            c2 = tl.sum(wdy, axis=0) / N
-            dsum = (wdy - (xhat * c1 + c2)) * rstd
-        if HAS_DS:
-            dsum += tl.load(DS + row64 * stride_ds + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(DRES + off, (alpha * dsum).to(DRES.dtype.element_ty), mask=m)
-        if WRITE_DX:
-            dx = dsum
+            c1 = tl.sum(xhat * wdy, axis=1)[:, None] / N
+            c2 = tl.sum(wdy, axis=1)[:, None] / N
+            dsum = _dsum(dy, wdy, xhat, c1, c2, rstd, DS, rows64, lane, m, stride_ds, IS_RMS, HAS_DS)
+            gterm = _store_dx(
+                dsum,
+                X,
+                G,
+                keep,
+                DX,
+                DRES,
+                rows64,
+                lane,
+                col_ok,
+                m,
+                N,
+                stride_x,
+                alpha,
+                drop_scale,
+                GATE,
+                DROPOUT,
+                WRITE_DX,
+            )
+            if HAS_W:
+                dw_acc += tl.sum(dy * xhat, axis=0)
+            if HAS_B:
+                db_acc += tl.sum(dy, axis=0)
             if GATE != 0:
-                xd = tl.load(X + row64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-                if DROPOUT:
-                    xd = tl.where(keep, xd * drop_scale, 0.0)
-                dg_acc += dsum * xd
-                dx = dx * g
-            if DROPOUT:
-                dx = tl.where(keep, dx * drop_scale, 0.0)
-            tl.store(DX + off, dx.to(DX.dtype.element_ty), mask=m)
-    part = pid.to(tl.int64) * N + cols
-    if HAS_W:
-        tl.store(DW_PART + part, dw_acc, mask=inb)
-    if HAS_B:
-        tl.store(DB_PART + part, db_acc, mask=inb)
-    if GATE != 0:
-        tl.store(DG_PART + part, dg_acc, mask=inb)
+                dg_acc += tl.sum(gterm, axis=0)
+        ok1 = lane1 < N
+        if HAS_W:
+            tl.store(DW_PART + part + lane1, dw_acc, mask=ok1)
+        if HAS_B:
+            tl.store(DB_PART + part + lane1, db_acc, mask=ok1)
+        if GATE != 0:
+            tl.store(DG_PART + part + lane1, dg_acc, mask=ok1)
+    else:
+        for t in range(tiles_per_program):
+            rows = (pid * tiles_per_program + t) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+            row_ok = rows < n_rows
+            rows64 = rows.to(tl.int64)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            mean = rstd * 0.0
+            if not IS_RMS:
+                mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+            c1 = tl.zeros((BLOCK_M, 1), tl.float32)
+            c2 = tl.zeros((BLOCK_M, 1), tl.float32)
+            # pass 0: the row sums mean(x_hat * w dy), mean(w dy); pass 1 (the tile's rows are
+            # L2-resident by now): the gradients, partial sums into this program's row
+            for pas in tl.static_range(2):
+                if pas == 1:
+                    c1 = c1 / N
+                    c2 = c2 / N
+                for c in range(n_chunks):
+                    cols = c * BLOCK_N + lane
+                    col_ok = cols < N
+                    m = row_ok & col_ok
+                    keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
+                    w = _vec(W, cols, col_ok, 1.0, HAS_W)
+                    b = _vec(B, cols, col_ok, 0.0, HAS_B)
+                    xhat = _xhat(
+                        SAVED,
+                        X,
+                        R,
+                        G,
+                        keep,
+                        rows64,
+                        cols,
+                        col_ok,
+                        m,
+                        N,
+                        w,
+                        b,
+                        mean,
+                        rstd,
+                        stride_x,
+                        stride_r,
+                        alpha,
+                        drop_scale,
+                        IS_RMS,
+                        HAS_W,
+                        HAS_B,
+                        GATE,
+                        DROPOUT,
+                        XHAT_FROM,
+                        RECOMPUTE,
+                        S_CODE,
+                    )
+                    dy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+                    if pas == 0:
+                        c1 += tl.sum(xhat * dy * w, axis=1)[:, None]
+                        c2 += tl.sum(dy * w, axis=1)[:, None]
+                    else:
+                        dsum = _dsum(
+                            dy, dy * w, xhat, c1, c2, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS
+                        )
+                        gterm = _store_dx(
+                            dsum,
+                            X,
+                            G,
+                            keep,
+                            DX,
+                            DRES,
+                            rows64,
+                            cols,
+                            col_ok,
+                            m,
+                            N,
+                            stride_x,
+                            alpha,
+                            drop_scale,
+                            GATE,
+                            DROPOUT,
+                            WRITE_DX,
+                        )
+                        cols1 = c * BLOCK_N + lane1
+                        ok1 = cols1 < N
+                        tl.debug_barrier()  # the previous tile's read-modify-write of these columns is done
+                        if HAS_W:
+                            p = DW_PART + part + cols1
+                            tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy * xhat, axis=0), mask=ok1)
+                        if HAS_B:
+                            p = DB_PART + part + cols1
+                            tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy, axis=0), mask=ok1)
+                        if GATE != 0:
+                            p = DG_PART + part + cols1
+                            tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(gterm, axis=0), mask=ok1)
 
 
-def interpreting() -> bool:
-    """Whether triton runs its kernels in the CPU interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+# --- launch configuration ------------------------------------------------------------------------
 
 
-def _launch_config(n: int, max_warps: int = 16) -> tuple[int, int]:
-    """(BLOCK_N, num_warps): the whole row in one block, about 8 fp32 elements per thread per tensor up
-    to ``max_warps`` warps (beyond, each thread holds more and the compiler may spill)."""
-    block = triton.next_power_of_2(n)
-    warps = min(max(block // 256, 1), max_warps)
-    return block, warps
+class Launch(NamedTuple):
+    """A kernel's launch configuration: tiles of ``block_m`` rows x ``block_n`` columns, rows wider
+    than ``block_n`` in column chunks (``chunked``), ``num_warps`` warps per program."""
+
+    block_m: int
+    block_n: int
+    chunked: bool
+    num_warps: int
+
+    @property
+    def maxnreg(self) -> int:
+        """The register budget given to ptxas: all a program may use (65,536 per SM, at most 255 per
+        thread). Left to itself ptxas may choose fewer registers and spill a few bytes."""
+        return min(255, 65536 // (32 * self.num_warps))
 
 
-def _rows_view(t: Tensor) -> Tensor:
+# Rows up to these widths stay in registers in one pass; wider rows go in column chunks. Narrow rows
+# share a program: tiles of TILE elements. The forward holds about 16 fp32 values per thread per tile
+# tensor (ELEMS_PER_WARP 512), the backward, with more tensors live, 8 (256): no spills and at most
+# ~130 registers on sm_80 / sm_90 for every variant (``triton_variants``, the compile-time test).
+FWD_MAX_ONE_PASS = 8192
+BWD_MAX_ONE_PASS = 2048
+FWD_CHUNK = Launch(1, 2048, True, 8)
+BWD_CHUNK = Launch(2, 1024, True, 8)
+TILE = 2048
+MIN_BLOCK_N = 16
+
+
+def _one_pass(n: int, elems_per_warp: int) -> Launch:
+    block_n = max(MIN_BLOCK_N, triton.next_power_of_2(n))
+    block_m = max(1, TILE // block_n)
+    warps = min(max(block_m * block_n // elems_per_warp, 1), 16)
+    return Launch(block_m, block_n, False, warps)
+
+
+@functools.lru_cache(maxsize=256)
+def fwd_config(n: int) -> Launch:
+    """The forward's launch configuration for rows of ``n`` columns."""
+    return _one_pass(n, 512) if n <= FWD_MAX_ONE_PASS else FWD_CHUNK
+
+
+@functools.lru_cache(maxsize=256)
+def bwd_config(n: int) -> Launch:
+    """The backward's launch configuration for rows of ``n`` columns."""
+    return _one_pass(n, 256) if n <= BWD_MAX_ONE_PASS else BWD_CHUNK
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def bwd_grid(rows: int, n: int, device: torch.device) -> tuple[int, int]:
+    """(programs, tiles per program) of the backward: enough programs to fill the GPU (about 8192
+    elements per tile's worth of work each), few enough that the (programs, hidden) fp32 partial sums
+    stay small. The interpreter takes at most 4 (still more than one partial sum)."""
+    cfg = bwd_config(n)
+    tiles = triton.cdiv(rows, cfg.block_m)
+    if device.type == "cuda":
+        per_sm = max(1, 8192 // (cfg.block_m * min(cfg.block_n, n)))
+        target = _sm_count(device) * per_sm
+    else:
+        target = 4
+    per_program = triton.cdiv(tiles, max(1, min(tiles, target)))
+    return triton.cdiv(tiles, per_program), per_program
+
+
+def _rows_view(t: Tensor | None) -> Tensor | None:
     """A 2-D view whose last dimension is unit-stride (rows may be strided)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
 
 
-def _dummy(ref: Tensor) -> Tensor:
-    return torch.empty(1, dtype=torch.float32, device=ref.device)
+def _gate_code(gate: Tensor | None) -> int:
+    return 0 if gate is None else (1 if gate.numel() == 1 else 2)
 
 
-def add_norm_fwd_triton(
-    x: Tensor,
-    residual: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    gate: Tensor | None,
-    seed: Tensor | None,
-    norm: str,
-    eps: float,
-    alpha: float,
-    dropout_p: float,
-    s_dtype: torch.dtype,
-    y_dtype: torch.dtype,
-    store_s: bool,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Forward on 2-D (rows, hidden) inputs; same contract as ``reference.add_norm_fwd_torch``."""
-    rows, n = x.shape
-    dev = x.device
-    is_rms = norm == "rmsnorm"
-    y = torch.empty(rows, n, dtype=y_dtype, device=dev)
-    s = torch.empty(rows if store_s else 0, n, dtype=s_dtype, device=dev)
-    mean = torch.empty(0 if is_rms else rows, dtype=torch.float32, device=dev)
-    rstd = torch.empty(rows, dtype=torch.float32, device=dev)
-    if not store_s:
-        s = s.reshape(0)
+def _dropout_args(p: float, dropout: bool) -> tuple[int, float]:
+    return (dropout_threshold(p), 1.0 / (1.0 - p)) if dropout else (0, 1.0)
+
+
+# --- launchers -----------------------------------------------------------------------------------
+
+
+def add_norm_fwd_triton(a: FwdArgs, *, traceable: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Forward on 2-D (rows, hidden) inputs; same contract as ``torch_path.add_norm_fwd_torch``."""
+    rows, n = a.x.shape
+    dev = a.x.device
+    is_rms = a.norm == "rmsnorm"
+    store_s = a.store_s
+    y = torch.empty((rows, n), dtype=a.y_dtype, device=dev)
+    s = torch.empty((rows, n) if store_s else (0,), dtype=a.s_dtype, device=dev)
+    mean = torch.empty((0 if is_rms else rows,), dtype=torch.float32, device=dev)
+    rstd = torch.empty((rows,), dtype=torch.float32, device=dev)
     if rows == 0:
         return y, s, mean, rstd
-    x, residual = _rows_view(x), _rows_view(residual)
-    dropout = seed is not None and dropout_p > 0
-    block, warps = _launch_config(n)
-    d = _dummy(x)
-    _add_norm_fwd_kernel[(rows,)](
+    x, residual = _rows_view(a.x), _rows_view(a.residual)
+    cfg = fwd_config(n)
+    dropout = a.dropout
+    thr, scale = _dropout_args(a.dropout_p, dropout)
+    # through wrap_triton where the call may be traced (the registered op's body: torch.compile then
+    # launches the kernel itself), directly otherwise
+    kernel = wrap_triton(_add_norm_fwd_kernel) if traceable and not interpreting() else _add_norm_fwd_kernel
+    kernel[(triton.cdiv(rows, cfg.block_m),)](
         x,
         residual,
-        weight if weight is not None else d,
-        bias if bias is not None else d,
-        gate if gate is not None else d,
-        seed if dropout else d,
+        a.weight,
+        a.bias,
+        a.gate,
+        a.seed if dropout else None,
         y,
-        s if store_s else d,
-        mean if not is_rms else d,
+        s if store_s else None,
+        None if is_rms else mean,
         rstd,
         x.stride(0),
         residual.stride(0),
+        rows,
         n,
-        float(eps),
-        float(alpha),
-        dropout_threshold(dropout_p) if dropout else 0,
-        1.0 / (1.0 - dropout_p) if dropout else 1.0,
+        triton.cdiv(n, cfg.block_n),
+        a.eps,
+        a.alpha,
+        thr,
+        scale,
         IS_RMS=is_rms,
-        HAS_W=weight is not None,
-        HAS_B=bias is not None,
-        GATE=0 if gate is None else (1 if gate.numel() == 1 else 2),
+        HAS_W=a.weight is not None,
+        HAS_B=a.bias is not None,
+        GATE=_gate_code(a.gate),
         DROPOUT=dropout,
         STORE_S=store_s,
-        S_CODE=_S_CODES[s_dtype],
-        BLOCK_N=block,
-        num_warps=warps,
+        S_CODE=S_CODES[a.s_dtype],
+        BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n,
+        CHUNKED=cfg.chunked,
+        num_warps=cfg.num_warps,
+        maxnreg=cfg.maxnreg,
     )
     return y, s, mean, rstd
 
 
-def _num_programs(rows: int, block: int, device: torch.device) -> int:
-    """Backward programs: enough to fill the GPU, few enough that the (programs, hidden) fp32 partial
-    sums stay small (one per SM from 8192 columns up)."""
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        return max(1, min(rows, sms * max(1, 8192 // block)))
-    return max(1, min(rows, 4))  # interpreter: few programs, still more than one partial sum
-
-
 def add_norm_bwd_triton(
-    dy: Tensor,
-    ds: Tensor | None,
-    saved: Tensor,
-    saved_is_y: bool,
-    x: Tensor | None,
-    residual: Tensor | None,
-    weight: Tensor | None,
-    bias: Tensor | None,
-    gate: Tensor | None,
-    seed: Tensor | None,
-    mean: Tensor,
-    rstd: Tensor,
-    norm: str,
-    alpha: float,
-    dropout_p: float,
-    x_dtype: torch.dtype,
-    res_dtype: torch.dtype,
-    s_dtype: torch.dtype,
-    need_dx: bool,
+    a: BwdArgs, *, traceable: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward on 2-D inputs; same contract as ``reference.add_norm_bwd_torch``."""
-    rows, n = saved.shape
-    dev = saved.device
-    dres = torch.empty(rows, n, dtype=res_dtype, device=dev)
-    dx = torch.empty(rows if need_dx else 0, n, dtype=x_dtype, device=dev)
-    block, warps = _launch_config(n, max_warps=32)
-    programs = _num_programs(rows, block, dev)
+    """Backward on 2-D inputs; same contract as ``torch_path.add_norm_bwd_torch``."""
+    rows, n = a.dy.shape
+    dev = a.dy.device
+    dres = torch.empty((rows, n), dtype=a.res_dtype, device=dev)
+    dx = torch.empty((rows, n) if a.need_dx else (0,), dtype=a.x_dtype, device=dev)
+    cfg = bwd_config(n)
+    programs, per_program = bwd_grid(rows, n, dev) if rows else (0, 0)
+    alloc = torch.zeros if cfg.chunked else torch.empty  # chunked rows add into the partial sums
     f32 = {"dtype": torch.float32, "device": dev}
-    dw_part = torch.zeros(programs, n, **f32) if weight is not None else None
-    db_part = torch.zeros(programs, n, **f32) if bias is not None else None
-    dg_part = torch.zeros(programs, n, **f32) if gate is not None else None
-    dropout = seed is not None and dropout_p > 0
-    recompute = saved_is_y and (weight is not None or bias is not None)
-    if recompute and (x is None or residual is None):
-        raise ValueError("add_norm_bwd: x_hat from y with an affine needs x and residual")
+    dw_part = alloc((programs, n), **f32) if a.weight is not None else None
+    db_part = alloc((programs, n), **f32) if a.bias is not None else None
+    dg_part = alloc((programs, n), **f32) if a.gate is not None else None
+    dropout = a.dropout
+    recompute = a.recompute_s
+    if recompute and (a.x is None or a.residual is None):
+        raise ValueError("add_norm_bwd: recomputing s needs x and residual")
     if rows > 0:
-        dy = _rows_view(dy)
-        ds = _rows_view(ds) if ds is not None else None
-        x = _rows_view(x) if x is not None else None
-        residual = _rows_view(residual) if recompute else None
-        d = _dummy(saved)
-        _add_norm_bwd_kernel[(programs,)](
+        dy, ds = _rows_view(a.dy), _rows_view(a.ds)
+        x = _rows_view(a.x) if recompute or a.gate is not None else None
+        residual = _rows_view(a.residual) if recompute else None
+        thr, scale = _dropout_args(a.dropout_p, dropout)
+        kernel = (
+            wrap_triton(_add_norm_bwd_kernel) if traceable and not interpreting() else _add_norm_bwd_kernel
+        )
+        kernel[(programs,)](
             dy,
-            ds if ds is not None else d,
-            saved,
-            x if x is not None else d,
-            residual if residual is not None else d,
-            weight if weight is not None else d,
-            bias if bias is not None else d,
-            gate if gate is not None else d,
-            seed if dropout else d,
-            mean if mean.numel() else d,
-            rstd,
-            dx if need_dx else d,
+            ds,
+            a.saved if a.xhat_from != XHAT_FROM_XR else None,
+            x,
+            residual,
+            a.weight,
+            a.bias,
+            a.gate,
+            a.seed if dropout else None,
+            a.mean if a.norm != "rmsnorm" else None,
+            a.rstd,
+            dx if a.need_dx else None,
             dres,
-            dw_part if dw_part is not None else d,
-            db_part if db_part is not None else d,
-            dg_part if dg_part is not None else d,
+            dw_part,
+            db_part,
+            dg_part,
             dy.stride(0),
             ds.stride(0) if ds is not None else 0,
             x.stride(0) if x is not None else 0,
             residual.stride(0) if residual is not None else 0,
             rows,
-            triton.cdiv(rows, programs),
             n,
-            float(alpha),
-            dropout_threshold(dropout_p) if dropout else 0,
-            1.0 / (1.0 - dropout_p) if dropout else 1.0,
-            IS_RMS=norm == "rmsnorm",
-            HAS_W=weight is not None,
-            HAS_B=bias is not None,
-            GATE=0 if gate is None else (1 if gate.numel() == 1 else 2),
+            triton.cdiv(n, cfg.block_n),
+            per_program,
+            a.alpha,
+            thr,
+            scale,
+            IS_RMS=a.norm == "rmsnorm",
+            HAS_W=a.weight is not None,
+            HAS_B=a.bias is not None,
+            GATE=_gate_code(a.gate),
             DROPOUT=dropout,
             HAS_DS=ds is not None,
-            SAVED_IS_Y=saved_is_y,
-            RECOMPUTE=recompute,
-            S_CODE=_S_CODES[s_dtype],
-            WRITE_DX=need_dx,
-            BLOCK_N=block,
-            num_warps=warps,
+            XHAT_FROM=a.xhat_from,
+            RECOMPUTE=recompute and a.xhat_from == XHAT_FROM_Y,
+            S_CODE=S_CODES[a.s_dtype],
+            WRITE_DX=a.need_dx,
+            BLOCK_M=cfg.block_m,
+            BLOCK_N=cfg.block_n,
+            CHUNKED=cfg.chunked,
+            num_warps=cfg.num_warps,
+            maxnreg=cfg.maxnreg,
         )
-    if not need_dx:
-        dx = dx.reshape(0)
-    dw = dw_part.sum(0).to(weight.dtype) if dw_part is not None else dres.new_empty(0)
-    db = db_part.sum(0).to(bias.dtype) if db_part is not None else dres.new_empty(0)
+    dw = dw_part.sum(0).to(a.weight.dtype) if dw_part is not None else dres.new_empty(0)
+    db = db_part.sum(0).to(a.bias.dtype) if db_part is not None else dres.new_empty(0)
     if dg_part is not None:
         gsum = dg_part.sum(0)
-        dg = (gsum.sum() if gate.numel() == 1 else gsum).reshape(gate.shape).to(gate.dtype)
+        dg = (gsum.sum() if a.gate.numel() == 1 else gsum).reshape(a.gate.shape).to(a.gate.dtype)
     else:
         dg = dres.new_empty(0)
     return dx, dres, dw, db, dg
 
 
-def add_norm_fwd_kernel_is_interpreted() -> bool:
+def kernels_are_interpreted() -> bool:
     """Whether the kernels were built for the interpreter (TRITON_INTERPRET=1 at import time)."""
     return type(_add_norm_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+__all__ = [
+    "BWD_CHUNK",
+    "FWD_CHUNK",
+    "Launch",
+    "XHAT_FROM_S",
+    "add_norm_bwd_triton",
+    "add_norm_fwd_triton",
+    "bwd_config",
+    "bwd_grid",
+    "fwd_config",
+    "kernels_are_interpreted",
+]

@@ -1,0 +1,275 @@
+"""Host time per call of ``addnorm.ops.add_norm`` against the eager ops it replaces, on tensors so
+small that the kernels cost nothing and every microsecond is Python, dispatch and autograd.
+
+Per call (8 x 64 fp32 by default, one torch thread), interleaved, medians of batches of calls:
+
+    fused:  add_norm(x, r, w, b, ...)                  eager:  F.layer_norm(x + r, ...) (or rms_norm;
+                                                              F.dropout(x) + r with dropout)
+
+``fwd`` runs the forward with inputs and parameters that require grad (a training forward: autograd
+records the graph); ``fwd+bwd`` adds ``torch.autograd.grad`` of the outputs. Then one training step
+(forward, cross-entropy, backward, AdamW) of a tiny Pre-LN ``addnorm.LanguageModel`` (d_model 64,
+4 layers, dropout 0.1) with the model's default against ``fused=False``, and with the op forced
+wherever the model can fuse (the measurement behind ``fused_op_preferred``), and a second
+``fused=False`` model, the spread between identical models.
+
+Targets (issue 10, CPU): fused/eager <= 1.2x without dropout, <= 2x with it; the default model step
+no slower than ``fused=False``. ``--label`` files the run under a name (e.g. before / after a change)
+in ``host_overhead_<device>.json``; the markdown table shows every label recorded there.
+
+    python benchmarks/bench_host_overhead.py [--label after] [--calls 200] [--samples 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from machine import machine_info, machine_line
+
+from addnorm.ops import add_norm, policy
+
+TARGET_NO_DROPOUT = 1.2
+TARGET_DROPOUT = 2.0
+
+
+def per_call_us(fns: dict[str, Callable[[], object]], calls: int, samples: int) -> dict[str, float]:
+    """Median over ``samples`` of the mean time of ``calls`` back-to-back calls (microseconds), the
+    functions timed in rotation (each takes every position in turn) so that machine-load drift and
+    position effects hit them alike."""
+    for fn in fns.values():
+        for _ in range(max(10, calls // 10)):
+            fn()
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for i in range(samples):
+        for k in names[i % len(names) :] + names[: i % len(names)]:  # every position in turn
+            fn = fns[k]
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            times[k].append((time.perf_counter() - t0) / calls * 1e6)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def op_cases(rows: int, hidden: int, device: str) -> dict[str, tuple[Callable, Callable, list]]:
+    """name -> (fused fn, eager fn, leaves): each fn(x, r, w, b) returns the output(s) of one call."""
+    eps = 1e-5
+    shape = (hidden,)
+
+    def ln(x, r, w, b):
+        return F.layer_norm(x + r, shape, w, b, eps)
+
+    def ln_pre(x, r, w, b):
+        s = x + r
+        return F.layer_norm(s, shape, w, b, eps), s
+
+    def rms(x, r, w, b):
+        return F.rms_norm(x + r, shape, w, eps)
+
+    def ln_drop(x, r, w, b):
+        return F.layer_norm(F.dropout(x, 0.1, True) + r, shape, w, b, eps)
+
+    return {
+        "layernorm": (lambda x, r, w, b: add_norm(x, r, w, b), ln),
+        "layernorm prenorm": (lambda x, r, w, b: add_norm(x, r, w, b, prenorm=True), ln_pre),
+        "rmsnorm": (lambda x, r, w, b: add_norm(x, r, w, None, norm="rmsnorm"), rms),
+        "layernorm dropout 0.1": (lambda x, r, w, b: add_norm(x, r, w, b, dropout_p=0.1), ln_drop),
+    }
+
+
+def bench_ops(rows: int, hidden: int, device: str, calls: int, samples: int) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    leaves = [
+        torch.randn(rows, hidden, generator=g).to(device).requires_grad_(True),
+        torch.randn(rows, hidden, generator=g).to(device).requires_grad_(True),
+        (1 + 0.1 * torch.randn(hidden, generator=g)).to(device).requires_grad_(True),
+        (0.02 * torch.randn(hidden, generator=g)).to(device).requires_grad_(True),
+    ]
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    out = []
+    for name, (fused, eager) in op_cases(rows, hidden, device).items():
+        fns = {}
+        for impl, fn in (("fused", fused), ("eager", eager)):
+            used = leaves if "rmsnorm" not in name else leaves[:3]
+            probe = fn(*leaves)
+            outs = list(probe) if isinstance(probe, tuple) else [probe]
+            grads = [torch.randn_like(o) for o in outs]
+
+            def fwd(fn=fn):
+                fn(*leaves)
+                sync()
+
+            def fwd_bwd(fn=fn, used=used, grads=grads):
+                o = fn(*leaves)
+                torch.autograd.grad(list(o) if isinstance(o, tuple) else [o], used, grads)
+                sync()
+
+            fns[f"{impl} fwd"], fns[f"{impl} fwd+bwd"] = fwd, fwd_bwd
+        us = per_call_us(fns, calls, samples)
+        dropout = "dropout" in name
+        for phase in ("fwd", "fwd+bwd"):
+            ratio = us[f"fused {phase}"] / us[f"eager {phase}"]
+            target = TARGET_DROPOUT if dropout else TARGET_NO_DROPOUT
+            out.append(
+                {
+                    "case": f"{name} {phase}",
+                    "fused_us": us[f"fused {phase}"],
+                    "eager_us": us[f"eager {phase}"],
+                    "ratio": ratio,
+                    "target": target,
+                    "met": ratio <= target,
+                }
+            )
+            print(
+                f"{name:24s} {phase:8s} fused {out[-1]['fused_us']:8.1f} us  eager "
+                f"{out[-1]['eager_us']:8.1f} us  {ratio:.2f}x",
+                flush=True,
+            )
+    return out
+
+
+@contextlib.contextmanager
+def op_everywhere() -> Iterator[None]:
+    """The fused op wherever a model can fuse, whatever ``fused_op_preferred`` says (the measurement
+    behind that rule: the default against the op forced)."""
+    rule = policy.fused_op_preferred
+    policy.fused_op_preferred = lambda device, *, dropout: True
+    try:
+        yield
+    finally:
+        policy.fused_op_preferred = rule
+
+
+def bench_lm_step(device: str, steps: int, samples: int) -> dict:
+    """One training step of a tiny Pre-LN LM: the model's default, ``fused=False``, and the op forced
+    wherever the model can fuse."""
+    from bench_lm_step import SMALL_HOST, build_lm, make_step
+
+    cfg = SMALL_HOST
+    fns = {}
+    runs = (("default", None), ("fused=False", False), ("op forced", None), ("fused=False again", False))
+    for name, fused in runs:
+        torch.manual_seed(0)
+        model = build_lm(cfg, "pre", fused=fused, device=device)
+        tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), device=device)
+        step = make_step(model, tokens, cfg["vocab"], fused_adamw=False)
+        if name == "op forced":
+
+            def step(step=step) -> None:
+                with op_everywhere():
+                    step()
+
+        fns[name] = step
+    us = per_call_us(fns, steps, samples)
+    ratio = us["default"] / us["fused=False"]
+    print(
+        f"LM step default {us['default']:.0f} us  fused=False {us['fused=False']:.0f} us  {ratio:.3f}x  "
+        f"op forced {us['op forced']:.0f} us  fused=False again {us['fused=False again']:.0f} us"
+    )
+    return {
+        "config": cfg,
+        "default_us": us["default"],
+        "unfused_us": us["fused=False"],
+        "forced_us": us["op forced"],
+        "control_us": us["fused=False again"],
+        "ratio": ratio,
+        "met": ratio <= 1.0,
+    }
+
+
+def to_markdown(report: dict) -> str:
+    lines = [
+        "# Host time per call: addnorm.ops.add_norm vs the eager ops it replaces",
+        "",
+        "Per-call microseconds (median over samples of the mean of a batch of calls; fused and eager",
+        "timed in alternation); ratio = fused / eager. fwd: a training forward (inputs require grad);",
+        "fwd+bwd: plus torch.autograd.grad. Targets (issue 10, CPU): <= 1.2x without dropout, <= 2x",
+        "with it; the tiny Pre-LN LM step (default vs fused=False) <= 1.0x.",
+        "",
+    ]
+    for label, run in report["runs"].items():
+        m = run["machine"]
+        lines += [
+            f"## {label}",
+            "",
+            f"{machine_line(m)} Shape {run['rows']} x {run['hidden']} fp32.",
+            "",
+        ]
+        if run.get("note"):
+            lines += [run["note"], ""]
+        lines += [
+            "| case | fused us | eager us | ratio | target | met |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in run["ops"]:
+            lines.append(
+                f"| {r['case']} | {r['fused_us']:.1f} | {r['eager_us']:.1f} | {r['ratio']:.2f}x "
+                f"| <= {r['target']}x | {'yes' if r['met'] else 'NO'} |"
+            )
+        s = run["lm_step"]
+        c = s["config"]
+        lines += [
+            f"| LM step (Pre-LN, d_model {c['d_model']}, {c['n_layers']} layers, dropout {c['dropout']}, "
+            f"batch {c['batch']} x seq {c['seq']}): default vs fused=False | {s['default_us']:.0f} "
+            f"| {s['unfused_us']:.0f} | {s['ratio']:.3f}x | <= 1.0x | {'yes' if s['met'] else 'NO'} |",
+            "",
+        ]
+        if "forced_us" in s:
+            lines += [
+                f"The same step with the op forced wherever the model can fuse (what `fused_op_preferred` "
+                f"decides against): {s['forced_us']:.0f} us, {s['forced_us'] / s['unfused_us']:.3f}x "
+                "fused=False.",
+                "",
+            ]
+        if "control_us" in s:
+            lines += [
+                f"A second, identical fused=False model timed alongside (this machine's spread between "
+                f"identical models): {s['control_us']:.0f} us, {s['control_us'] / s['unfused_us']:.3f}x.",
+                "",
+            ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--label", default="after", help="name of this run in the results file")
+    ap.add_argument("--rows", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--calls", type=int, default=200, help="calls per timed batch")
+    ap.add_argument("--samples", type=int, default=25, help="timed batches per implementation")
+    ap.add_argument("--steps", type=int, default=5, help="LM steps per timed batch")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cpu", action="store_true", help="the CPU even when CUDA is present")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    ap.add_argument("--note", default="", help="a line recorded with the run (e.g. machine load)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    run = {
+        "machine": machine_info(device),
+        "rows": args.rows,
+        "hidden": args.hidden,
+        "note": args.note,
+        "ops": bench_ops(args.rows, args.hidden, device, args.calls, args.samples),
+        "lm_step": bench_lm_step(device, args.steps, args.samples),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"host_overhead_{device}"
+    path = stem.with_suffix(".json")
+    report = json.loads(path.read_text()) if path.exists() else {"runs": {}}
+    report["runs"][args.label] = run
+    path.write_text(json.dumps(report, indent=2) + "\n")
+    stem.with_suffix(".md").write_text(to_markdown(report))
+    print(f"wrote {path} and {stem.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,129 @@
+"""The fused op's arguments, named once: :class:`FwdArgs` and :class:`BwdArgs` are what the registered
+ops take (their schemas are generated from these fields), what the autograd glue builds and what the
+torch path and the Triton launchers read. Also the few constants every backend shares."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import types
+import typing
+from typing import NamedTuple, get_type_hints
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BwdArgs",
+    "FwdArgs",
+    "MAX_FUSED_HIDDEN",
+    "TRITON_DTYPES",
+    "XHAT_FROM_S",
+    "XHAT_FROM_XR",
+    "XHAT_FROM_Y",
+    "interpreting",
+    "op_signature",
+]
+
+MAX_FUSED_HIDDEN = 65536  # the widest row the Triton kernels take; wider rows use the torch path
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+# Where the backward takes x_hat from (``xhat_from``), for Post-LN; Pre-LN always keeps s (an output):
+XHAT_FROM_S = 0  # s, stored by the forward: x_hat = (s - mean) * rstd
+XHAT_FROM_Y = 1  # the output y: x_hat = (y - b) / w where that is exact, else s recomputed from x, r
+XHAT_FROM_XR = 2  # s recomputed from x and residual in every column (y too coarse for the statistics)
+
+
+class FwdArgs(NamedTuple):
+    """``add_norm_fwd``'s arguments on 2-D (rows, hidden) tensors.
+
+    s = alpha * residual + gate * dropout(x) (rounded to ``s_dtype``), y = N(s) in ``y_dtype``;
+    dropout with rate ``dropout_p`` from the hash of (``seed``, row, column) when ``seed`` is given."""
+
+    x: Tensor
+    residual: Tensor
+    weight: Tensor | None
+    bias: Tensor | None
+    gate: Tensor | None
+    seed: Tensor | None
+    norm: str
+    eps: float
+    alpha: float
+    dropout_p: float
+    s_dtype: torch.dtype
+    y_dtype: torch.dtype
+    prenorm: bool
+    xhat_from: int
+    backend: str
+
+    @property
+    def store_s(self) -> bool:
+        """Whether the forward writes s: Pre-LN returns it, and Post-LN backward may read it."""
+        return self.prenorm or self.xhat_from == XHAT_FROM_S
+
+    @property
+    def dropout(self) -> bool:
+        return self.seed is not None and self.dropout_p > 0
+
+
+class BwdArgs(NamedTuple):
+    """``add_norm_bwd``'s arguments: the output gradients and what the forward left for the backward.
+
+    ``saved`` is s (``xhat_from`` S), y (Y) or empty (XR); x and residual are given where s is
+    recomputed from them (Y with an affine, XR), x also for the gate's gradient."""
+
+    dy: Tensor
+    ds: Tensor | None
+    saved: Tensor
+    x: Tensor | None
+    residual: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+    gate: Tensor | None
+    seed: Tensor | None
+    mean: Tensor
+    rstd: Tensor
+    norm: str
+    alpha: float
+    dropout_p: float
+    xhat_from: int
+    x_dtype: torch.dtype
+    res_dtype: torch.dtype
+    s_dtype: torch.dtype
+    need_dx: bool
+    backend: str
+
+    @property
+    def dropout(self) -> bool:
+        return self.seed is not None and self.dropout_p > 0
+
+    @property
+    def recompute_s(self) -> bool:
+        """Whether s is recomputed from x and residual (in some columns for Y, all for XR)."""
+        if self.xhat_from == XHAT_FROM_XR:
+            return True
+        return self.xhat_from == XHAT_FROM_Y and (self.weight is not None or self.bias is not None)
+
+
+def op_signature(args: type[NamedTuple], returns: int) -> inspect.Signature:
+    """The Python signature of an op taking ``args``' fields in order and returning ``returns`` tensors,
+    from which ``torch.library`` infers the op's schema."""
+    hints = {n: _typing_union(h) for n, h in get_type_hints(args).items()}
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter(n, kind, annotation=hints[n]) for n in args._fields]
+    return inspect.Signature(params, return_annotation=tuple[(Tensor,) * returns])
+
+
+def _typing_union(hint: object) -> object:
+    """``Tensor | None`` as ``typing.Optional[Tensor]``, the spelling every torch release's schema
+    inference knows."""
+    if isinstance(hint, types.UnionType):
+        return typing.Union[hint.__args__]  # noqa: UP007
+    return hint
+
+
+@functools.cache
+def interpreting() -> bool:
+    """Whether Triton runs its kernels in the CPU interpreter (``TRITON_INTERPRET=1``, read once)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")

@@ -1,0 +1,274 @@
+"""The Triton kernel variants the dispatcher launches, compiled for NVIDIA targets without a GPU.
+
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` builds the real cubin with the
+``ptxas`` in triton's wheel; ``ptxas -v`` on its PTX (same flags) reports registers, spill stores and
+loads, stack frame and shared memory. Used by the spill test and by
+``benchmarks/bench_kernel_compile.py``, which writes the table.
+
+Which variants: the launchers map every hidden size to one of a few launch configurations
+(:func:`triton_add_norm.fwd_config` / ``bwd_config``: row tiles, or column chunks for wide rows).
+For each configuration and each path (forward storing s or not; backward from s with a gradient
+arriving at s, from y recomputing s in some columns, from s recomputed from x and residual) the
+variant with every optional input (LayerNorm, weight, bias, a vector gate, dropout, fp32 tensors)
+holds the most values live, so it bounds the registers of the others; ``full=True`` adds RMSNorm,
+bf16 and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and without-affine
+variants, and hidden sizes that are not multiples of 16 (no aligned-vector specialisation).
+
+This module does not import triton at import time.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from typing import NamedTuple
+
+__all__ = ["ARCHS", "HIDDEN_SIZES", "Variant", "compile_all", "compile_variant", "variants"]
+
+ARCHS = (80, 90)
+# the issue's range, 64 .. 65,536, with non-powers of two; below 64 the tests' tiny rows
+HIDDEN_SIZES = (16, 33, 64, 100, 128, 256, 384, 512, 768, 1000, 1024, 1536, 2048, 3000, 4096, 5120)
+HIDDEN_SIZES += (6144, 8192, 10000, 12288, 16384, 24576, 32768, 50000, 65536)
+
+
+class Variant(NamedTuple):
+    """One compiled specialisation of a kernel: its launch configuration, options and dtypes."""
+
+    kernel: str  # "fwd" | "bwd"
+    block_m: int
+    block_n: int
+    chunked: bool
+    num_warps: int
+    norm: str
+    path: str  # fwd: "store_s" | "no_s"; bwd: "from_s" | "from_y" | "from_xr"
+    dtypes: str  # "fp32" | "bf16" | "fp16" | "mixed" (bf16 x, fp32 residual / s / y)
+    weight: bool
+    bias: bool
+    gate: int  # 0 none, 1 scalar, 2 vector
+    dropout: bool
+    aligned: bool  # hidden size (and so row strides) a multiple of 16
+    hidden: tuple[int, ...]  # the hidden sizes (of HIDDEN_SIZES) that launch this configuration
+
+    @property
+    def maxnreg(self) -> int:
+        from .triton_add_norm import Launch
+
+        return Launch(self.block_m, self.block_n, self.chunked, self.num_warps).maxnreg
+
+    @property
+    def launch(self) -> str:
+        chunks = ", chunked" if self.chunked else ""
+        return f"{self.block_m} x {self.block_n}{chunks}, {self.num_warps} warps"
+
+    @property
+    def options(self) -> str:
+        parts = [self.norm, self.path, self.dtypes]
+        parts += [
+            n for n, on in (("weight", self.weight), ("bias", self.bias), ("dropout", self.dropout)) if on
+        ]
+        parts += [("", "scalar gate", "vector gate")[self.gate]] if self.gate else []
+        return ", ".join(parts + ([] if self.aligned else ["unaligned"]))
+
+
+def _configs(kind: str) -> dict:
+    """{launch configuration: hidden sizes} over HIDDEN_SIZES."""
+    from .triton_add_norm import bwd_config, fwd_config
+
+    config = fwd_config if kind == "fwd" else bwd_config
+    out: dict = {}
+    for h in HIDDEN_SIZES:
+        out.setdefault(config(h), []).append(h)
+    return out
+
+
+def variants(full: bool = False) -> list[Variant]:
+    """The variants to compile (see the module docstring); ``full`` adds the other options."""
+    out = []
+    for kind, paths in (("fwd", ("store_s", "no_s")), ("bwd", ("from_s", "from_y", "from_xr"))):
+        configs = _configs(kind)
+        widest = max(configs, key=lambda c: (c.chunked, c.block_n * c.block_m, c.block_n))
+        for cfg, hidden in configs.items():
+            for path in paths:
+                base = Variant(
+                    kind, *cfg, "layernorm", path, "fp32", True, True, 2, True, True, tuple(hidden)
+                )
+                out.append(base)
+                if full or cfg == widest:
+                    out.append(base._replace(aligned=False))
+                if full:
+                    out += [base._replace(norm="rmsnorm", bias=False), base._replace(dtypes="mixed")]
+                    out += [base._replace(dtypes="bf16"), base._replace(dtypes="fp16", gate=1)]
+                    out += [base._replace(dropout=False, gate=0), base._replace(weight=False, bias=False)]
+    return out
+
+
+def _dtypes(v: Variant) -> dict:
+    x = {"mixed": "bf16"}.get(v.dtypes, v.dtypes)
+    stream = "fp32" if v.dtypes == "mixed" else x
+    return {"x": x, "r": stream, "s": stream, "y": stream, "w": stream}
+
+
+def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
+    """(signature, constexprs, attrs) of the ASTSource for ``v``, as a launch would specialise it."""
+    d = _dtypes(v)
+    fwd = v.kernel == "fwd"
+    ln = v.norm == "layernorm"
+    store_s = v.path == "store_s"
+    recompute = v.path in ("from_y", "from_xr")
+    ptr = {
+        "X": d["x"],
+        "R": d["r"],
+        "W": d["w"] if v.weight else None,
+        "B": d["w"] if v.bias else None,
+        "G": d["w"] if v.gate else None,
+        "SEED": "i64" if v.dropout else None,
+        "Y": d["y"],
+        "S": d["s"] if store_s else None,
+        "MEAN": "fp32" if ln else None,
+        "RSTD": "fp32",
+        "DY": d["y"],
+        "DS": d["s"] if v.path == "from_s" else None,
+        "SAVED": None if v.path == "from_xr" else (d["s"] if v.path == "from_s" else d["y"]),
+        "DX": d["x"],
+        "DRES": d["r"],
+        "DW_PART": "fp32" if v.weight else None,
+        "DB_PART": "fp32" if v.bias else None,
+        "DG_PART": "fp32" if v.gate else None,
+    }
+    if not fwd and not (recompute or v.gate):
+        ptr["X"] = None
+    if not fwd and v.path != "from_xr" and not (v.path == "from_y" and (v.weight or v.bias)):
+        ptr["R"] = None
+    const = {
+        "IS_RMS": not ln,
+        "HAS_W": v.weight,
+        "HAS_B": v.bias,
+        "GATE": v.gate,
+        "DROPOUT": v.dropout,
+        "STORE_S": store_s,
+        "S_CODE": {"fp32": 0, "fp16": 1, "bf16": 2}[d["s"]],
+        "BLOCK_M": v.block_m,
+        "BLOCK_N": v.block_n,
+        "CHUNKED": v.chunked,
+        "HAS_DS": v.path == "from_s",
+        "XHAT_FROM": {"from_s": 0, "from_y": 1, "from_xr": 2}.get(v.path, 0),
+        "RECOMPUTE": v.path == "from_y" and (v.weight or v.bias),
+        "WRITE_DX": True,
+    }
+    floats = {"eps", "alpha", "drop_scale"}
+    signature, constexprs, attrs = {}, {}, {}
+    for i, name in enumerate(arg_names):
+        if name in const:
+            signature[name] = "constexpr"
+            constexprs[name] = const[name]
+        elif name in ptr:
+            if ptr[name] is None:
+                signature[name] = "constexpr"
+                constexprs[name] = None
+            else:
+                signature[name] = "*" + ptr[name]
+                attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
+        elif name in floats:
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+            if v.aligned and (name == "N" or name.startswith("stride")):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs
+
+
+def _ptxas(arch: int) -> str:
+    """The ptxas triton compiles for ``arch`` with (its wheel ships one per architecture range)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        return get_ptxas(arch).path
+    except (ImportError, AttributeError, TypeError):  # another triton layout: the wheel's, or PATH's
+        import triton
+
+        path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        return path if os.path.exists(path) else shutil.which("ptxas")
+
+
+def _resource_usage(kernel, arch: int) -> dict:
+    """Registers, spill bytes (stores + loads) and stack frame per thread of a compiled kernel: ``ptxas
+    -v`` on its PTX with the flags triton compiles it with (the ptxas in triton's wheel)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(kernel.asm["ptx"])
+        sm = f"sm_{arch}a" if arch >= 90 else f"sm_{arch}"
+        cmd = [_ptxas(arch), "-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name={sm}", path]
+        out = subprocess.run(
+            [*cmd, "-o", os.path.join(tmp, "k.o")], capture_output=True, text=True, check=True
+        )
+    log = out.stderr
+    stack, stores, loads = map(
+        int,
+        re.search(
+            r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads", log
+        ).groups(),
+    )
+    smem = re.search(r"(\d+) bytes smem", log)
+    return {
+        "regs": int(re.search(r"Used (\d+) registers", log).group(1)),
+        "spill_bytes": stores + loads,
+        "stack_bytes": stack,
+        "static_shared": int(smem.group(1)) if smem else 0,
+    }
+
+
+def compile_variant(v: Variant, arch: int) -> dict:
+    """Compile ``v`` for sm_``arch`` (needs no GPU) and return its resource usage."""
+    import time
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from . import triton_add_norm as k
+
+    fn = k._add_norm_fwd_kernel if v.kernel == "fwd" else k._add_norm_bwd_kernel
+    if not hasattr(fn, "arg_names"):
+        raise RuntimeError("compile_variant: the kernels were built for the interpreter (TRITON_INTERPRET=1)")
+    signature, constexprs, attrs = _signature(v, fn.arg_names)
+    t0 = time.perf_counter()
+    kernel = triton.compile(
+        ASTSource(fn, signature, constexprs, attrs),
+        target=GPUTarget("cuda", arch, 32),
+        options={"num_warps": v.num_warps, "maxnreg": v.maxnreg},
+    )
+    seconds = time.perf_counter() - t0
+    usage = _resource_usage(kernel, arch)
+    return {"arch": arch, **usage, "dynamic_shared": int(kernel.metadata.shared), "compile_s": seconds}
+
+
+def _worker_init(cache_dir: str | None) -> None:
+    os.environ["TRITON_INTERPRET"] = "0"  # the real compiler, not the interpreter
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    if cache_dir is not None:
+        os.environ["TRITON_CACHE_DIR"] = cache_dir
+
+
+def _compile_one(job: tuple[Variant, int]) -> dict:
+    v, arch = job
+    return {"variant": v, **compile_variant(v, arch)}
+
+
+def compile_all(
+    vs: list[Variant], archs=ARCHS, workers: int | None = None, cache_dir: str | None = None
+) -> list[dict]:
+    """Compile every variant for every arch in worker processes (spawned with TRITON_INTERPRET=0, so
+    this works from a process that runs the kernels in the interpreter), with triton's cache in
+    ``cache_dir`` (None: its default)."""
+    import multiprocessing
+
+    jobs = [(v, a) for v in vs for a in archs]
+    ctx = multiprocessing.get_context("spawn")
+    n = workers or os.cpu_count() or 1
+    with ProcessPoolExecutor(n, mp_context=ctx, initializer=_worker_init, initargs=(cache_dir,)) as pool:
+        return list(pool.map(_compile_one, jobs))

@@ -1,0 +1,47 @@
+"""Every Triton kernel variant the dispatcher launches compiles for sm_80 and sm_90 without spilling
+registers, proven without a GPU: triton.compile for a GPUTarget builds the real cubin with the ptxas in
+triton's wheel, and cuobjdump (or ptxas -v) reads its resource usage."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+
+
+def test_launch_configurations_cover_the_hidden_sizes_with_few_variants():
+    from addnorm.ops.triton_add_norm import bwd_config, fwd_config
+    from addnorm.ops.triton_variants import HIDDEN_SIZES, variants
+
+    for h in HIDDEN_SIZES:
+        for cfg in (fwd_config(h), bwd_config(h)):
+            assert cfg.block_n >= min(h, cfg.block_n) and (cfg.chunked or cfg.block_n >= h)
+            assert cfg.block_m * cfg.block_n <= 8192 and 1 <= cfg.num_warps <= 16
+    # the wide rows that spilled before (16,384 and 65,536) go in column chunks
+    assert fwd_config(16384).chunked and fwd_config(65536).chunked and bwd_config(8192).chunked
+    assert not fwd_config(8192).chunked and fwd_config(64).block_m > 1  # several rows per program
+    vs = variants()
+    launched = {(v.kernel, v.block_m, v.block_n, v.chunked, v.num_warps) for v in vs}
+    for h in HIDDEN_SIZES:
+        assert ("fwd", *fwd_config(h)) in launched and ("bwd", *bwd_config(h)) in launched
+    # every forward and backward path at every configuration
+    assert {v.path for v in vs} == {"store_s", "no_s", "from_s", "from_y", "from_xr"}
+    assert len(vs) == len(set(vs)) < 80
+
+
+@pytest.mark.triton
+@pytest.mark.slow
+def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path):
+    from addnorm.ops.triton_variants import ARCHS, compile_all, variants
+
+    results = compile_all(variants(), ARCHS, cache_dir=str(tmp_path))  # cold, as in CI
+    assert {r["arch"] for r in results} == {80, 90}
+    spilled = [
+        (r["variant"].kernel, r["variant"].launch, r["variant"].options, r["arch"], r["spill_bytes"])
+        for r in results
+        if r["spill_bytes"]
+    ]
+    assert not spilled, spilled
+    assert all(0 < r["regs"] <= 255 for r in results)
