@@ -4,6 +4,7 @@ untouched and re-placed, with Probe's numbers; a bad model type is one error lin
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from hf_models import TYPES
@@ -48,3 +49,11 @@ def test_inspect_hf_bad_type_is_one_error_line(tmp_path):
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "unknown model type 'opt'" in lines[0] and ", ".join(TYPES) in lines[0]
+
+
+def test_inspect_hf_without_the_extra_is_one_line_naming_it(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    result = runner.invoke(cli.app, ["inspect", "--hf", "llama", *ARGS, "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'addnorm[hf]'" in lines[0], result.output

@@ -7,8 +7,10 @@ import importlib.util
 from types import ModuleType
 
 
-class MissingExtra(ValueError):
-    """An optional integration was asked for without its extra installed; the message names the extra."""
+class MissingExtra(ImportError, ValueError):
+    """An optional integration was asked for without its extra installed; the message names the extra.
+    An ImportError (what a caller of an optional import expects) and a ValueError (what the command line
+    turns into one error line)."""
 
 
 def message(feature: str, extra: str) -> str:

@@ -9,13 +9,13 @@ stays the model's own code.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
 from torch import Tensor, nn
 
+from ..extras import require
 from ..registry import Registry
 
 __all__ = [
@@ -33,12 +33,7 @@ TRANSFORMERS_RANGE = ">=5.17,<5.24"
 
 def require_transformers() -> ModuleType:
     """``transformers``, or a one-line error naming the extra that installs it."""
-    try:
-        return importlib.import_module("transformers")
-    except ImportError:
-        raise ImportError(
-            f"addnorm.hf needs Hugging Face transformers{TRANSFORMERS_RANGE}: pip install 'addnorm[hf]'"
-        ) from None
+    return require("transformers", "hf", f"addnorm.hf (Hugging Face transformers{TRANSFORMERS_RANGE})")
 
 
 @dataclass(frozen=True)
