@@ -29,7 +29,6 @@ than eager.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from machine import machine_info, machine_line
+from machine import machine_info, machine_line, write_results
 
 from addnorm.ops import add_norm
 from addnorm.ops.policy import using_compile_path
@@ -357,11 +356,8 @@ def main(argv: list[str] | None = None) -> None:
         args.reps = 100 if torch.cuda.is_available() and not args.cpu else (10 if args.quick else 20)
     report = run(args)
     report["note"] = args.note
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "add_norm_cuda" if report["device"] == "cuda" else "add_norm_cpu"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(to_markdown(report))
-    print(f"wrote {args.out / stem}.json and .md")
+    write_results(args.out, stem, to_markdown(report), report)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import statistics
@@ -20,7 +19,7 @@ import time
 from pathlib import Path
 
 import torch
-from machine import cpu_model
+from machine import cpu_model, write_results
 from torch import nn
 
 import addnorm as an
@@ -125,10 +124,8 @@ def main() -> None:
     lines.append(f"Parameters per layer ({params}).")
     text = "\n".join(lines) + "\n"
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"encoder_layer_{args.tag}.md").write_text(text)
     payload = {"machine": machine, "reps": args.reps, "warmup": args.warmup, "results": results}
-    (args.out / f"encoder_layer_{args.tag}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_results(args.out, f"encoder_layer_{args.tag}", text, payload)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from machine import cpu_model
+from machine import cpu_model, write_results
 
 import addnorm.hf as anhf
 
@@ -251,9 +251,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(text)
     name = "hf_step_gpu" if args.gpu else "hf_step_cpu"
     payload = {"machine": machine, "setup": asdict(setup), "reps": reps, "results": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"{name}.md").write_text(text)
-    (args.out / f"{name}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_results(args.out, name, text, payload)
     return payload
 
 

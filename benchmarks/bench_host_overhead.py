@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from machine import machine_info, machine_line
+from machine import machine_info, machine_line, write_results
 
 from addnorm.ops import add_norm, policy
 
@@ -261,14 +261,11 @@ def main(argv: list[str] | None = None) -> None:
         "ops": bench_ops(args.rows, args.hidden, device, args.calls, args.samples),
         "lm_step": bench_lm_step(device, args.steps, args.samples),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"host_overhead_{device}"
-    path = stem.with_suffix(".json")
+    name = f"host_overhead_{device}"
+    path = args.out / f"{name}.json"
     report = json.loads(path.read_text()) if path.exists() else {"runs": {}}
     report["runs"][args.label] = run
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    stem.with_suffix(".md").write_text(to_markdown(report))
-    print(f"wrote {path} and {stem.with_suffix('.md')}")
+    write_results(args.out, name, to_markdown(report), report)
 
 
 if __name__ == "__main__":

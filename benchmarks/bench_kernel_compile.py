@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 import triton
-from machine import cpu_model
+from machine import cpu_model, write_results
 
 from addnorm.ops.triton_variants import ARCHS, compile_all, variants
 
@@ -67,12 +66,9 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['kernel']} | {r['launch']} | {r['options']} | {hidden} | sm_{r['arch']} | {r['regs']} "
             f"| {r['spill_bytes']} | {r['static_shared'] + r['dynamic_shared']} |"
         )
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / ("kernel_compile_full" if args.full else "kernel_compile")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    stem.with_suffix(".json").write_text(json.dumps({"summary": head, "rows": rows}, indent=2) + "\n")
+    name = "kernel_compile_full" if args.full else "kernel_compile"
     print(head)
-    print(f"wrote {stem}.md and .json")
+    write_results(args.out, name, "\n".join(lines) + "\n", {"summary": head, "rows": rows})
     return 1 if spilled else 0
 
 

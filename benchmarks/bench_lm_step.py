@@ -23,7 +23,6 @@ on the CPU the default no slower than ``fused=False``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -32,7 +31,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from machine import machine_info, machine_line
+from machine import machine_info, machine_line, write_results
 from torch import nn
 
 import addnorm as an
@@ -352,11 +351,8 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
     report = run(args)
     report["note"] = args.note
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = "lm_step_cuda" if report["device"] == "cuda" else "lm_step_cpu"
-    (args.out / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
-    (args.out / f"{stem}.md").write_text(to_markdown(report))
-    print(f"wrote {args.out / stem}.json and .md")
+    write_results(args.out, stem, to_markdown(report), report)
 
 
 if __name__ == "__main__":

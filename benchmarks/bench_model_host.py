@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from machine import cpu_model
+from machine import cpu_model, write_results
 
 D_MODEL, HEADS, D_FF, LAYERS, BATCH, SEQ, DROPOUT = 64, 4, 128, 4, 4, 32, 0.1
 CONFIGS = [(p, f) for p in ("pre", "post") for f in (True, False)]
@@ -161,10 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "model_host_cpu.md").write_text(text)
     payload = {"cpu": cpu_model(), "trees": {k: str(v) for k, v in trees.items()}, "runs": runs, "best": best}
-    (args.out / "model_host_cpu.json").write_text(json.dumps(payload, indent=2) + "\n")
+    write_results(args.out, "model_host_cpu", text, payload)
 
 
 if __name__ == "__main__":

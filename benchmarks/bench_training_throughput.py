@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import statistics
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from machine import cpu_model
+from machine import cpu_model, write_results
 from torch import nn
 
 import addnorm as an
@@ -133,11 +132,7 @@ def main() -> None:
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "throughput_cpu.md").write_text(text)
-    (args.out / "throughput_cpu.json").write_text(
-        json.dumps({"machine": machine, "results": results}, indent=2)
-    )
+    write_results(args.out, "throughput_cpu", text, {"machine": machine, "results": results})
 
 
 if __name__ == "__main__":

@@ -1,17 +1,20 @@
-"""What the benchmarks record about the machine they ran on (the study's provenance reads it the same way)."""
+"""What the benchmarks record: the machine they ran on (the study's provenance reads it the same way) and
+their results, one Markdown table and one JSON file per benchmark under ``benchmarks/results/``."""
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 import platform
 import subprocess
+from pathlib import Path
 
 import torch
 
 from addnorm.study.provenance import cpu_model
 
-__all__ = ["cpu_model", "machine_info", "machine_line"]
+__all__ = ["cpu_model", "machine_info", "machine_line", "write_results"]
 
 
 def _commit() -> str:
@@ -43,3 +46,13 @@ def machine_line(m: dict) -> str:
         f"{m['torch_threads']}; torch {m['torch']}, Python {m['python']}; commit {m.get('commit', '?')}; "
         f"{m['date']}."
     )
+
+
+def write_results(out: Path, name: str, markdown: str, payload: dict) -> Path:
+    """Write ``out/name.md`` (the table) and ``out/name.json`` (the numbers behind it); the JSON's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.md").write_text(markdown)
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {out / name}.md and .json")
+    return path

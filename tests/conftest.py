@@ -1,3 +1,6 @@
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch._functorch.config
@@ -13,3 +16,15 @@ torch._functorch.config.enable_autograd_cache = False
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def bench_module(monkeypatch):
+    """``load(name)``: a fresh import of ``benchmarks/<name>.py`` (scripts, not a package)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+    def load(name):
+        sys.modules.pop(name, None)
+        return __import__(name)
+
+    return load

@@ -4,21 +4,13 @@ as the issue states them (a GPU session relies on both)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    sys.modules.pop("bench_add_norm", None)
-    import bench_add_norm
-
-    return bench_add_norm
+def bench(bench_module):
+    return bench_module("bench_add_norm")
 
 
 def test_add_norm_benchmark_runs_and_writes_its_tables(bench, tmp_path):
@@ -63,17 +55,6 @@ def test_gpu_targets_are_checked_on_the_rows_they_cover(bench):
     assert [k for k, v in met.items() if not v] == [
         "fwd+bwd >= the better of torch.compile and Liger (bf16 and the autocast mix)"
     ]
-
-
-@pytest.fixture
-def bench_module(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-
-    def load(name):
-        sys.modules.pop(name, None)
-        return __import__(name)
-
-    return load
 
 
 def test_host_overhead_benchmark_runs_and_files_runs_by_label(bench_module, tmp_path):

@@ -4,14 +4,11 @@ peak memory of plain, fused and Liger) reads the rows a GPU session produces."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = {
     "hidden": 16,
     "layers": 2,
@@ -25,12 +22,8 @@ TINY = {
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    monkeypatch.syspath_prepend(str(BENCH))
-    sys.modules.pop("bench_hf_step", None)
-    import bench_hf_step
-
-    return bench_hf_step
+def bench(bench_module):
+    return bench_module("bench_hf_step")
 
 
 def test_cpu_benchmark_runs_and_writes_its_table(bench, tmp_path):
