@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from machine import machine_info, machine_line, write_results
+from timing import interleaved
 
 from addnorm.ops import add_norm
 from addnorm.ops.policy import using_compile_path
@@ -124,15 +125,8 @@ def time_once(fn: Callable[[], object], device: str) -> float:
 def interleaved_medians(fns: dict[str, Callable[[], object]], device: str, warmup: int, reps: int) -> dict:
     """Median seconds of each fn, timed in alternation (round-robin) so that drifts in machine load
     hit every implementation alike."""
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    for i in range(reps):
-        order = names if i % 2 == 0 else names[::-1]
-        for k in order:
-            times[k].append(time_once(fns[k], device))
+    timers = {k: (lambda fn=fn: time_once(fn, device)) for k, fn in fns.items()}
+    times, _ = interleaved(timers, reps, warmup)
     return {k: statistics.median(v) for k, v in times.items()}
 
 

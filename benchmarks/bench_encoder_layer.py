@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 from machine import cpu_model, write_results
+from timing import interleaved
 from torch import nn
 
 import addnorm as an
@@ -56,14 +57,7 @@ def bench(placement: str, reps: int, warmup: int) -> dict:
     n_theirs = sum(p.numel() for p in theirs.parameters())
     x = torch.randn(BATCH, SEQ, D_MODEL)
     steps = {"addnorm": make_step(ours, x), "torch": make_step(theirs, x)}
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    times: dict[str, list[float]] = {name: [] for name in steps}
-    order = list(steps)
-    for i in range(reps):
-        for name in order if i % 2 == 0 else order[::-1]:
-            times[name].append(steps[name]())
+    times, _ = interleaved(steps, reps, warmup)
     med = {name: statistics.median(t) for name, t in times.items()}
     q = {name: statistics.quantiles(t, n=4) for name, t in times.items()}
     return {

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 from machine import cpu_model, write_results
+from timing import interleaved
 
 import addnorm.hf as anhf
 
@@ -116,16 +117,7 @@ def run_cpu(setup: Setup, reps: int, warmup: int, rounds: int) -> dict:
     medians: dict[str, list[float]] = {v: [] for v in steps}
     cpu_medians: dict[str, list[float]] = {v: [] for v in steps}
     for _ in range(rounds):
-        for _ in range(warmup):
-            for step in steps.values():
-                step()
-        wall: dict[str, list[float]] = {v: [] for v in steps}
-        cpu: dict[str, list[float]] = {v: [] for v in steps}
-        for i in range(reps):
-            for v in list(steps) if i % 2 == 0 else list(steps)[::-1]:
-                t0 = time.process_time()
-                wall[v].append(steps[v]())
-                cpu[v].append(time.process_time() - t0)
+        wall, cpu = interleaved(steps, reps, warmup)
         for v in steps:
             medians[v].append(statistics.median(wall[v]))
             cpu_medians[v].append(statistics.median(cpu[v]))

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from machine import machine_info, machine_line, write_results
+from timing import interleaved
 from torch import nn
 
 import addnorm as an
@@ -198,12 +199,8 @@ def run_cells(cfg, placement, mode, cols, device, args) -> dict:
         return out
     torch._dynamo.reset()
     steps = {col: prepare(cfg, placement, mode, col, device, args) for col in cols}
-    times: dict[str, list[float]] = {col: [] for col in cols}
-    for step in steps.values():
-        time_steps(step, device, args.warmup, 0)
-    for i in range(args.steps):
-        for col in cols if i % 2 == 0 else cols[::-1]:
-            times[col] += time_steps(steps[col], device, 0, 1)
+    timers = {col: (lambda step=step: time_steps(step, device, 0, 1)[0]) for col, step in steps.items()}
+    times, _ = interleaved(timers, args.steps, args.warmup)
     return {col: cell(times[col], cfg, None) for col in cols}
 
 

@@ -26,10 +26,10 @@ import pstats
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from machine import cpu_model, write_results
+from timing import interleaved
 
 D_MODEL, HEADS, D_FF, LAYERS, BATCH, SEQ, DROPOUT = 64, 4, 128, 4, 4, 32, 0.1
 CONFIGS = [(p, f) for p in ("pre", "post") for f in (True, False)]
@@ -67,16 +67,7 @@ def measure(reps: int, warmup: int) -> dict[str, dict[str, float]]:
                 m.fused = fused
         tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
         steps[f"{placement}/{'fused' if fused else 'unfused'}"] = make_step(model, tokens)
-    for _ in range(warmup):
-        for step in steps.values():
-            step()
-    wall: dict[str, list[float]] = {name: [] for name in steps}
-    cpu: dict[str, list[float]] = {name: [] for name in steps}
-    for i in range(reps):
-        for name in list(steps) if i % 2 == 0 else list(steps)[::-1]:
-            t0 = time.process_time()
-            wall[name].append(steps[name]())
-            cpu[name].append(time.process_time() - t0)
+    wall, cpu = interleaved(steps, reps, warmup)
     return {
         "ms": {name: statistics.median(t) * 1e3 for name, t in wall.items()},
         "cpu_ms": {name: statistics.median(t) * 1e3 for name, t in cpu.items()},
