@@ -156,7 +156,7 @@ def test_ctrl_c_cancels_the_tasks_and_leaves_the_store_consistent(cluster, tmp_p
 
     spec = {"name": "int", "base": dict(TINY), "experiments": {
         "short": {"sweep": {"seed": [0, 1]}},
-        "long": {"set": {"steps": 3000, "seed": 9}},
+        "long": {"set": {"steps": 200_000, "seed": 9}},  # minutes: still training at the SIGINT
     }}  # fmt: skip
     path, out = tmp_path / "spec.yaml", tmp_path / "out"
     path.write_text(yaml.safe_dump(spec))
