@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.addnorm-installed
 ARGS ?= study
 
-.PHONY: run test lint format bench install clean
+.PHONY: run test lint format bench gpu-bench install clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,6 +37,12 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_encoder_layer.py
+
+# Everything the GPU measures, in one process tree of at most 10 minutes, on a bare device image (torch
+# and Triton preinstalled, no venv): tests, op bandwidth, host time, LM and HF steps, tables with the
+# device name in benchmarks/results/. GPU_BENCH_ARGS=--dry-run prints the plan and runs nothing.
+gpu-bench:
+	PYTHONPATH=src $(PYTHON) benchmarks/gpu_suite.py $(GPU_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -12,9 +12,9 @@ On CUDA: for each norm (layernorm, rmsnorm), prenorm on/off, dtype (bf16, fp16, 
 PyTorch (x + r, then F.layer_norm / F.rms_norm), ``torch.compile`` of that eager function, our op under
 ``torch.compile`` with its Triton kernels (``addnorm_compiled``: the registered triton_op, compile path
 "kernel"), Liger-Kernel when installed (``pip install liger-kernel``; its LayerNorm after the add, its
-fused add + RMSNorm), and a device-to-device copy of the same tensor in the same run (the bandwidth
-ceiling). Compiled functions are built with donated buffers off, since the backward alone is timed
-on a retained graph.
+fused add + RMSNorm), flash-attn's Triton layer norm where it imports (``flash_attn``), and a
+device-to-device copy of the same tensor in the same run (the bandwidth ceiling). Compiled functions
+are built with donated buffers off, since the backward alone is timed on a retained graph.
 On the CPU: our torch path against eager PyTorch (fp32, smaller sizes; ``--quick`` smaller still);
 ``--compile`` adds torch.compile on the CPU too. fwd+bwd bandwidth counts both phases' bytes.
 
@@ -78,6 +78,21 @@ def compiled_kernel_add_norm() -> Callable:
     def fn(*args):
         with using_compile_path("kernel"):
             return compiled(*args)
+
+    return fn
+
+
+def flash_attn_add_norm() -> Callable | None:
+    """flash-attn's Triton layer norm (``layer_norm_fn``: the add, LayerNorm or RMSNorm and, for
+    prenorm, s in one kernel; returns (y, s) for prenorm), or None when flash-attn does not import."""
+    try:
+        from flash_attn.ops.triton.layer_norm import layer_norm_fn
+    except Exception:  # not installed, or built for another torch / CUDA
+        return None
+
+    def fn(x, r, w, b, norm: str, prenorm: bool, eps: float = 1e-5):
+        rms = norm == "rmsnorm"
+        return layer_norm_fn(x, w, None if rms else b, residual=r, eps=eps, prenorm=prenorm, is_rms_norm=rms)
 
     return fn
 
@@ -190,6 +205,11 @@ def run(args) -> dict:
         impls["liger"] = liger
     elif device == "cuda":
         print("liger-kernel not installed: no Liger column (pip install liger-kernel)")
+    flash = flash_attn_add_norm() if device == "cuda" else None
+    if flash is not None:
+        impls["flash_attn"] = flash
+    elif device == "cuda":
+        print("flash-attn does not import: no flash_attn column")
     results = []
     for norm in ("layernorm", "rmsnorm"):
         for prenorm in (True, False):
@@ -203,7 +223,9 @@ def run(args) -> dict:
                     dst = torch.empty_like(src)
                     fns = {"copy": lambda d=dst, s=src: d.copy_(s)}
                     # Liger's fused add + RMSNorm takes one dtype: no Liger cell for the autocast mix
-                    used = {k: f for k, f in impls.items() if not (k == "liger" and x_dtype != s_dtype)}
+                    # (nor for flash-attn's, whose s takes x's dtype or fp32)
+                    mixed = x_dtype != s_dtype
+                    used = {k: f for k, f in impls.items() if not (k in ("liger", "flash_attn") and mixed)}
                     for name, fn in used.items():
                         calls = make_calls(fn, rows, hidden, DTYPES[dtype], norm, prenorm, device)
                         fns |= {f"{name}_{phase}": c for phase, c in calls.items()}
@@ -285,7 +307,9 @@ def _line(row: dict, impls) -> str:
 def to_markdown(report: dict) -> str:
     m = report["machine"]
     impls = sorted({k.rsplit("_", 1)[0] for r in report["results"] for k in r["ms"] if k != "copy"})
-    impls = [i for i in ("addnorm", "eager", "compiled", "addnorm_compiled", "liger") if i in impls]
+    impls = [
+        i for i in ("addnorm", "eager", "compiled", "addnorm_compiled", "liger", "flash_attn") if i in impls
+    ]
     title = "GPU" if report["device"] == "cuda" else "CPU"
     lines = [
         f"# addnorm.ops.add_norm vs eager PyTorch ({title})",

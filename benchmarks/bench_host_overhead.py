@@ -17,7 +17,15 @@ Targets (issue 10, CPU): fused/eager <= 1.2x without dropout, <= 2x with it; the
 no slower than ``fused=False``. ``--label`` files the run under a name (e.g. before / after a change)
 in ``host_overhead_<device>.json``; the markdown table shows every label recorded there.
 
+``--stub-launch`` (issue 21) times the GPU path's own Python on the CPU: ``backend="triton"`` with the
+two kernel launches replaced by no-op launchers (the stub lives here, not in the library; the kernels
+are built for the interpreter, ``TRITON_INTERPRET=1``, and never run), against the same eager ops.
+Targets: fwd <= 1.5x and fwd+bwd <= 1.2x eager; with dropout 0.1 fwd <= 2x, fwd+bwd <= 1.5x. On a
+GPU each call then adds its two launches (Triton's launch cost) and no Python of its own; the table
+goes to ``host_overhead_stub_cpu.json`` / ``.md``.
+
     python benchmarks/bench_host_overhead.py [--label after] [--calls 200] [--samples 25]
+    python benchmarks/bench_host_overhead.py --stub-launch [--label after]
 """
 
 from __future__ import annotations
@@ -25,44 +33,80 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+if "--stub-launch" in sys.argv:  # the kernels must be built for the interpreter: before triton imports
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 import torch
 import torch.nn.functional as F
 from machine import machine_info, machine_line, write_results
+from timing import interleaved
 
 from addnorm.ops import add_norm, policy
 
-TARGET_NO_DROPOUT = 1.2
-TARGET_DROPOUT = 2.0
+# (without dropout, with dropout 0.1) per phase
+TARGETS = {"fwd": (1.2, 2.0), "fwd+bwd": (1.2, 2.0)}  # issue 10: the CPU path
+STUB_TARGETS = {"fwd": (1.5, 2.0), "fwd+bwd": (1.2, 1.5)}  # issue 21: the Triton path, launches stubbed
+OP_CASES = ("layernorm", "layernorm prenorm", "rmsnorm", "layernorm dropout 0.1")
+STUB_CASES = ("layernorm", "layernorm prenorm", "rmsnorm prenorm", "layernorm dropout 0.1")
 
 
 def per_call_us(fns: dict[str, Callable[[], object]], calls: int, samples: int) -> dict[str, float]:
     """Median over ``samples`` of the mean time of ``calls`` back-to-back calls (microseconds), the
-    functions timed in rotation (each takes every position in turn) so that machine-load drift and
-    position effects hit them alike."""
-    for fn in fns.values():
-        for _ in range(max(10, calls // 10)):
-            fn()
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    names = list(fns)
-    for i in range(samples):
-        for k in names[i % len(names) :] + names[: i % len(names)]:  # every position in turn
-            fn = fns[k]
+    functions timed in alternation (:func:`timing.interleaved`) so that machine-load drift hits them
+    alike."""
+
+    def batch(fn: Callable[[], object]) -> Callable[[], float]:
+        def timer() -> float:
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
-            times[k].append((time.perf_counter() - t0) / calls * 1e6)
-    return {k: statistics.median(v) for k, v in times.items()}
+            return (time.perf_counter() - t0) / calls * 1e6
+
+        return timer
+
+    wall, _ = interleaved({k: batch(fn) for k, fn in fns.items()}, samples, warmup=1)
+    return {k: statistics.median(v) for k, v in wall.items()}
 
 
-def op_cases(rows: int, hidden: int, device: str) -> dict[str, tuple[Callable, Callable, list]]:
-    """name -> (fused fn, eager fn, leaves): each fn(x, r, w, b) returns the output(s) of one call."""
+def _no_launch(*args: object, **meta: object) -> None:
+    return None
+
+
+class NoLaunch:
+    """A kernel whose launch does nothing: ``kernel[grid](*args, **meta)`` returns at once."""
+
+    def __getitem__(self, grid: object) -> Callable[..., None]:
+        return _no_launch
+
+
+@contextlib.contextmanager
+def stubbed_launches() -> Iterator[None]:
+    """The Triton path with its two kernels replaced by :class:`NoLaunch` (needs the kernels built for
+    the interpreter: ``TRITON_INTERPRET=1`` before triton is imported, which ``--stub-launch`` sets)."""
+    from addnorm.ops import triton_add_norm as k
+
+    if not k.kernels_are_interpreted():
+        raise RuntimeError("--stub-launch: set TRITON_INTERPRET=1 before triton is imported")
+    saved = k._add_norm_fwd_kernel, k._add_norm_bwd_kernel
+    k._add_norm_fwd_kernel = k._add_norm_bwd_kernel = NoLaunch()
+    try:
+        yield
+    finally:
+        k._add_norm_fwd_kernel, k._add_norm_bwd_kernel = saved
+
+
+def op_cases(hidden: int, backend: str = "auto") -> dict[str, tuple[Callable, Callable]]:
+    """name -> (fused fn, eager fn): each fn(x, r, w, b) returns the output(s) of one call."""
     eps = 1e-5
     shape = (hidden,)
+    kw = {"backend": backend}
 
     def ln(x, r, w, b):
         return F.layer_norm(x + r, shape, w, b, eps)
@@ -74,18 +118,36 @@ def op_cases(rows: int, hidden: int, device: str) -> dict[str, tuple[Callable, C
     def rms(x, r, w, b):
         return F.rms_norm(x + r, shape, w, eps)
 
+    def rms_pre(x, r, w, b):
+        s = x + r
+        return F.rms_norm(s, shape, w, eps), s
+
     def ln_drop(x, r, w, b):
         return F.layer_norm(F.dropout(x, 0.1, True) + r, shape, w, b, eps)
 
     return {
-        "layernorm": (lambda x, r, w, b: add_norm(x, r, w, b), ln),
-        "layernorm prenorm": (lambda x, r, w, b: add_norm(x, r, w, b, prenorm=True), ln_pre),
-        "rmsnorm": (lambda x, r, w, b: add_norm(x, r, w, None, norm="rmsnorm"), rms),
-        "layernorm dropout 0.1": (lambda x, r, w, b: add_norm(x, r, w, b, dropout_p=0.1), ln_drop),
+        "layernorm": (lambda x, r, w, b: add_norm(x, r, w, b, **kw), ln),
+        "layernorm prenorm": (lambda x, r, w, b: add_norm(x, r, w, b, prenorm=True, **kw), ln_pre),
+        "rmsnorm": (lambda x, r, w, b: add_norm(x, r, w, None, norm="rmsnorm", **kw), rms),
+        "rmsnorm prenorm": (
+            lambda x, r, w, b: add_norm(x, r, w, None, norm="rmsnorm", prenorm=True, **kw),
+            rms_pre,
+        ),
+        "layernorm dropout 0.1": (lambda x, r, w, b: add_norm(x, r, w, b, dropout_p=0.1, **kw), ln_drop),
     }
 
 
-def bench_ops(rows: int, hidden: int, device: str, calls: int, samples: int) -> list[dict]:
+def bench_ops(
+    rows: int,
+    hidden: int,
+    device: str,
+    calls: int,
+    samples: int,
+    *,
+    cases: tuple[str, ...] = OP_CASES,
+    backend: str = "auto",
+    targets: dict[str, tuple[float, float]] = TARGETS,
+) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     leaves = [
         torch.randn(rows, hidden, generator=g).to(device).requires_grad_(True),
@@ -95,7 +157,9 @@ def bench_ops(rows: int, hidden: int, device: str, calls: int, samples: int) -> 
     ]
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     out = []
-    for name, (fused, eager) in op_cases(rows, hidden, device).items():
+    all_cases = op_cases(hidden, backend)
+    for name in cases:
+        fused, eager = all_cases[name]
         fns = {}
         for impl, fn in (("fused", fused), ("eager", eager)):
             used = leaves if "rmsnorm" not in name else leaves[:3]
@@ -117,7 +181,7 @@ def bench_ops(rows: int, hidden: int, device: str, calls: int, samples: int) -> 
         dropout = "dropout" in name
         for phase in ("fwd", "fwd+bwd"):
             ratio = us[f"fused {phase}"] / us[f"eager {phase}"]
-            target = TARGET_DROPOUT if dropout else TARGET_NO_DROPOUT
+            target = targets[phase][dropout]
             out.append(
                 {
                     "case": f"{name} {phase}",
@@ -185,16 +249,30 @@ def bench_lm_step(device: str, steps: int, samples: int) -> dict:
     }
 
 
-def to_markdown(report: dict) -> str:
-    lines = [
-        "# Host time per call: addnorm.ops.add_norm vs the eager ops it replaces",
-        "",
-        "Per-call microseconds (median over samples of the mean of a batch of calls; fused and eager",
-        "timed in alternation); ratio = fused / eager. fwd: a training forward (inputs require grad);",
-        "fwd+bwd: plus torch.autograd.grad. Targets (issue 10, CPU): <= 1.2x without dropout, <= 2x",
-        "with it; the tiny Pre-LN LM step (default vs fused=False) <= 1.0x.",
-        "",
-    ]
+STUB_HEADER = [
+    "# Host time per call of the Triton path, kernel launches stubbed, vs eager add + norm",
+    "",
+    '`add_norm(..., backend="triton")` on CPU tensors with both kernel launches replaced by no-op',
+    "launchers (`--stub-launch`): the GPU path's own Python, allocations and autograd, without Triton's",
+    "launch cost. Per-call microseconds (median over samples of the mean of a batch of calls; fused",
+    "and eager timed in alternation); ratio = fused / eager. fwd: a training forward (inputs require",
+    "grad); fwd+bwd: plus torch.autograd.grad. Targets (issue 21): fwd <= 1.5x, fwd+bwd <= 1.2x;",
+    "with dropout 0.1 fwd <= 2x, fwd+bwd <= 1.5x.",
+    "",
+]
+HEADER = [
+    "# Host time per call: addnorm.ops.add_norm vs the eager ops it replaces",
+    "",
+    "Per-call microseconds (median over samples of the mean of a batch of calls; fused and eager",
+    "timed in alternation); ratio = fused / eager. fwd: a training forward (inputs require grad);",
+    "fwd+bwd: plus torch.autograd.grad. Targets (issue 10, CPU): <= 1.2x without dropout, <= 2x",
+    "with it; the tiny Pre-LN LM step (default vs fused=False) <= 1.0x.",
+    "",
+]
+
+
+def to_markdown(report: dict, header: list[str] = HEADER) -> str:
+    lines = list(header)
     for label, run in report["runs"].items():
         m = run["machine"]
         lines += [
@@ -214,7 +292,10 @@ def to_markdown(report: dict) -> str:
                 f"| {r['case']} | {r['fused_us']:.1f} | {r['eager_us']:.1f} | {r['ratio']:.2f}x "
                 f"| <= {r['target']}x | {'yes' if r['met'] else 'NO'} |"
             )
-        s = run["lm_step"]
+        s = run.get("lm_step")
+        if s is None:
+            lines.append("")
+            continue
         c = s["config"]
         lines += [
             f"| LM step (Pre-LN, d_model {c['d_model']}, {c['n_layers']} layers, dropout {c['dropout']}, "
@@ -250,22 +331,33 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cpu", action="store_true", help="the CPU even when CUDA is present")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--note", default="", help="a line recorded with the run (e.g. machine load)")
+    ap.add_argument(
+        "--stub-launch",
+        action="store_true",
+        help="the Triton path on the CPU with its kernel launches stubbed (issue 21's host cost)",
+    )
+    ap.add_argument("--no-record", action="store_true", help="print only (CI): write no results")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    run = {
-        "machine": machine_info(device),
-        "rows": args.rows,
-        "hidden": args.hidden,
-        "note": args.note,
-        "ops": bench_ops(args.rows, args.hidden, device, args.calls, args.samples),
-        "lm_step": bench_lm_step(device, args.steps, args.samples),
-    }
-    name = f"host_overhead_{device}"
+    device = "cuda" if torch.cuda.is_available() and not (args.cpu or args.stub_launch) else "cpu"
+    run = {"machine": machine_info(device), "rows": args.rows, "hidden": args.hidden, "note": args.note}
+    if args.stub_launch:
+        with stubbed_launches():
+            run["ops"] = bench_ops(
+                args.rows, args.hidden, device, args.calls, args.samples,
+                cases=STUB_CASES, backend="triton", targets=STUB_TARGETS,
+            )  # fmt: skip
+        name, header = "host_overhead_stub_cpu", STUB_HEADER
+    else:
+        run["ops"] = bench_ops(args.rows, args.hidden, device, args.calls, args.samples)
+        run["lm_step"] = bench_lm_step(device, args.steps, args.samples)
+        name, header = f"host_overhead_{device}", HEADER
+    if args.no_record:
+        return
     path = args.out / f"{name}.json"
     report = json.loads(path.read_text()) if path.exists() else {"runs": {}}
     report["runs"][args.label] = run
-    write_results(args.out, name, to_markdown(report), report)
+    write_results(args.out, name, to_markdown(report, header), report)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import triton
 from machine import cpu_model, write_results
-
-from addnorm.ops.triton_variants import ARCHS, compile_all, variants
+from triton_variants import ARCHS, compile_all, variants
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,14 @@ if not torch.cuda.is_available():
     # the Triton kernels run in the interpreter on CPU; must be set before they are imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from addnorm.ops import MAX_FUSED_HIDDEN, add_norm, add_norm_reference, dropout_keep_mask, resolve_backend  # noqa: E402
+from addnorm.ops import (  # noqa: E402
+    MAX_FUSED_HIDDEN,
+    add_norm,
+    add_norm_reference,
+    dropout_keep_mask,
+    policy,
+    resolve_backend,
+)
 from addnorm.ops import library as lib  # noqa: E402
 from addnorm.ops.args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y  # noqa: E402
 
@@ -307,7 +314,7 @@ def test_out_dtype_and_mixed_dtypes():
 def test_hidden_beyond_one_pass_falls_back_to_torch():
     hidden = MAX_FUSED_HIDDEN + 8
     x, r = torch.randn(2, hidden), torch.randn(2, hidden)
-    lib._warned.clear()
+    policy._warned.clear()
     if HAS_TRITON and os.environ.get("TRITON_INTERPRET") == "1":
         with pytest.warns(RuntimeWarning, match="torch path"):
             assert resolve_backend("triton", x.device, hidden, (torch.float32,)) == "torch"
@@ -630,11 +637,11 @@ def backend_env(monkeypatch):
             monkeypatch.delenv("ADDNORM_BACKEND", raising=False)
         else:
             monkeypatch.setenv("ADDNORM_BACKEND", value)
-        return lib.read_backend_env()
+        return policy.read_backend_env()
 
     yield set_env
     monkeypatch.undo()
-    lib.read_backend_env()
+    policy.read_backend_env()
 
 
 def test_backend_resolution(backend_env):
@@ -657,7 +664,8 @@ def test_backend_resolution(backend_env):
 def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     if HAS_CUDA:
         pytest.skip("interpreter setting irrelevant with CUDA")
-    monkeypatch.setattr(lib, "interpreting", lambda: False)
+    monkeypatch.setattr(policy, "interpreting", lambda: False)
+    policy.invalidate()  # no plan cached under the real interpreter setting
     x = torch.randn(2, 4)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET|not installed"):
         add_norm(x, x, None, backend="triton")

@@ -11,9 +11,11 @@ import pytest
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
 
 
-def test_launch_configurations_cover_the_hidden_sizes_with_few_variants():
+def test_launch_configurations_cover_the_hidden_sizes_with_few_variants(bench_module):
     from addnorm.ops.triton_add_norm import bwd_config, fwd_config
-    from addnorm.ops.triton_variants import HIDDEN_SIZES, variants
+
+    tv = bench_module("triton_variants")  # a build-time tool: benchmarks/, not the runtime package
+    HIDDEN_SIZES, variants = tv.HIDDEN_SIZES, tv.variants
 
     for h in HIDDEN_SIZES:
         for cfg in (fwd_config(h), bwd_config(h)):
@@ -33,8 +35,9 @@ def test_launch_configurations_cover_the_hidden_sizes_with_few_variants():
 
 @pytest.mark.triton
 @pytest.mark.slow
-def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path):
-    from addnorm.ops.triton_variants import ARCHS, compile_all, variants
+def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path, bench_module):
+    tv = bench_module("triton_variants")
+    ARCHS, compile_all, variants = tv.ARCHS, tv.compile_all, tv.variants
 
     results = compile_all(variants(), ARCHS, cache_dir=str(tmp_path))  # cold, as in CI
     assert {r["arch"] for r in results} == {80, 90}

@@ -100,18 +100,19 @@ def test_eager_cpu_dropout_uses_the_hashed_mask_and_keeps_it_for_backward():
 def small_chunks(monkeypatch):
     """Launch configurations that chunk rows wider than 32 columns (fwd) / 16 (bwd), so the chunked
     kernels run on small shapes in the interpreter."""
+    from addnorm.ops import policy
     from addnorm.ops import triton_add_norm as k
 
     monkeypatch.setattr(k, "FWD_MAX_ONE_PASS", 32)
     monkeypatch.setattr(k, "BWD_MAX_ONE_PASS", 16)
     monkeypatch.setattr(k, "FWD_CHUNK", k.Launch(2, 32, True, 4))
     monkeypatch.setattr(k, "BWD_CHUNK", k.Launch(2, 16, True, 4))
-    k.fwd_config.cache_clear()
-    k.bwd_config.cache_clear()
+    k.clear_caches()
+    policy.invalidate()  # cached call plans hold launch specs
     yield k
     monkeypatch.undo()
-    k.fwd_config.cache_clear()
-    k.bwd_config.cache_clear()
+    k.clear_caches()
+    policy.invalidate()
 
 
 def _check_triton_vs_oracle(rows, hidden, dtype, norm, prenorm, dropout, gate, xhat_from=None):

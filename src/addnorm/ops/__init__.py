@@ -4,8 +4,7 @@ imported lazily, only by ``ops/triton*`` modules (and by ``library`` where CUDA 
 
 from .args import MAX_FUSED_HIDDEN
 from .functional import add_norm
-from .library import BACKENDS, resolve_backend
-from .policy import compile_path, fused_op_preferred, set_compile_path
+from .policy import BACKENDS, compile_path, fused_op_preferred, resolve_backend, set_compile_path
 from .reference import add_norm_reference, dropout_keep_mask, dropout_threshold, hash32
 
 __all__ = [

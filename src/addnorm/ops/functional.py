@@ -10,7 +10,8 @@ same plan (shapes, the gate, the seed). How it runs:
   :class:`~addnorm.ops.torch_path.Composite` under torch's autograd, the dropout multiplier from the
   hashed mask of the given seed (NumPy on the CPU), or on the CPU without a seed ``nn.Dropout``'s
   Bernoulli draws;
-- eager, Triton backend: :class:`~addnorm.ops.library.TritonAddNorm` (the kernels, no op dispatch);
+- eager, Triton backend: :class:`~addnorm.ops.triton_eager.TritonAddNorm` (the kernels, no op
+  dispatch, the launch specs cached on the plan);
 - under ``torch.compile``: the composite (Inductor fuses it with its neighbours) or the registered op
   (the Triton kernels, launched by Inductor), as :func:`addnorm.ops.policy.compile_path` says;
 - under ``torch.func`` transforms: the composite (every transform differentiates or batches it);
@@ -30,7 +31,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import policy
 from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y, FwdArgs
-from .library import BACKENDS, TritonAddNorm, add_norm_fwd, resolve_backend
+from .library import add_norm_fwd
+from .policy import BACKENDS, resolve_backend
 from .reference import _canonical_norm, dropout_keep_mask_numpy
 from .torch_path import Composite, dropout_multiplier
 
@@ -45,8 +47,8 @@ class Plan:
     """What a call signature fixes, decided once: the backend (``triton``), the composite (torch
     backend), the effective dropout rate ``p`` (0 in eval), the op's dtypes and ``xhat_from``."""
 
-    __slots__ = ("alpha", "backend", "composite", "eps", "hidden", "norm", "np_dtype", "p", "prenorm", "rms")
-    __slots__ += ("s_dtype", "scale", "shape", "simple", "triton", "xhat_from", "y_dtype")
+    __slots__ = ("alpha", "backend", "composite", "eps", "hidden", "launches", "norm", "np_dtype", "p")
+    __slots__ += ("prenorm", "rms", "s_dtype", "scale", "shape", "simple", "triton", "xhat_from", "y_dtype")
 
     def __init__(self, x, residual, weight, bias, norm, eps, prenorm, alpha, p, s_dtype, y_dtype, backend):
         hidden = x.shape[-1]
@@ -74,13 +76,23 @@ class Plan:
             self.xhat_from = XHAT_FROM_S
         else:
             self.xhat_from = XHAT_FROM_Y if y_dtype == torch.float32 else XHAT_FROM_XR
+        # the eager Triton path's launch specs, per gate kind (none, one element, a vector)
+        self.launches = [None, None, None]
+        if self.triton:
+            from .triton_eager import EagerLaunch
+
+            self.launches = [
+                EagerLaunch(self, x.dtype, residual.dtype, weight is not None, bias is not None, code)
+                for code in (0, 1, 2)
+            ]
 
 
+# call plans, keyed on the policy's version and the call signature
 _PLANS: dict[tuple, Plan] = {}
 
 
 def clear_plans() -> None:
-    """Forget the cached plans (after ``ADDNORM_BACKEND`` changes: see ``library.read_backend_env``)."""
+    """Forget the cached plans (a change of policy needs no call: plans are keyed on its version)."""
     _PLANS.clear()
 
 
@@ -238,7 +250,7 @@ def add_norm(
         try:
             xs = x.shape
             key = (
-                x.dtype, residual.dtype, x.device, xs[-1], weight is None or weight.dtype,
+                policy.VERSION, x.dtype, residual.dtype, x.device, xs[-1], weight is None or weight.dtype,
                 bias is None or bias.dtype, norm, eps, prenorm, alpha, dropout_p if training else 0.0,
                 residual_in_fp32, out_dtype, backend,
             )  # fmt: skip
@@ -276,14 +288,18 @@ def add_norm(
     if gate is not None:
         _check_gate(gate, plan.hidden, x.device)
     if plan.triton:
-        _check_vector("weight", weight, plan.hidden, x.device)
-        _check_vector("bias", bias, plan.hidden, x.device)
-        seed_t = _seed_value(seed, x.device, False) if plan.p else None
+        dev = x.device
+        if weight is not None and (weight.shape != plan.shape or weight.device != dev):
+            _check_vector("weight", weight, plan.hidden, dev)
+        if bias is not None and (bias.shape != plan.shape or bias.device != dev):
+            _check_vector("bias", bias, plan.hidden, dev)
+        seed_t = _seed_value(seed, dev, False) if plan.p else None
         if torch._C._are_functorch_transforms_active():
             return _composite(plan, x, residual, weight, bias, gate, seed_t)
         if traced:
             return _via_op(plan, x, residual, weight, bias, gate, seed_t)
-        return _via_function(plan, x, residual, weight, bias, gate, seed_t)
+        launch = plan.launches[0 if gate is None else (1 if gate.numel() == 1 else 2)]
+        return launch.apply(x, residual, weight, bias, gate, seed_t, launch)
     if traced:
         return _via_op(
             plan, x, residual, weight, bias, gate, _seed_value(seed, x.device, False) if plan.p else None
@@ -318,16 +334,6 @@ def _bias_checked(bias: Tensor, shape: torch.Size) -> Tensor:
             f"bias: expected shape ({shape[0]},) (the hidden size) or None, got {tuple(bias.shape)}"
         )
     return bias
-
-
-def _via_function(plan: Plan, x, residual, weight, bias, gate, seed_t) -> Tensor | tuple[Tensor, Tensor]:
-    """The call through :class:`TritonAddNorm` on (rows, hidden) views (eager, Triton backend)."""
-    xs, hidden = x.shape, plan.hidden
-    y, s = TritonAddNorm.apply(
-        x.reshape(-1, hidden), residual.reshape(-1, hidden), weight, bias, gate, seed_t, plan.norm, plan.eps,
-        plan.alpha, plan.p, plan.s_dtype, plan.y_dtype, plan.prenorm, plan.xhat_from, plan.backend,
-    )[:2]  # fmt: skip
-    return (y.view(xs), s.view(xs)) if plan.prenorm else y.view(xs)
 
 
 def _composite(plan: Plan, x, residual, weight, bias, gate, seed_t) -> Tensor | tuple[Tensor, Tensor]:

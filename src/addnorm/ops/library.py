@@ -12,104 +12,21 @@ run the same launchers through :class:`TritonAddNorm` (``addnorm.ops.functional`
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import warnings
-
 import torch
 from torch import Tensor
 
 from .args import (
-    MAX_FUSED_HIDDEN,
-    TRITON_DTYPES,
     XHAT_FROM_S,
     XHAT_FROM_XR,
     XHAT_FROM_Y,
     BwdArgs,
     FwdArgs,
-    interpreting,
     op_signature,
 )
+from .policy import resolve_backend, use_triton_op
 from .torch_path import add_norm_bwd_torch, add_norm_fwd_torch
 
-__all__ = [
-    "BACKENDS",
-    "TritonAddNorm",
-    "add_norm_bwd",
-    "add_norm_fwd",
-    "read_backend_env",
-    "resolve_backend",
-    "triton_available",
-]
-
-BACKENDS = ("auto", "torch", "triton")
-_warned: set[str] = set()
-
-
-def triton_available() -> bool:
-    """Whether triton can be imported (without importing it)."""
-    return importlib.util.find_spec("triton") is not None
-
-
-def read_backend_env() -> str:
-    """Read ``ADDNORM_BACKEND``, the backend that ``"auto"`` stands for (at import, and again only when
-    this is called: no environment lookup per call), and return it."""
-    global _ENV_BACKEND
-    _ENV_BACKEND = os.environ.get("ADDNORM_BACKEND", "auto").strip().lower() or "auto"
-    from . import functional  # its cached call plans hold resolved backends
-
-    functional.clear_plans()
-    return _ENV_BACKEND
-
-
-_ENV_BACKEND = os.environ.get("ADDNORM_BACKEND", "auto").strip().lower() or "auto"
-
-
-def _warn_once(msg: str) -> None:
-    if msg not in _warned:
-        _warned.add(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=4)
-
-
-def resolve_backend(backend: str, device: torch.device, hidden: int, dtypes: tuple[torch.dtype, ...]) -> str:
-    """``"torch"`` or ``"triton"`` for a call: an explicit ``backend`` wins, then ``ADDNORM_BACKEND``
-    (see :func:`read_backend_env`), then auto (triton for CUDA tensors when triton imports). Rows
-    wider than ``MAX_FUSED_HIDDEN`` and float64 fall back to torch."""
-    if backend == "auto":
-        backend = _ENV_BACKEND
-        if backend not in BACKENDS:
-            raise ValueError(f"ADDNORM_BACKEND: expected one of {BACKENDS}, got {backend!r}")
-        if backend == "auto":
-            ok = device.type == "cuda" and triton_available()
-            ok = ok and hidden <= MAX_FUSED_HIDDEN and all(d in TRITON_DTYPES for d in dtypes)
-            return "triton" if ok else "torch"
-    if backend == "torch":
-        return "torch"
-    if not triton_available():
-        raise RuntimeError("backend='triton': triton is not installed (pip install 'addnorm[triton]')")
-    if device.type != "cuda" and not interpreting():
-        raise RuntimeError(
-            f"backend='triton': tensors are on {device.type}, and Triton kernels run on CUDA only, or on "
-            "the CPU with TRITON_INTERPRET=1 set before triton is imported; use backend='torch' or 'auto'"
-        )
-    if device.type == "cpu":
-        from .triton_add_norm import kernels_are_interpreted
-
-        if not kernels_are_interpreted():
-            raise RuntimeError(
-                "backend='triton' on CPU tensors: the kernels were compiled before TRITON_INTERPRET=1 "
-                "was set; set it before importing addnorm's Triton kernels"
-            )
-    bad = [d for d in dtypes if d not in TRITON_DTYPES]
-    if bad:
-        raise TypeError(f"backend='triton': supports float32, float16 and bfloat16 tensors, got {bad[0]}")
-    if hidden > MAX_FUSED_HIDDEN:
-        _warn_once(
-            f"add_norm: hidden size {hidden} > {MAX_FUSED_HIDDEN} exceeds the Triton kernels' widest row; "
-            "using the torch path"
-        )
-        return "torch"
-    return "triton"
+__all__ = ["TRITON_OP", "add_norm_bwd", "add_norm_fwd"]
 
 
 def _on_triton(backend: str, t: Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
@@ -124,16 +41,7 @@ def _on_triton(backend: str, t: Tensor, dtypes: tuple[torch.dtype, ...]) -> bool
 # --- the registered ops --------------------------------------------------------------------------
 
 
-def _use_triton_op() -> bool:
-    """``torch.library.triton_op`` where its kernels can run (CUDA and triton present; it imports
-    triton), a ``custom_op`` elsewhere. ``ADDNORM_TRITON_OP=1``/``0`` forces the choice (read once)."""
-    forced = os.environ.get("ADDNORM_TRITON_OP", "").strip()
-    if forced in ("0", "1"):
-        return forced == "1" and triton_available()
-    return triton_available() and torch.cuda.is_available()
-
-
-TRITON_OP = _use_triton_op()
+TRITON_OP = use_triton_op()
 if TRITON_OP:  # imported here, so that triton_op's analysis of the op bodies finds the kernels
     from .triton_add_norm import add_norm_bwd_triton, add_norm_fwd_triton
 else:  # imported on first use: only where the Triton backend runs (the CPU interpreter)
@@ -244,19 +152,3 @@ def _backward(ctx, dy, ds, _dmean, _drstd):
 
 
 add_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class TritonAddNorm(torch.autograd.Function):
-    """The Triton launchers under autograd without the op dispatch (eager calls): the same context
-    and backward as the registered op. (The old-style ``forward(ctx, ...)``: a ``setup_context``
-    method would make ``apply`` inspect the signature on every call.)"""
-
-    @staticmethod
-    def forward(ctx, *args):
-        out = add_norm_fwd_triton(FwdArgs._make(args))
-        _setup_context(ctx, args, out)
-        return out
-
-    @staticmethod
-    def backward(ctx, dy, ds, _dmean, _drstd):
-        return _grads(add_norm_bwd_triton, ctx, dy, ds)

@@ -1,4 +1,11 @@
-"""Where a model's Add & Norm runs through the fused op, and what the op hands torch.compile.
+"""The fused op's policy, in one place: which backend a call runs on, the environment variables that
+steer it, what the op hands torch.compile, and where a model's Add & Norm runs through the op.
+
+:func:`resolve_backend` is the backend rule (an explicit ``backend`` wins, then ``ADDNORM_BACKEND``,
+then Triton for CUDA tensors when triton imports; float64 and rows wider than ``MAX_FUSED_HIDDEN`` fall
+back to torch). ``add_norm`` caches a plan per call signature holding what these rules decided; the
+cache is keyed on :data:`VERSION`, which every change of policy (:func:`read_backend_env`,
+:func:`invalidate`) bumps, so no plan outlives the policy it was made under.
 
 :func:`fused_op_preferred` is the one rule that a model's fusion decision (the residual stream's
 held-back adds, a Post-LN connection's add and norm) asks about the device and the dropout; the op
@@ -11,11 +18,120 @@ registered op with the Triton kernels (``"kernel"``). Both drop the same element
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
+import warnings
 from collections.abc import Iterator
 
 import torch
 
-__all__ = ["COMPILE_PATHS", "compile_path", "fused_op_preferred", "set_compile_path", "using_compile_path"]
+from .args import MAX_FUSED_HIDDEN, TRITON_DTYPES, interpreting
+
+__all__ = [
+    "BACKENDS",
+    "COMPILE_PATHS",
+    "VERSION",
+    "compile_path",
+    "fused_op_preferred",
+    "invalidate",
+    "read_backend_env",
+    "resolve_backend",
+    "set_compile_path",
+    "triton_available",
+    "use_triton_op",
+    "using_compile_path",
+]
+
+BACKENDS = ("auto", "torch", "triton")
+# the policy's version: cached call plans are keyed on it (bumped by every change of policy)
+VERSION = 0
+_warned: set[str] = set()
+
+
+def invalidate() -> None:
+    """A new policy version: every cached call plan is rebuilt on its next call (after the backend
+    environment or the kernels' launch configurations change)."""
+    global VERSION
+    VERSION += 1
+
+
+def triton_available() -> bool:
+    """Whether triton can be imported (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def _env_backend() -> str:
+    return os.environ.get("ADDNORM_BACKEND", "auto").strip().lower() or "auto"
+
+
+_ENV_BACKEND = _env_backend()
+
+
+def read_backend_env() -> str:
+    """Read ``ADDNORM_BACKEND``, the backend that ``"auto"`` stands for (at import, and again only when
+    this is called: no environment lookup per call), invalidate the cached plans, and return it."""
+    global _ENV_BACKEND
+    _ENV_BACKEND = _env_backend()
+    invalidate()
+    return _ENV_BACKEND
+
+
+def use_triton_op() -> bool:
+    """Whether the registered ops are ``torch.library.triton_op``s (CUDA and triton present: under
+    torch.compile Inductor launches the kernels) or ``custom_op``s. ``ADDNORM_TRITON_OP=1``/``0``
+    forces the choice (read once, when the ops are registered)."""
+    forced = os.environ.get("ADDNORM_TRITON_OP", "").strip()
+    if forced in ("0", "1"):
+        return forced == "1" and triton_available()
+    return triton_available() and torch.cuda.is_available()
+
+
+def _warn_once(msg: str) -> None:
+    if msg not in _warned:
+        _warned.add(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=4)
+
+
+def resolve_backend(backend: str, device: torch.device, hidden: int, dtypes: tuple[torch.dtype, ...]) -> str:
+    """``"torch"`` or ``"triton"`` for a call: an explicit ``backend`` wins, then ``ADDNORM_BACKEND``
+    (see :func:`read_backend_env`), then auto (triton for CUDA tensors when triton imports). Rows
+    wider than ``MAX_FUSED_HIDDEN`` and float64 fall back to torch."""
+    if backend == "auto":
+        backend = _ENV_BACKEND
+        if backend not in BACKENDS:
+            raise ValueError(f"ADDNORM_BACKEND: expected one of {BACKENDS}, got {backend!r}")
+        if backend == "auto":
+            ok = device.type == "cuda" and triton_available()
+            ok = ok and hidden <= MAX_FUSED_HIDDEN and all(d in TRITON_DTYPES for d in dtypes)
+            return "triton" if ok else "torch"
+    if backend == "torch":
+        return "torch"
+    if not triton_available():
+        raise RuntimeError("backend='triton': triton is not installed (pip install 'addnorm[triton]')")
+    if device.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            f"backend='triton': tensors are on {device.type}, and Triton kernels run on CUDA only, or on "
+            "the CPU with TRITON_INTERPRET=1 set before triton is imported; use backend='torch' or 'auto'"
+        )
+    if device.type == "cpu":
+        from .triton_add_norm import kernels_are_interpreted
+
+        if not kernels_are_interpreted():
+            raise RuntimeError(
+                "backend='triton' on CPU tensors: the kernels were compiled before TRITON_INTERPRET=1 "
+                "was set; set it before importing addnorm's Triton kernels"
+            )
+    bad = [d for d in dtypes if d not in TRITON_DTYPES]
+    if bad:
+        raise TypeError(f"backend='triton': supports float32, float16 and bfloat16 tensors, got {bad[0]}")
+    if hidden > MAX_FUSED_HIDDEN:
+        _warn_once(
+            f"add_norm: hidden size {hidden} > {MAX_FUSED_HIDDEN} exceeds the Triton kernels' widest row; "
+            "using the torch path"
+        )
+        return "torch"
+    return "triton"
+
 
 COMPILE_PATHS = ("composite", "kernel")
 # Inductor's fusion of the composite with its neighbours beat the opaque op on an H100 (issue 10:

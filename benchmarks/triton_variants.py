@@ -55,7 +55,7 @@ class Variant(NamedTuple):
 
     @property
     def maxnreg(self) -> int:
-        from .triton_add_norm import Launch
+        from addnorm.ops.triton_add_norm import Launch
 
         return Launch(self.block_m, self.block_n, self.chunked, self.num_warps).maxnreg
 
@@ -76,7 +76,7 @@ class Variant(NamedTuple):
 
 def _configs(kind: str) -> dict:
     """{launch configuration: hidden sizes} over HIDDEN_SIZES."""
-    from .triton_add_norm import bwd_config, fwd_config
+    from addnorm.ops.triton_add_norm import bwd_config, fwd_config
 
     config = fwd_config if kind == "fwd" else bwd_config
     out: dict = {}
@@ -230,7 +230,7 @@ def compile_variant(v: Variant, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from . import triton_add_norm as k
+    from addnorm.ops import triton_add_norm as k
 
     fn = k._add_norm_fwd_kernel if v.kernel == "fwd" else k._add_norm_bwd_kernel
     if not hasattr(fn, "arg_names"):
