@@ -27,7 +27,6 @@ import numpy as np
 import torch
 from torch import Tensor
 from torch.compiler import is_compiling
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from . import policy
 from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y, FwdArgs
@@ -271,7 +270,7 @@ def add_norm(
         return _via_op(plan, x, residual, weight, bias, gate, seed_t)
     if residual.shape != xs:
         raise ValueError(f"residual: expected the shape of x {tuple(xs)}, got {tuple(residual.shape)}")
-    traced = _get_current_dispatch_mode() is not None or type(x) is not Tensor
+    traced = torch._C._len_torch_dispatch_stack() > 0 or type(x) is not Tensor  # a dispatch mode or subclass
     if plan.simple and gate is None and not traced:  # s = x + r, then the norm: eager's own ops
         try:
             s = x + residual

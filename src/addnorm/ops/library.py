@@ -1,13 +1,14 @@
-"""The fused Add & Norm as registered ops and autograd: backend choice, ``addnorm::add_norm_fwd`` /
-``addnorm::add_norm_bwd`` and the eager autograd function of the Triton path.
+"""The fused Add & Norm as registered ops and their autograd: ``addnorm::add_norm_fwd`` /
+``addnorm::add_norm_bwd``.
 
 The two ops take :class:`~addnorm.ops.args.FwdArgs` / :class:`~addnorm.ops.args.BwdArgs` (their
 schemas are generated from those fields) on 2-D (rows, hidden) tensors. Where CUDA and triton are
 present they are ``torch.library.triton_op``s: under torch.compile their body is traced and Inductor
 launches the Triton kernels itself (``wrap_triton``), with no Python per call; elsewhere they are
 ``custom_op``s running the torch path. Either way the autograd formula calls the backward op, which
-regenerates the dropout mask from the seed. Eager calls on the Triton backend skip the op dispatch and
-run the same launchers through :class:`TritonAddNorm` (``addnorm.ops.functional`` decides).
+regenerates the dropout mask from the seed. The backend rule is :mod:`addnorm.ops.policy`'s. Eager
+calls on the Triton backend skip the op dispatch and run the same launchers through
+:class:`addnorm.ops.triton_eager.TritonAddNorm` (``addnorm.ops.functional`` decides).
 """
 
 from __future__ import annotations

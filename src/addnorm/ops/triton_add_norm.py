@@ -22,7 +22,8 @@ accumulate each chunk's partial sums in the program's row of the partial buffer.
 regenerated from the seed with the hash of :func:`addnorm.ops.reference.dropout_keep_mask`, bit for bit.
 
 Launch configurations are chosen per hidden size and cached (:func:`fwd_config`, :func:`bwd_config`);
-the kernel variants they map to are compiled for sm_80 / sm_90 by ``triton_variants`` (no spills).
+the kernel variants they map to are compiled for sm_80 / sm_90 by ``benchmarks/triton_variants.py``
+(no spills).
 
 This module imports triton at import time: import it lazily (``addnorm.ops`` does).
 """
@@ -667,7 +668,8 @@ class Launch(NamedTuple):
 # Rows up to these widths stay in registers in one pass; wider rows go in column chunks. Narrow rows
 # share a program: tiles of TILE elements. The forward holds about 16 fp32 values per thread per tile
 # tensor (ELEMS_PER_WARP 512), the backward, with more tensors live, 8 (256): no spills and at most
-# ~130 registers on sm_80 / sm_90 for every variant (``triton_variants``, the compile-time test).
+# ~130 registers on sm_80 / sm_90 for every variant (``benchmarks/triton_variants.py``, the
+# compile-time test).
 FWD_MAX_ONE_PASS = 8192
 BWD_MAX_ONE_PASS = 2048
 FWD_CHUNK = Launch(1, 2048, True, 8)
@@ -746,6 +748,7 @@ def _gate_code(gate: Tensor | None) -> int:
 
 
 _F32 = torch.float32
+_F32_KW, _NO_KW = {"dtype": _F32}, {}  # new_empty's keywords for an fp32 buffer
 
 
 # --- launch specs: what a call's options fix, decided once --------------------------------------
@@ -828,19 +831,28 @@ def bwd_spec(
 # --- launchers -----------------------------------------------------------------------------------
 
 
+def _empty_like(t: Tensor, contiguous: bool, dtype: torch.dtype) -> Tensor:
+    """A contiguous empty tensor of ``t``'s shape and ``dtype``: ``empty_like`` where ``t``'s layout and
+    dtype fit (a third of ``torch.empty``'s host time with keywords)."""
+    if contiguous and t.dtype is dtype:
+        return torch.empty_like(t)
+    return torch.empty(t.shape, dtype=dtype, device=t.device)
+
+
 def launch_fwd(sp: FwdSpec, x, residual, weight, bias, gate, seed, kernel=None):
     """The forward on x and residual of any shape (..., n): (y, s or None, mean or None, rstd), y and
     s contiguous of x's shape, the statistics one per row. ``kernel``: the kernel to launch (default
     the module's: ``wrap_triton``'s where the call is traced)."""
     n = sp.n
-    shape, dev = x.shape, x.device
     rows = x.numel() // n
-    y = torch.empty(shape, dtype=sp.y_dtype, device=dev)
-    s = torch.empty(shape, dtype=sp.s_dtype, device=dev) if sp.store_s else None
-    mean = None if sp.is_rms else torch.empty(rows, dtype=_F32, device=dev)
-    rstd = torch.empty(rows, dtype=_F32, device=dev)
+    xc = x.is_contiguous()
+    y = _empty_like(x, xc, sp.y_dtype)
+    s = _empty_like(y, True, sp.s_dtype) if sp.store_s else None
+    f32 = _NO_KW if x.dtype is _F32 else _F32_KW
+    mean = None if sp.is_rms else x.new_empty(rows, **f32)
+    rstd = x.new_empty(rows, **f32)
     if rows:
-        x, stride_x = _rows(x, n)
+        x, stride_x = (x, n) if xc else _rows(x, n)
         residual, stride_r = _rows(residual, n)
         (_add_norm_fwd_kernel if kernel is None else kernel)[(-(-rows // sp.block_m),)](
             x, residual, weight, bias, gate, seed, y, s, mean, rstd, stride_x, stride_r, rows, n,
@@ -853,19 +865,23 @@ def launch_bwd(sp: BwdSpec, dy, ds, saved, x, residual, weight, bias, gate, seed
     """The backward (``dy`` of any shape (..., n), ``saved`` s or y contiguous of that shape, None for
     XR): (dx or None, dresidual, dweight or None, dbias or None, dgate or None)."""
     n = sp.n
-    shape, dev = dy.shape, dy.device
     rows = dy.numel() // n
-    dres = torch.empty(shape, dtype=sp.res_dtype, device=dev)
-    dx = torch.empty(shape, dtype=sp.x_dtype, device=dev) if sp.need_dx else None
-    programs, per_program = bwd_grid(rows, n, dev)
-    alloc = torch.zeros if sp.chunked else torch.empty  # chunked rows add into the partial sums
-    dw_part = None if weight is None else alloc((programs, n), dtype=_F32, device=dev)
-    db_part = None if bias is None else alloc((programs, n), dtype=_F32, device=dev)
-    dg_part = None if gate is None else alloc((programs, n), dtype=_F32, device=dev)
+    dyc = dy.is_contiguous()
+    dres = _empty_like(dy, dyc, sp.res_dtype)
+    dx = _empty_like(dres, True, sp.x_dtype) if sp.need_dx else None
+    programs, per_program = bwd_grid(rows, n, dy.device)
+    # per-program partial sums of dweight / dbias / dgate, summed below; one program (few rows) writes
+    # the sums themselves
+    part = (n,) if programs == 1 else (programs, n)
+    alloc = dy.new_zeros if sp.chunked else dy.new_empty  # chunked rows add into the partial sums
+    f32 = _NO_KW if dy.dtype is _F32 else _F32_KW
+    dw_part = None if weight is None else alloc(part, **f32)
+    db_part = None if bias is None else alloc(part, **f32)
+    dg_part = None if gate is None else alloc(part, **f32)
     if sp.recompute and (x is None or residual is None):
         raise ValueError("add_norm_bwd: recomputing s needs x and residual")
     if rows:
-        dy, stride_dy = _rows(dy, n)
+        dy, stride_dy = (dy, n) if dyc else _rows(dy, n)
         ds, stride_ds = (None, 0) if ds is None else _rows(ds, n)
         x, stride_x = _rows(x, n) if sp.need_x else (None, 0)
         residual, stride_r = _rows(residual, n) if sp.recompute else (None, 0)
@@ -876,13 +892,13 @@ def launch_bwd(sp: BwdSpec, dy, ds, saved, x, residual, weight, bias, gate, seed
         )  # fmt: skip
     dw = db = dg = None
     if dw_part is not None:
-        dw = dw_part.sum(0)
-        dw = dw if weight.dtype == _F32 else dw.to(weight.dtype)
+        dw = dw_part if programs == 1 else dw_part.sum(0)
+        dw = dw if weight.dtype is _F32 else dw.to(weight.dtype)
     if db_part is not None:
-        db = db_part.sum(0)
-        db = db if bias.dtype == _F32 else db.to(bias.dtype)
+        db = db_part if programs == 1 else db_part.sum(0)
+        db = db if bias.dtype is _F32 else db.to(bias.dtype)
     if dg_part is not None:
-        gsum = dg_part.sum(0)
+        gsum = dg_part if programs == 1 else dg_part.sum(0)
         dg = (gsum.sum() if gate.numel() == 1 else gsum).reshape(gate.shape).to(gate.dtype)
     return dx, dres, dw, db, dg
 

@@ -66,9 +66,10 @@ class TritonAddNorm(torch.autograd.Function):
             gate,
             seed,
             y if launch.save_y else s,
-            mean,
-            rstd,
         )
+        # the statistics are neither inputs nor outputs: kept as attributes (no reference cycle, no
+        # version counter to check)
+        ctx.stats = mean, rstd
         ctx.launch = launch
         ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs that go unused
         return (y, s) if launch.prenorm else y
@@ -76,7 +77,8 @@ class TritonAddNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds=None):
         launch = ctx.launch
-        x, residual, weight, bias, gate, seed, saved, mean, rstd = ctx.saved_tensors
+        x, residual, weight, bias, gate, seed, saved = ctx.saved_tensors
+        mean, rstd = ctx.stats
         if dy is None:  # only s was used (Pre-LN: saved is s)
             dy = torch.zeros_like(saved)
         sp = launch.bwd if ds is None else launch.bwd_ds
