@@ -131,7 +131,8 @@ def test_host_overhead_stub_launch_times_the_triton_path_without_running_a_kerne
     assert targets == {
         "layernorm fwd": 1.5, "layernorm fwd+bwd": 1.2, "layernorm prenorm fwd": 1.5,
         "layernorm prenorm fwd+bwd": 1.2, "rmsnorm prenorm fwd": 1.5, "rmsnorm prenorm fwd+bwd": 1.2,
-        "layernorm dropout 0.1 fwd": 2.0, "layernorm dropout 0.1 fwd+bwd": 1.5,
+        "layernorm dropout 0.1 fwd": 2.0, "layernorm dropout 0.1 fwd+bwd": 1.5, "floor fwd": 1.5,
+        "floor fwd+bwd": 1.2,
     }  # fmt: skip
     assert "launches stubbed" in (tmp_path / "host_overhead_stub_cpu.md").read_text()
 
