@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -45,7 +47,10 @@ _CACHE_OFF = {"use_cache": False, "past_key_values": None}
 class Reads:
     """Norms that compute with the parameters of a model's own norm modules: ``pairs`` of (norm,
     source). :meth:`refresh` points each norm's ``weight`` and ``bias`` at its source's, as they are
-    now; every rewired forward calls it first, so nothing computes with parameters read earlier."""
+    now; every rewired forward calls it first, so nothing computes with parameters read earlier.
+    ``with reads.loaded():`` does it for a source that an offload hook manages itself (accelerate's
+    ``_hf_hook`` on the norm module: its parameters are on the meta device outside its own forward),
+    running the hook's ``pre_forward`` first and its ``post_forward`` after."""
 
     __slots__ = ("pairs",)
 
@@ -56,6 +61,18 @@ class Reads:
         for norm, source in self.pairs:
             for name in ("weight", "bias"):
                 object.__setattr__(norm, name, getattr(source, name, None))
+
+    @contextmanager
+    def loaded(self) -> Iterator[None]:
+        hooked = [source for _, source in self.pairs if hasattr(source, "_hf_hook")]
+        for source in hooked:
+            source._hf_hook.pre_forward(source)
+        self.refresh()
+        try:
+            yield
+        finally:
+            for source in hooked:
+                source._hf_hook.post_forward(source, None)
 
 
 def _managed(module: nn.Module | None) -> bool:
@@ -175,7 +192,10 @@ class LayerRun:
         return self._run(hidden_states, **kwargs)
 
     def _run(self, x: Tensor, local: bool = False, **kwargs) -> Tensor:
-        self.reads.refresh()
+        with self.reads.loaded():
+            return self._through(x, local, **kwargs)
+
+    def _through(self, x: Tensor, local: bool, **kwargs) -> Tensor:
         normed = None if local else self.handover.take(x, self.first_norm)
         stream = Stream(x) if normed is None else _Entering(x, normed, self.first_norm)
         layer = self.layer
