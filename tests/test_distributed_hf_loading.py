@@ -68,8 +68,9 @@ def test_load_state_dict_assign_after_fuse_is_read_by_the_fused_model():
 
 
 def test_meta_built_fused_model_runs_after_to_empty_and_init_weights():
-    from addnorm.hf import tiny_config
     from transformers import AutoModelForCausalLM
+
+    from addnorm.hf import tiny_config
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab=100, layers=LAYERS))
