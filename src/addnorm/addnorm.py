@@ -288,25 +288,28 @@ class AddNorm(nn.Module):
         n3 = self.output_norm
         return self.stream_out(n3(s) if n3 is not None else s), d
 
-    def add(self, f: Tensor, base: Tensor, extra: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    def add(
+        self, f: Tensor, base: Tensor, extra: Tensor | None = None, *, gate: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """(s, d), unfused: d = D(f) (dropout on the branch) or f, s = alpha * base + g * d + extra, then
         D(s) with dropout after the add. Admin's omega replaces alpha; nGPT's s = base + a * (d - base);
-        without the residual s = d."""
+        without the residual s = d. ``gate``: g to apply in place of the gate parameter (a held add's
+        copy of it, :class:`addnorm.model.stream.HeldAdd`)."""
         d = self.dropout(f) if self.dropout_at == "branch" else f
-        s = self._combine(d, base)
+        s = self._combine(d, base, self.gate if gate is None else gate)
         if extra is not None:
             s = s + extra
         if self.dropout_at == "after_add":
             s = self.dropout(s)
         return s, d
 
-    def _combine(self, d: Tensor, base: Tensor) -> Tensor:
+    def _combine(self, d: Tensor, base: Tensor, gate: Tensor | None) -> Tensor:
         if not self.residual:
             return d
         if self._placement.gate == "ngpt":
             return base + self.gate_value * (d - base)
-        if self.gate is not None:
-            d = self.gate * d
+        if gate is not None:
+            d = gate * d
         if self.omega is not None:
             base = base * self.omega
         elif self.alpha != 1.0:
@@ -314,11 +317,18 @@ class AddNorm(nn.Module):
         return base + d
 
     def add_then_norm(
-        self, f: Tensor, base: Tensor, norm: nn.Module, *, prenorm: bool = False
+        self,
+        f: Tensor,
+        base: Tensor,
+        norm: nn.Module,
+        *,
+        prenorm: bool = False,
+        gate: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """N(alpha * base + g * D(f)) for a LayerNorm/RMSNorm ``norm`` (see :func:`op_norm`) in one
         :func:`addnorm.ops.add_norm` call; with ``prenorm`` also the stream s, as (N(s), s). s and y take
-        the dtype that the unfused add would give (base's, or float32 when f promotes it)."""
+        the dtype that the unfused add would give (base's, or float32 when f promotes it). ``gate``: as in
+        :meth:`add`."""
         kind = op_norm(norm)
         dtype = torch.promote_types(f.dtype, base.dtype)
         return add_norm(
@@ -330,7 +340,7 @@ class AddNorm(nn.Module):
             eps=norm.eps,
             prenorm=prenorm,
             alpha=self.alpha,
-            gate=self.gate,
+            gate=self.gate if gate is None else gate,
             dropout_p=self.dropout.p,
             training=self.training,
             residual_in_fp32=dtype == torch.float32,

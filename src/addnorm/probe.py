@@ -205,6 +205,10 @@ class Probe:
     @staticmethod
     def _forward_hook(layer: _Layer, site: _Site) -> Callable:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+            if torch._C._current_graph_task_id() != -1:
+                # inside backward: activation checkpointing recomputing the forward, which the forward
+                # pass already observed (and which may stop before the layer's last connection)
+                return None
             out = _first_tensor(output)
             if out is None or out.is_nested:
                 return None

@@ -18,10 +18,11 @@ rounds the normalised input before its weight product, which the op does not, so
 that rounding. Residual dropout (GPT-2, BERT) uses the op's hashed mask instead of ``nn.Dropout``'s:
 the same distribution, a different mask for the same seed.
 
-The norms hold the model's Parameter objects as they are when ``fuse`` runs: fuse after loading, moving
-and converting the model (``.to()`` keeps Parameters, so it may come before or after); after anything
-that replaces Parameter objects (``load_state_dict(assign=True)``, sharding), ``unfuse`` and fuse again.
-Gradient checkpointing works: a checkpointed layer fuses within itself only.
+The fused model is a view of the model: its norms read the model's norm parameters each time they are
+called (:class:`~addnorm.hf.rewired.Reads`), so fuse before or after loading, moving, converting,
+``load_state_dict(assign=True)``, ``to_empty``, offloading (``device_map``) or sharding (FSDP2
+``fully_shard``): the numbers are the unfused model's. Gradient checkpointing works: a checkpointed
+layer fuses within itself only.
 """
 
 from __future__ import annotations
@@ -34,20 +35,21 @@ from torch import nn
 from ..addnorm import AddNorm
 from ..norms import build_norm
 from .architectures import architecture_of, norm_eps, norm_options
-from .rewired import Rewiring, install, rewiring_of, uninstall
+from .rewired import Reads, Rewiring, install, rewiring_of, uninstall
 
 __all__ = ["fuse", "fused", "reading", "unfuse"]
 
 
-def reading(norm: nn.Module, source: nn.Module) -> nn.Module:
+def reading(norm: nn.Module, source: nn.Module, reads: Reads) -> nn.Module:
     """``norm`` (addnorm's RMSNorm/LayerNorm) made to compute with ``source``'s parameters: its own are
-    dropped, and ``source``'s weight and bias Parameters become plain attributes of it (not registered,
-    so no state dict or parameter list sees them twice)."""
+    dropped, and ``reads`` points its ``weight`` and ``bias`` at ``source``'s as they are at each call
+    (plain attributes, not registered, so no state dict or parameter list sees them twice)."""
     for name in ("weight", "bias"):
         if name in norm._parameters:
             delattr(norm, name)
-        object.__setattr__(norm, name, getattr(source, name, None))
     norm.eps = norm_eps(source)
+    reads.pairs.append((norm, source))
+    reads.refresh()
     return norm
 
 
@@ -70,22 +72,25 @@ def fuse(model: nn.Module) -> nn.Module:
     if not layers:
         raise ValueError(f"model: {type(model).__name__} has no layers to fuse")
     dropout, options = arch.residual_dropout(config), norm_options(arch)
-    connections = []
+    connections, reads = [], []
     for layer in layers:
-        blocks = []
+        blocks, layer_reads = [], Reads()
+        reads.append(layer_reads)
         for sublayer in arch.sublayers:
             conn = AddNorm(config.hidden_size, arch.placement, arch.norm, dropout, norm_options=options)
             for slot, path in sublayer.norm_paths().items():
-                reading(getattr(conn, slot), layer.get_submodule(path))
+                reading(getattr(conn, slot), layer.get_submodule(path), layer_reads)
             conn.train(layer.training)
             layer.add_module(sublayer.block, conn)
             blocks.append(conn)
         connections.append(blocks)
     final_module = base.get_submodule(arch.final_norm) if arch.final_norm else None
-    final_norm = None
+    final_norm, final_reads = None, Reads()
     if final_module is not None:
-        final_norm = reading(build_norm(arch.norm, config.hidden_size, **options), final_module)
-    rewiring = Rewiring("fused", arch, layers, connections, final_module=final_module)
+        final_norm = reading(build_norm(arch.norm, config.hidden_size, **options), final_module, final_reads)
+    rewiring = Rewiring(
+        "fused", arch, layers, connections, final_module=final_module, reads=reads, final_reads=final_reads
+    )
     install(model, rewiring, final_norm=final_norm)
     return model
 

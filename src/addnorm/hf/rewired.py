@@ -8,8 +8,16 @@ its masks, caches, hooks and ``output_hidden_states`` see what they always see. 
 loop, a layer whose stream ends in a held-back add does it at its end, in one
 ``add_norm(prenorm=True)`` call with the norm that reads the stream next (the next layer's input norm
 or the model's final norm, known from the layer list), returns s and leaves N(s) in a
-:class:`Handover`; the next reader takes N(s) when its input is that very s, and otherwise computes its
-norm itself.
+:class:`Handover`; the next reader takes N(s) when its input is that very s, unchanged since (same
+object, same version counter: a forward pre-hook that edits it in place makes the reader compute its
+norm itself), and otherwise computes its norm itself.
+
+The rewiring is a view of the model: every norm reads the parameters of the model's own norm module
+(:class:`Reads`) when it is called, never a copy taken earlier, so whatever replaces or moves them
+(``load_state_dict(assign=True)``, ``to_empty``, FSDP2's unshard and reshard, offload hooks) is seen.
+A layer hands N(s) over only where it may read the next norm's parameters itself: neither it nor the
+module owning that norm is managed by FSDP2 or an offload hook (each such module has its parameters
+only inside its own forward), and the parameters are plain tensors on the stream's device.
 
 Everything here is undone by :func:`uninstall`: the model's modules keep their classes, and a layer's
 own ``forward`` comes back when the instance attribute that shadows it is deleted.
@@ -19,37 +27,108 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
 from ..addnorm import AddNorm
 from ..model.stream import Connection, Stream
 from .architectures import Architecture, Sublayer
 
-__all__ = ["FinalNorm", "Handover", "LayerRun", "Rewiring", "install", "rewiring_of", "uninstall"]
+__all__ = ["FinalNorm", "Handover", "LayerRun", "Reads", "Rewiring", "install", "rewiring_of", "uninstall"]
 
 _ATTRIBUTE = "_addnorm_rewiring"
 _CACHE_OFF = {"use_cache": False, "past_key_values": None}
 
 
+class Reads:
+    """Norms that compute with the parameters of a model's own norm modules: ``pairs`` of (norm,
+    source). :meth:`refresh` points each norm's ``weight`` and ``bias`` at its source's, as they are
+    now; every rewired forward calls it first, so nothing computes with parameters read earlier.
+    ``with reads.loaded():`` does it for a source that an offload hook manages itself (accelerate's
+    ``_hf_hook`` on the norm module: its parameters are on the meta device outside its own forward),
+    running the hook's ``pre_forward`` first and its ``post_forward`` after."""
+
+    __slots__ = ("pairs",)
+
+    def __init__(self, pairs: list[tuple[nn.Module, nn.Module]] | None = None) -> None:
+        self.pairs = pairs or []
+
+    def refresh(self) -> None:
+        for norm, source in self.pairs:
+            for name in ("weight", "bias"):
+                object.__setattr__(norm, name, getattr(source, name, None))
+
+    @contextmanager
+    def loaded(self) -> Iterator[None]:
+        hooked = [source for _, source in self.pairs if hasattr(source, "_hf_hook")]
+        for source in hooked:
+            source._hf_hook.pre_forward(source)
+        self.refresh()
+        try:
+            yield
+        finally:
+            for source in hooked:
+                source._hf_hook.post_forward(source, None)
+
+
+def _managed(module: nn.Module | None) -> bool:
+    """Whether ``module`` has its parameters only inside its own forward: FSDP2 (``fully_shard``) or an
+    offload hook (accelerate's ``_hf_hook``, as ``from_pretrained(device_map=...)`` installs)."""
+    if module is None:
+        return False
+    if hasattr(module, "_hf_hook"):
+        return True
+    return torch.distributed.is_available() and isinstance(module, _fsdp_module())
+
+
+@functools.cache
+def _fsdp_module() -> type:
+    from torch.distributed.fsdp import FSDPModule
+
+    return FSDPModule
+
+
+def _plain_on(norm: nn.Module, device: torch.device) -> bool:
+    """Whether ``norm``'s parameters are plain tensors (not DTensor shards) on ``device``."""
+    for name in ("weight", "bias"):
+        p = getattr(norm, name, None)
+        if p is not None and (type(p.data) is not Tensor or p.device != device):
+            return False
+    return True
+
+
 class Handover:
     """The stream between two rewired layers: s and N(s), computed by the op that did the layer's last
-    add, for the norm N that reads s next. Taken once, by that norm's reader, for that very s."""
+    add, for the norm N that reads s next. Taken once, by that norm's reader, for that very s, unchanged
+    since (its version counter: an in-place edit by a hook in between voids it)."""
 
-    __slots__ = ("s", "normed", "norm")
+    __slots__ = ("s", "version", "normed", "norm")
 
     def __init__(self) -> None:
-        self.s = self.normed = self.norm = None
+        self.s = self.version = self.normed = self.norm = None
 
     def put(self, s: Tensor, normed: Tensor, norm: nn.Module) -> None:
-        self.s, self.normed, self.norm = s, normed, norm
+        # compiled, the graph is traced as a whole (no version to read); an inference tensor has no
+        # version counter: nothing to check an edit against, so no handover
+        if torch.compiler.is_compiling():
+            version = None
+        elif s.is_inference():
+            return
+        else:
+            version = s._version
+        self.s, self.version, self.normed, self.norm = s, version, normed, norm
 
     def take(self, x: Tensor, norm: nn.Module | None) -> Tensor | None:
-        """N(x) if the last layer left it for ``norm`` and this ``x``, else None; forgets it either way
-        (it holds the autograd graph)."""
-        normed = self.normed if (x is self.s and norm is self.norm and norm is not None) else None
-        self.s = self.normed = self.norm = None
+        """N(x) if the last layer left it for ``norm`` and this ``x``, not edited since, else None;
+        forgets it either way (it holds the autograd graph)."""
+        same = x is self.s and norm is self.norm and norm is not None
+        same = same and (self.version is None or x._version == self.version)
+        normed = self.normed if same else None
+        self.s = self.version = self.normed = self.norm = None
         return normed
 
 
@@ -85,11 +164,15 @@ class LayerRun:
         handover: Handover,
         *,
         next_norm: nn.Module | None = None,
+        next_owner: nn.Module | None = None,
         final_norm: nn.Module | None = None,
+        reads: Reads | None = None,
+        next_reads: Reads | None = None,
     ) -> None:
         self.layer, self.steps, self.handover = layer, steps, handover
         self.first_norm = steps[0][1].conn.input_norm
-        self.next_norm, self.final_norm = next_norm, final_norm
+        self.next_norm, self.next_owner, self.final_norm = next_norm, next_owner, final_norm
+        self.reads, self.next_reads = reads or Reads(), next_reads or Reads()
         params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
         self.arg_names = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)
 
@@ -109,6 +192,10 @@ class LayerRun:
         return self._run(hidden_states, **kwargs)
 
     def _run(self, x: Tensor, local: bool = False, **kwargs) -> Tensor:
+        with self.reads.loaded():
+            return self._through(x, local, **kwargs)
+
+    def _through(self, x: Tensor, local: bool, **kwargs) -> Tensor:
         normed = None if local else self.handover.take(x, self.first_norm)
         stream = Stream(x) if normed is None else _Entering(x, normed, self.first_norm)
         layer = self.layer
@@ -116,22 +203,43 @@ class LayerRun:
             stream = connection(stream, functools.partial(sublayer.call, layer, **kwargs))
         if self.final_norm is not None:
             return stream.output(self.final_norm)
-        if local or self.next_norm is None or stream.held is None:
+        if local or stream.held is None or not self._may_hand_over(stream.held.residual.device):
             return stream.tensor()
         s, normed = stream.read(self.next_norm)
         self.handover.put(s, normed, self.next_norm)
         return s
 
+    def _may_hand_over(self, device: torch.device) -> bool:
+        """Whether this layer may compute the next norm (see the module docstring): it and the norm's
+        owner unmanaged, the norm's parameters (read now) plain tensors on ``device``."""
+        if self.next_norm is None or _managed(self.layer) or _managed(self.next_owner):
+            return False
+        self.next_reads.refresh()
+        return _plain_on(self.next_norm, device)
+
 
 class FinalNorm:
-    """The ``forward`` of the model's final norm module: N(x) left by the last layer, or computed."""
+    """The ``forward`` of the model's final norm module: N(x) left by the last layer, or its own
+    ``forward`` (``own``: the one it had before)."""
 
-    def __init__(self, module: nn.Module, norm: nn.Module, handover: Handover) -> None:
-        self.module, self.norm, self.handover = module, norm, handover
+    def __init__(self, module: nn.Module, norm: nn.Module, handover: Handover, own) -> None:
+        self.module, self.norm, self.handover, self.own = module, norm, handover, own
 
     def __call__(self, x: Tensor) -> Tensor:
         normed = self.handover.take(x, self.norm)
-        return type(self.module).forward(self.module, x) if normed is None else normed
+        return self.own(x) if normed is None else normed
+
+
+def _forward_slot(module: nn.Module) -> str:
+    """Where a module's forward is replaced: under an accelerate hook its ``_old_forward`` (which the
+    hook calls after moving the parameters in), else ``forward``."""
+    return "_old_forward" if hasattr(module, "_hf_hook") and hasattr(module, "_old_forward") else "forward"
+
+
+def _replace_forward(module: nn.Module, fn, rewiring: Rewiring) -> None:
+    slot = _forward_slot(module)
+    rewiring.replaced.append((module, slot, module.__dict__.get(slot)))
+    setattr(module, slot, fn)
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -151,6 +259,9 @@ class Rewiring:
     handover: Handover = field(default_factory=Handover)
     final_module: nn.Module | None = None
     silenced: list[nn.Module] = field(default_factory=list)
+    reads: list[Reads] | None = None
+    final_reads: Reads = field(default_factory=Reads)
+    replaced: list[tuple[nn.Module, str, object]] = field(default_factory=list)
 
 
 def rewiring_of(model: nn.Module) -> Rewiring | None:
@@ -180,23 +291,31 @@ def install(
             for i, c in enumerate(blocks)
         ]
         steps.append(list(zip(arch.sublayers, connections, strict=True)))
-    reads = [blocks[0].input_norm for blocks in conns[1:]] + [final_norm]
-    for layer, layer_steps, next_norm in zip(layers, steps, reads, strict=True):
-        is_last = layer is layers[-1]
-        layer.forward = LayerRun(
+    nexts = [blocks[0].input_norm for blocks in conns[1:]] + [final_norm]
+    owners = [*layers[1:], rewiring.final_module]
+    reads = rewiring.reads or [Reads() for _ in layers]
+    next_reads = [*reads[1:], rewiring.final_reads]
+    for i, layer in enumerate(layers):
+        run = LayerRun(
             layer,
-            layer_steps,
+            steps[i],
             rewiring.handover,
-            next_norm=next_norm,
-            final_norm=applied_final_norm if is_last else None,
+            next_norm=nexts[i],
+            next_owner=owners[i],
+            final_norm=applied_final_norm if i == len(layers) - 1 else None,
+            reads=reads[i],
+            next_reads=next_reads[i],
         )
+        _replace_forward(layer, run, rewiring)
         for sublayer in arch.sublayers:
             for path in sublayer.silenced:
                 dropout = layer.get_submodule(path)
                 dropout.forward = _identity
                 rewiring.silenced.append(dropout)
-    if rewiring.final_module is not None and final_norm is not None:
-        rewiring.final_module.forward = FinalNorm(rewiring.final_module, final_norm, rewiring.handover)
+    module = rewiring.final_module
+    if module is not None and final_norm is not None:
+        own = getattr(module, _forward_slot(module))
+        _replace_forward(module, FinalNorm(module, final_norm, rewiring.handover, own), rewiring)
     setattr(model.base_model, _ATTRIBUTE, rewiring)
 
 
@@ -205,11 +324,14 @@ def uninstall(model: nn.Module) -> Rewiring:
     rewiring = rewiring_of(model)
     if rewiring is None:
         raise ValueError(f"model: {type(model).__name__} is not rewired by addnorm.hf")
-    modules = [*rewiring.layers, *rewiring.silenced]
-    if rewiring.final_module is not None:
-        modules.append(rewiring.final_module)
-    for module in modules:
+    for module in rewiring.silenced:
         module.__dict__.pop("forward", None)
+    for module, slot, before in reversed(rewiring.replaced):
+        if before is None:
+            module.__dict__.pop(slot, None)
+        else:
+            setattr(module, slot, before)
     rewiring.silenced.clear()
+    rewiring.replaced.clear()
     delattr(model.base_model, _ATTRIBUTE)
     return rewiring

@@ -6,7 +6,7 @@ from .feedforward import FeedForward
 from .init import INITS, PLACEMENT_INITS, Depth, admin_init, deepnorm_constants, sub_ln_gain
 from .interop import UnsupportedModuleError, from_torch, to_torch
 from .layers import DecoderLayer, EncoderLayer
-from .models import EncoderDecoder, LanguageModel, PositionalEncoding, Transformer
+from .models import EncoderDecoder, LanguageModel, PositionalEncoding, Transformer, reset_buffers
 from .ngpt import NGPTHead, ngpt_matrices, ngpt_normalize_
 from .stacks import Decoder, Encoder
 
@@ -33,6 +33,7 @@ __all__ = [
     "causal_mask",
     "ngpt_matrices",
     "ngpt_normalize_",
+    "reset_buffers",
     "from_torch",
     "to_torch",
 ]

@@ -62,7 +62,7 @@ class _Layout(NamedTuple):
         return _unbatch_mask(key_padding_mask, self.unbatched)
 
     def leave(self, x: Stream) -> Tensor | Stream:
-        return x if self.stream else from_batch_first(x.tensor(), self.batch_first, self.unbatched)
+        return x.leaving() if self.stream else from_batch_first(x.tensor(), self.batch_first, self.unbatched)
 
 
 _FROM_STACK = _Layout(stream=True)

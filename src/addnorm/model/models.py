@@ -22,17 +22,26 @@ class PositionalEncoding(nn.Module):
         self.kind, self.max_len = kind, max_len
         self.table = None
         if kind == "sinusoidal":
-            pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
-            freq = torch.exp(
-                torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model)
-            )
-            pe = torch.zeros(max_len, d_model, dtype=torch.float64)
-            pe[:, 0::2] = torch.sin(pos * freq)
-            pe[:, 1::2] = torch.cos(pos * freq)[:, : d_model // 2]
-            self.register_buffer("pe", pe.to(dtype or torch.get_default_dtype()).to(device), persistent=False)
+            pe = torch.empty(max_len, d_model, dtype=dtype or torch.get_default_dtype(), device=device)
+            self.register_buffer("pe", pe, persistent=False)
+            self.reset_buffers()
         elif kind == "learned":
             self.table = nn.Embedding(max_len, d_model, device=device, dtype=dtype)
             nn.init.normal_(self.table.weight, std=0.02)
+
+    def reset_buffers(self) -> None:
+        """(Re)compute the sinusoidal table in place, on its device and in its dtype: a state dict does
+        not carry it, so a model built on the meta device needs this after ``to_empty``."""
+        if self.kind != "sinusoidal" or self.pe.is_meta:
+            return
+        max_len, d_model = self.pe.shape
+        pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
+        freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
+        pe = torch.zeros(max_len, d_model, dtype=torch.float64)
+        pe[:, 0::2] = torch.sin(pos * freq)
+        pe[:, 1::2] = torch.cos(pos * freq)[:, : d_model // 2]
+        with torch.no_grad():
+            self.pe.copy_(pe)
 
     def forward(self, x: Tensor) -> Tensor:  # x: (B, T, d)
         t = x.shape[1]
@@ -72,6 +81,16 @@ class _Embedding(nn.Module):
             raise ValueError(f"{name}: sequence length {ids.shape[1]} exceeds max_len={self.max_len}")
         _check_vocab(ids, name, self.vocab, self.vocab_arg)
         return self.dropout(self.positions(self.tokens(ids) * self.scale))
+
+
+def reset_buffers(model: nn.Module) -> nn.Module:
+    """Recompute every buffer of ``model`` that its state dict does not carry (the sinusoidal position
+    table); returns it. Call after ``model.to_empty(device=...)`` on a model built on the meta device,
+    before or after loading its state dict."""
+    for module in model.modules():
+        if isinstance(module, PositionalEncoding):
+            module.reset_buffers()
+    return model
 
 
 def _check_vocab(ids: Tensor, name: str, vocab: int, vocab_arg: str) -> None:

@@ -26,6 +26,7 @@ connection's ``stream_out`` when it is done (see :class:`~addnorm.addnorm.Observ
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
 
 from torch import Tensor, nn
 
@@ -34,13 +35,21 @@ from ..addnorm import AddNorm, op_norm
 __all__ = ["Connection", "HeldAdd", "Stream"]
 
 
+@dataclass(slots=True, eq=False)
 class HeldAdd:
-    """The add s = alpha * residual + g * D(branch) of ``conn``, held back until the stream is read."""
+    """The add s = alpha * residual + g * D(branch) of ``conn``, held back until the stream is read.
 
-    __slots__ = ("conn", "branch", "residual")
+    A dataclass, so that what crosses a module boundary is a container of tensors that module hooks
+    can see (FSDP2 registers its pre-backward unshard on the tensors of a module's output, looking
+    into dataclasses, tuples, lists and dicts only). ``gate``: g as the add applies it; a layer hands
+    the stream on with :meth:`Stream.leaving`, which gives g its own storage, so that the next layer
+    never reads this layer's parameters (resharded by then under FSDP2).
+    """
 
-    def __init__(self, conn: AddNorm, branch: Tensor, residual: Tensor) -> None:
-        self.conn, self.branch, self.residual = conn, branch, residual
+    conn: AddNorm
+    branch: Tensor
+    residual: Tensor
+    gate: Tensor | None = None
 
     def read(self, norm: nn.Module | None) -> tuple[Tensor, Tensor]:
         """(s, N(s)), N None: (s, s). One fused op where it computes ``norm``, else the add, then N."""
@@ -48,28 +57,33 @@ class HeldAdd:
         if op_norm(norm) is not None:
             # the op's own residual input: only the op reads it, so its gradient is alpha * dL/ds
             r = self.residual.view_as(self.residual)
-            h, s = conn.add_then_norm(self.branch, r, norm, prenorm=True)
+            h, s = conn.add_then_norm(self.branch, r, norm, prenorm=True, gate=self.gate)
             conn.stream_out(s, grad_from=r, grad_scale=conn.alpha)
             return s, h
-        s = conn.stream_out(conn.add(self.branch, self.residual)[0])
+        s = conn.stream_out(conn.add(self.branch, self.residual, gate=self.gate)[0])
         return s, (s if norm is None else norm(s))
 
 
+@dataclass(slots=True, eq=False)
 class Stream:
     """The residual stream between sublayers (see the module docstring): ``value`` s, or ``held`` an add
-    that gives s when read; ResiDual's ``second`` stream; B2T's ``layer_input``."""
+    that gives s when read; ResiDual's ``second`` stream; B2T's ``layer_input``. A dataclass of tensors
+    (and a :class:`HeldAdd`), so that module hooks see its tensors when it crosses a module boundary."""
 
-    __slots__ = ("value", "held", "second", "layer_input")
+    value: Tensor | None = None
+    _: KW_ONLY
+    held: HeldAdd | None = None
+    second: Tensor | None = None
+    layer_input: Tensor | None = None
 
-    def __init__(
-        self,
-        value: Tensor | None = None,
-        *,
-        held: HeldAdd | None = None,
-        second: Tensor | None = None,
-        layer_input: Tensor | None = None,
-    ) -> None:
-        self.value, self.held, self.second, self.layer_input = value, held, second, layer_input
+    def leaving(self) -> Stream:
+        """The stream as a layer hands it on: a held add's gate copied out of the layer's parameter
+        (a differentiable copy), so the next layer reads no parameter of this one."""
+        held = self.held
+        if held is None or held.gate is None:
+            return self
+        gated = HeldAdd(held.conn, held.branch, held.residual, held.gate.clone())
+        return Stream(self.value, held=gated, second=self.second, layer_input=self.layer_input)
 
     def read(self, norm: nn.Module | None) -> tuple[Tensor, Tensor]:
         """(s, N(s)); N None gives (s, s). A held add is done here, fused with N where the op computes it."""
@@ -114,7 +128,7 @@ class Connection:
         extra = layer_input if self.adds_layer_input else None
         how = conn.add_fusion(f, base) if x.second is None and extra is None else None
         if how == "next":
-            return Stream(held=HeldAdd(conn, f, base), layer_input=layer_input)
+            return Stream(held=HeldAdd(conn, f, base, conn.gate), layer_input=layer_input)
         y, d = conn.add_and_norm(f, base, extra, fuse=how == "now")
         second = None if x.second is None else x.second + d
         return Stream(y, second=second, layer_input=None if self.adds_layer_input else layer_input)
