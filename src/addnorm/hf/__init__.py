@@ -7,10 +7,18 @@
 - :class:`addnorm.Probe` observes fused, re-placed and untouched models alike.
 
 Supported model types: :data:`ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text,
-GPT-2, BERT). ``transformers`` is imported only by the functions that need it.
+GPT-2, BERT, OLMo 2, Phi-3, Mixtral, Qwen2-MoE); :func:`register_architecture` adds a family from one
+:class:`Architecture` record. ``transformers`` is imported only by the functions that need it.
 """
 
-from .architectures import ARCHITECTURES, Architecture, architecture_of
+from .architectures import (
+    ARCHITECTURES,
+    Architecture,
+    Sublayer,
+    Weight,
+    architecture_of,
+    register_architecture,
+)
 from .fuse import fuse, fused, unfuse
 from .placement import supported_placements, with_placement
 from .pretrained import from_pretrained
@@ -19,10 +27,13 @@ from .tiny import tiny_config, tiny_model
 __all__ = [
     "ARCHITECTURES",
     "Architecture",
+    "Sublayer",
+    "Weight",
     "architecture_of",
     "from_pretrained",
     "fuse",
     "fused",
+    "register_architecture",
     "supported_placements",
     "tiny_config",
     "tiny_model",
