@@ -4,7 +4,8 @@
   :func:`addnorm.ops.add_norm` call with it; same function, parameters and state dict.
 - :func:`with_placement`: the model's Add & Norm replaced by any addnorm placement around its own
   attention and MLP; recorded in the config, reloaded by :func:`from_pretrained`.
-- :class:`addnorm.Probe` observes fused, re-placed and untouched models alike.
+- :class:`addnorm.Probe` observes fused, re-placed and untouched models alike; :class:`ProbeCallback`
+  logs it from ``transformers.Trainer`` to whatever the Trainer reports to.
 
 Supported model types: :data:`ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text,
 GPT-2, BERT, OLMo 2, Phi-3, Mixtral, Qwen2-MoE); :func:`register_architecture` adds a family from one
@@ -19,6 +20,7 @@ from .architectures import (
     architecture_of,
     register_architecture,
 )
+from .callback import ProbeCallback
 from .fuse import fuse, fused, unfuse
 from .placement import supported_placements, with_placement
 from .pretrained import from_pretrained
@@ -27,6 +29,7 @@ from .tiny import tiny_config, tiny_model
 __all__ = [
     "ARCHITECTURES",
     "Architecture",
+    "ProbeCallback",
     "Sublayer",
     "Weight",
     "architecture_of",
