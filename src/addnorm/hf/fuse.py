@@ -2,13 +2,14 @@
 :func:`addnorm.ops.add_norm` call with that norm; ``unfuse(model)`` restores the model's own forward.
 
 Each residual connection becomes an :class:`~addnorm.AddNorm` of the model's own placement (Llama family,
-Phi-3, Mixtral, Qwen2-MoE, GPT-2: ``pre``; Gemma 2/3: ``sandwich``; OLMo 2: ``res_post``; BERT:
-``post``) whose norms *read* the model's norm parameters: addnorm's RMSNorm/LayerNorm (which the op computes) holding the model's own weight and bias
-Parameters as plain attributes, not registered. The connections are registered on their layer as
-``<sublayer>_block`` (``self_attn_block``, ``mlp_block``), so ``model.train()``/``eval()`` reach them and
-:class:`addnorm.Probe` finds them, while the model's parameters, state dict and ``save_pretrained``
-output stay exactly as they were. The layers then run as :mod:`addnorm.hf.rewired` describes: a Pre-LN
-model of L layers makes 2L fused calls per forward, the last one with the final norm.
+Phi-3, Mixtral, Qwen2-MoE, GPT-2: ``pre``; Gemma 2/3: ``sandwich``; OLMo 2: ``res_post``; BERT: ``post``)
+whose norms *read* the model's norm parameters: addnorm's RMSNorm/LayerNorm (which the op computes)
+holding the model's own weight and bias Parameters as plain attributes, not registered. The connections
+are registered on their layer as ``<sublayer>_block`` (``self_attn_block``, ``mlp_block``), so
+``model.train()``/``eval()`` reach them and :class:`addnorm.Probe` finds them, while the model's
+parameters, state dict and ``save_pretrained`` output stay exactly as they were. The layers then run as
+:mod:`addnorm.hf.rewired` describes: a Pre-LN model of L layers makes 2L fused calls per forward, the last
+one with the final norm.
 
 Numerics: every norm is computed as the op computes it, statistics and the weight product in float32
 (float64 for float64), rounded once to the output dtype. In float32 and float64 that is the model's
