@@ -138,6 +138,9 @@ def test_options_are_checked_by_name():
     with pytest.raises(ValueError, match=r"^mix_fraction: placement 'pre' does not use it") as err:
         anhf.with_placement(tiny("llama"), "pre", mix_fraction=0.5)
     assert "\n" not in str(err.value)
+    for option, value in (("eps", 1e-6), ("norm", "rmsnorm")):  # ReZero has no norm to set
+        with pytest.raises(ValueError, match=rf"^{option}: placement 'rezero' has no norm for it to set$"):
+            anhf.with_placement(tiny("llama"), "rezero", **{option: value})
     model = anhf.with_placement(tiny("llama"), "mix", mix_fraction=1, eps=1e-3, dropout=0)
     assert model.config.addnorm["mix_fraction"] == 1.0 and model.model.layers[0].mlp_block.norm.eps == 1e-3
 

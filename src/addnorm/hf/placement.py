@@ -165,6 +165,9 @@ def with_placement(
         )
     if norm is not None and not isinstance(norm, str):
         raise TypeError(f"norm: expected a norm name ({', '.join(NORMS)}), got {norm!r}")
+    for option, value in (("norm", norm), ("eps", eps)):
+        if value is not None and not _has_norms(p):
+            raise ValueError(f"{option}: placement {p.name!r} has no norm for it to set")
     rewiring = rewiring_of(model)
     if rewiring is not None and rewiring.kind != "fused":
         raise ValueError(
@@ -243,6 +246,12 @@ def with_placement(
         b2t=p.stream == "b2t",
     )
     return model
+
+
+def _has_norms(p: Placement) -> bool:
+    """Whether a model re-placed with ``p`` has any norm (ReZero has none)."""
+    layers = [get_placement(q) for q in p.layers[:2]] if p.layers is not None else [p]
+    return any(q.norm_slots or q.final_norm for q in layers)
 
 
 def _number(name: str, value: object, expected: str, valid) -> float | None:
