@@ -247,3 +247,31 @@ def test_b2t_init_is_the_spec_s_in_a_re_placed_model():
     for a, b in zip(plain.model.layers, placed.model.layers, strict=True):
         for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight"):
             torch.testing.assert_close(b.get_parameter(name), a.get_parameter(name) * n**-0.5, rtol=0, atol=0)
+
+
+def _std(tensors) -> float:
+    return torch.cat([t.detach().flatten() for t in tensors]).std().item()
+
+
+def test_deepnet_init_reads_each_family_s_weight_roles():
+    """DeepNet's init (Xavier-normal, gain beta on values, outputs and FFN, 1 on queries and keys) on the
+    new families' layouts: Phi-3's packed q/k/v split by head counts (4 query heads, 2 key/value heads),
+    each Mixtral expert as its own matrix (Xavier over one expert's fan-in and fan-out)."""
+    n, d, ff = 4, 64, 128
+    beta = placement_spec.deepnorm_constants(placement_spec.Depth("decoder", 0, n))[1]
+    xavier = lambda fan_in, fan_out: math.sqrt(2 / (fan_in + fan_out))  # noqa: E731
+    phi3 = anhf.with_placement(tiny("phi3", layers=n, hidden=d, intermediate=ff), "deepnorm")
+    q, k, v = zip(*(l.self_attn.qkv_proj.weight.split([64, 32, 32]) for l in phi3.model.layers), strict=True)
+    assert _std(q) == pytest.approx(xavier(d, 64), rel=0.05)
+    assert _std(k) == pytest.approx(xavier(d, 32), rel=0.05)
+    assert _std(v) == pytest.approx(beta * xavier(d, 32), rel=0.05)
+    assert _std(layer.mlp.down_proj.weight for layer in phi3.model.layers) == pytest.approx(
+        beta * xavier(ff, d), rel=0.05
+    )
+    plain = tiny("mixtral", layers=n, hidden=d, intermediate=ff)
+    mixtral = anhf.with_placement(copy.deepcopy(plain), "deepnorm")
+    experts = [layer.mlp.experts for layer in mixtral.model.layers]
+    assert _std(e.down_proj for e in experts) == pytest.approx(beta * xavier(ff, d), rel=0.05)
+    assert _std(e.gate_up_proj for e in experts) == pytest.approx(beta * xavier(d, 2 * ff), rel=0.05)
+    for a, b in zip(plain.model.layers, mixtral.model.layers, strict=True):  # the router keeps its own
+        assert torch.equal(a.mlp.gate.weight, b.mlp.gate.weight)
