@@ -10,6 +10,7 @@ from torch import nn
 pytest.importorskip("transformers")  # the hf extra; a test module importing this one skips without it
 
 TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt2", "bert"]
+TYPES += ["olmo2", "phi3", "mixtral", "qwen2_moe"]  # OLMo 2 (res_post), Phi-3 and the MoE families
 VOCAB, LAYERS = 100, 2
 
 

@@ -57,3 +57,25 @@ def test_inspect_hf_without_the_extra_is_one_line_naming_it(tmp_path, monkeypatc
     assert result.exit_code == 2
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and "pip install 'addnorm[hf]'" in lines[0], result.output
+
+
+def test_inspect_hf_applies_norm_and_rejects_init(tmp_path):
+    """--norm re-places with that norm: RMSNorm under Post-LN ends every layer at RMS 1 exactly as
+    LayerNorm does, but the statistics differ from the LayerNorm run (the norm was applied);
+    --init has no meaning for a Hugging Face model: one error line."""
+    base = ["inspect", "--hf", "gpt2", "--placements", "post", *ARGS]
+    runs = {}
+    for norm in ("layernorm", "rmsnorm"):
+        result = runner.invoke(cli.app, [*base, "--norm", norm, "--out", str(tmp_path / norm)])
+        assert result.exit_code == 0, result.output
+        assert f"re-placed with {norm}" in result.output
+        runs[norm] = json.loads((tmp_path / norm / "inspect-hf-gpt2.json").read_text())
+        assert runs[norm]["config"]["norm"] == norm
+    ln, rms = (runs[n]["results"]["post"] for n in ("layernorm", "rmsnorm"))
+    assert rms["act_rms"] == pytest.approx([1.0] * 3, rel=1e-3)
+    assert rms["weight_grad"] != pytest.approx(ln["weight_grad"], rel=1e-3)
+    assert runs["rmsnorm"]["results"]["model"] == runs["layernorm"]["results"]["model"]  # untouched
+    result = runner.invoke(cli.app, [*base, "--init", "gpt2", "--out", str(tmp_path)])
+    assert result.exit_code == 2
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --init: 'gpt2'"), result.output

@@ -244,15 +244,20 @@ def inspect(
     batch: int = typer.Option(8, help="Batch size."),
     seed: int = typer.Option(0, help="First seed; repeats use seed, seed + 1, ..."),
     repeats: int = typer.Option(3, help="Models/batches averaged per placement."),
-    norm: str = typer.Option("layernorm", help="Norm name (see `addnorm list`)."),
-    init: str = typer.Option("xavier", help="Initialisation: xavier, torch or gpt2."),
+    norm: str | None = typer.Option(
+        None, help="Norm name (see `addnorm list`; default layernorm, with --hf the model's own)."
+    ),
+    init: str | None = typer.Option(
+        None, help="Initialisation: xavier (default), torch or gpt2 (not with --hf: the model keeps its own)."
+    ),
     corpus: Path | None = typer.Option(None, help="A text file to read as bytes (default: Python stdlib)."),
     out: Path = typer.Option(Path("addnorm-out"), help="Directory for inspect.png and inspect.json."),
     hf: str | None = typer.Option(
         None,
         "--hf",
-        help="A Hugging Face model type (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gpt2, bert): "
-        "a tiny random-weight model of it, untouched and re-placed with each placement (addnorm[hf]).",
+        help="A Hugging Face model type (llama, mistral, qwen2, qwen3, gemma2, gemma3_text, gpt2, bert, "
+        "olmo2, phi3, mixtral, qwen2_moe): a tiny random-weight model of it, untouched and re-placed with "
+        "each placement, --norm the re-placed models' norm (addnorm[hf]).",
     ),
 ) -> None:
     """FFN weight-gradient norm per layer at initialisation, per placement (Xiong et al. 2020)."""
@@ -263,6 +268,11 @@ def inspect(
     if corpus is not None and not corpus.exists():
         raise ValueError(f"--corpus: no such file or folder {str(corpus)!r}")
     if hf is not None:
+        if init is not None:
+            raise ValueError(
+                f"--init: {init!r} initialises addnorm's own models; with --hf the model keeps its own "
+                "weights and each placement applies its own initialisation"
+            )
         sizes = {"layers": layers, "hidden": d_model, "heads": heads, "intermediate": d_ff or 4 * d_model}
         task = build_task("lm", corpus=None if corpus is None else str(corpus))
         batches = []
@@ -270,10 +280,11 @@ def inspect(
             b = task.batch("train", batch, seq, torch.Generator().manual_seed(seed + r))
             batches.append(torch.cat([b.inputs, b.targets[:, -1:]], dim=1))
         try:
-            _inspect_hf(hf, names, batches, sizes, seed, out)
+            _inspect_hf(hf, names, batches, sizes, seed, out, norm)
         except ImportError as err:
             raise fail(err) from None
         return
+    norm, init = norm or "layernorm", init or "xavier"
     kwargs = dict(n_layers=layers, d_model=d_model, n_heads=heads, d_ff=d_ff, seq=seq, batch=batch)
     kwargs.update(
         seed=seed, repeats=repeats, norm=norm, init=init, corpus=None if corpus is None else str(corpus)
@@ -320,8 +331,11 @@ def inspect(
     typer.echo(f"data: {js}")
 
 
-def _inspect_hf(model_type: str, names: list[str], batches: list, sizes: dict, seed: int, out: Path) -> None:
-    """``inspect --hf``: the per-layer table and plot of :mod:`addnorm.hf.inspect`."""
+def _inspect_hf(
+    model_type: str, names: list[str], batches: list, sizes: dict, seed: int, out: Path, norm: str | None
+) -> None:
+    """``inspect --hf``: the per-layer table and plot of :mod:`addnorm.hf.inspect` (``norm``: the norm of
+    the re-placed models; None: the model's own)."""
     from .hf import inspect as hf_inspect
     from .hf.architectures import ARCHITECTURES
 
@@ -330,15 +344,18 @@ def _inspect_hf(model_type: str, names: list[str], batches: list, sizes: dict, s
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"--{name}: expected a positive int, got {value!r}")
     placements = [hf_inspect.MODEL, *names]
-    results = hf_inspect.layer_statistics(model_type, placements, batches, seed=seed, **sizes)
+    norm = None if norm is None else NORMS.resolve(norm)
+    results = hf_inspect.layer_statistics(model_type, placements, batches, seed=seed, norm=norm, **sizes)
     shape = f"{len(batches)} x batch {batches[0].shape[0]}x{batches[0].shape[1] - 1}"
     what = f"{model_type}, {sizes['layers']} layers, hidden {sizes['hidden']}, random weights, {shape} bytes"
+    if norm is not None:
+        what += f", re-placed with {norm}"
     typer.echo(f"Per-layer statistics at initialisation: {what}; '{hf_inspect.MODEL}' is its own Add & Norm")
     typer.echo(hf_inspect.table(results))
     out.mkdir(parents=True, exist_ok=True)
     png, js = out / f"inspect-hf-{model_type}.png", out / f"inspect-hf-{model_type}.json"
     hf_inspect.plot(results, f"{what}: per-layer statistics at initialisation", png)
-    hf_inspect.write_json(results, {"model_type": model_type, **sizes, "seed": seed}, js)
+    hf_inspect.write_json(results, {"model_type": model_type, **sizes, "seed": seed, "norm": norm}, js)
     typer.echo(f"plot: {png}")
     typer.echo(f"data: {js}")
 

@@ -25,6 +25,7 @@ __all__ = [
     "Weight",
     "architecture_of",
     "norm_options",
+    "register_architecture",
     "require_transformers",
 ]
 
@@ -38,13 +39,34 @@ def require_transformers() -> ModuleType:
 
 @dataclass(frozen=True)
 class Weight:
-    """A weight matrix of a sublayer (path relative to the layer), or one of ``count`` equal blocks of
-    it along ``dim`` (GPT-2's packed query/key/value projection)."""
+    """A weight matrix of a sublayer (path relative to the layer), or one block of it along ``dim``:
+    block ``block`` of ``count`` equal blocks (GPT-2's packed query/key/value projection), or of the
+    blocks whose sizes ``sizes(config)`` gives (Phi-3's query/key/value projection with fewer key/value
+    heads). ``experts``: the parameter stacks one matrix per expert along dim 0 (Mixtral, Qwen2-MoE),
+    each initialised as its own matrix. ``optional``: a layer may lack it (Qwen2-MoE's dense layers)."""
 
     path: str
     block: int | None = None
     count: int = 1
     dim: int = 0
+    sizes: Callable[[object], tuple[int, ...]] | None = None
+    experts: bool = False
+    optional: bool = False
+
+    def matrices(self, layer: nn.Module, config) -> list[Tensor]:
+        """The matrices (views) this spec names in ``layer``: none if it is optional and absent."""
+        try:
+            weight = layer.get_parameter(self.path)
+        except AttributeError:
+            if self.optional:
+                return []
+            raise
+        if self.block is not None:
+            if self.sizes is None:
+                weight = weight.chunk(self.count, self.dim)[self.block]
+            else:
+                weight = weight.split(list(self.sizes(config)), self.dim)[self.block]
+        return list(weight.unbind(0)) if self.experts else [weight]
 
 
 @dataclass(frozen=True)
@@ -120,6 +142,23 @@ def norm_eps(module: nn.Module) -> float:
 
 
 ARCHITECTURES: Registry[Architecture] = Registry("model type")
+
+
+def register_architecture(model_types: str | tuple[str, ...], architecture: Architecture) -> Architecture:
+    """Teach addnorm.hf a model family: ``architecture`` (one :class:`Architecture` record: where the
+    layers and norms are, how each sublayer is called, which weights DeepNet-style initialisation
+    scales) registered under each ``config.model_type`` in ``model_types``. ``fuse``,
+    ``with_placement``, ``from_pretrained`` and ``Probe`` then take models of those types; no patch of
+    addnorm is needed. Returns ``architecture``."""
+    if not isinstance(architecture, Architecture):
+        got = type(architecture).__name__
+        raise TypeError(f"architecture: expected an addnorm.hf.Architecture, got {got}")
+    types = (model_types,) if isinstance(model_types, str) else tuple(model_types)
+    if not types or not all(isinstance(t, str) and t for t in types):
+        raise ValueError(f"model_types: expected a model type name or a tuple of them, got {model_types!r}")
+    for model_type in types:
+        ARCHITECTURES.register(model_type, architecture)
+    return architecture
 
 
 # --- how each family calls its sublayers ---------------------------------------------------------------
@@ -259,14 +298,101 @@ _BERT = Architecture(
     unsupported=(("add_cross_attention", "BERT cross-attention (add_cross_attention=True)"),),
 )
 
+_OLMO2 = Architecture(
+    "olmo2",
+    placement="res_post",
+    norm="rmsnorm",
+    layers="layers",
+    final_norm="norm",
+    sublayers=(
+        Sublayer("self_attn", _self_attn, branch_norm="post_attention_layernorm", **_LLAMA_ATTN_INIT),
+        Sublayer("mlp", _mlp, branch_norm="post_feedforward_layernorm", **_LLAMA_MLP_INIT),
+    ),
+)
+
+
+def _phi3_qkv(config) -> tuple[int, int, int]:
+    """Phi-3's packed projection: queries of every head, then keys and values of the key/value heads."""
+    head = config.hidden_size // config.num_attention_heads
+    kv = config.num_key_value_heads * head
+    return (config.num_attention_heads * head, kv, kv)
+
+
+_PHI3 = Architecture(
+    "phi3",
+    placement="pre",
+    norm="rmsnorm",
+    layers="layers",
+    final_norm="norm",
+    dropout="resid_pdrop",
+    sublayers=(
+        Sublayer(
+            "self_attn",
+            _self_attn,
+            input_norm="input_layernorm",
+            silenced=("resid_attn_dropout",),
+            init_unit=tuple(Weight("self_attn.qkv_proj.weight", i, 3, sizes=_phi3_qkv) for i in (0, 1)),
+            init_scaled=(
+                Weight("self_attn.qkv_proj.weight", 2, 3, sizes=_phi3_qkv),
+                Weight("self_attn.o_proj.weight"),
+            ),
+        ),
+        Sublayer(
+            "mlp",
+            _mlp,
+            input_norm="post_attention_layernorm",
+            silenced=("resid_mlp_dropout",),
+            init_scaled=(Weight("mlp.gate_up_proj.weight"), Weight("mlp.down_proj.weight")),
+        ),
+    ),
+)
+_MOE_EXPERTS = tuple(Weight(f"mlp.experts.{p}", experts=True) for p in ("gate_up_proj", "down_proj"))
+_MIXTRAL = Architecture(
+    "mixtral",
+    placement="pre",
+    norm="rmsnorm",
+    layers="layers",
+    final_norm="norm",
+    sublayers=(
+        Sublayer("self_attn", _self_attn, input_norm="input_layernorm", **_LLAMA_ATTN_INIT),
+        Sublayer("mlp", _mlp, input_norm="post_attention_layernorm", init_scaled=_MOE_EXPERTS),
+    ),
+)
+_QWEN2_MOE = Architecture(
+    "qwen2_moe",
+    placement="pre",
+    norm="rmsnorm",
+    layers="layers",
+    final_norm="norm",
+    sublayers=(
+        Sublayer("self_attn", _self_attn, input_norm="input_layernorm", **_LLAMA_ATTN_INIT),
+        Sublayer(
+            "mlp",
+            _mlp,
+            input_norm="post_attention_layernorm",
+            init_scaled=tuple(
+                Weight(w.path, experts=w.experts, optional=True)
+                for w in (
+                    *_MOE_EXPERTS,
+                    *(Weight(f"mlp.shared_expert.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")),
+                    *_LLAMA_MLP_INIT["init_scaled"],  # dense layers (mlp_only_layers, decoder_sparse_step)
+                )
+            ),
+        ),
+    ),
+)
+
 for _types, _arch in (
     (("llama", "mistral", "qwen2", "qwen3"), _LLAMA),
     (("gemma2", "gemma3_text"), _GEMMA),
     (("gpt2",), _GPT2),
     (("bert",), _BERT),
+    (("olmo2",), _OLMO2),
+    (("phi3",), _PHI3),
+    (("mixtral",), _MIXTRAL),
+    (("qwen2_moe",), _QWEN2_MOE),
 ):
-    for _type in _types:
-        ARCHITECTURES.register(_type, _arch)
+    register_architecture(_types, _arch)
 
 
 def norm_options(arch: Architecture) -> dict:

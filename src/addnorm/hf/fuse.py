@@ -1,22 +1,24 @@
 """``fuse(model)``: every residual add of a Hugging Face model that a norm reads runs in one
 :func:`addnorm.ops.add_norm` call with that norm; ``unfuse(model)`` restores the model's own forward.
 
-Each residual connection becomes an :class:`~addnorm.AddNorm` of the model's own placement (Llama family:
-``pre``; Gemma 2/3: ``sandwich``; GPT-2: ``pre``; BERT: ``post``) whose norms *read* the model's norm
-parameters: addnorm's RMSNorm/LayerNorm (which the op computes) holding the model's own weight and bias
-Parameters as plain attributes, not registered. The connections are registered on their layer as
-``<sublayer>_block`` (``self_attn_block``, ``mlp_block``), so ``model.train()``/``eval()`` reach them and
-:class:`addnorm.Probe` finds them, while the model's parameters, state dict and ``save_pretrained``
-output stay exactly as they were. The layers then run as :mod:`addnorm.hf.rewired` describes: a Pre-LN
-model of L layers makes 2L fused calls per forward, the last one with the final norm.
+Each residual connection becomes an :class:`~addnorm.AddNorm` of the model's own placement (Llama family,
+Phi-3, Mixtral, Qwen2-MoE, GPT-2: ``pre``; Gemma 2/3: ``sandwich``; OLMo 2: ``res_post``; BERT: ``post``)
+whose norms *read* the model's norm parameters: addnorm's RMSNorm/LayerNorm (which the op computes)
+holding the model's own weight and bias Parameters as plain attributes, not registered. The connections
+are registered on their layer as ``<sublayer>_block`` (``self_attn_block``, ``mlp_block``), so
+``model.train()``/``eval()`` reach them and :class:`addnorm.Probe` finds them, while the model's
+parameters, state dict and ``save_pretrained`` output stay exactly as they were. The layers then run as
+:mod:`addnorm.hf.rewired` describes: a Pre-LN model of L layers makes 2L fused calls per forward, the last
+one with the final norm.
 
 Numerics: every norm is computed as the op computes it, statistics and the weight product in float32
 (float64 for float64), rounded once to the output dtype. In float32 and float64 that is the model's
 function; Llama-family and Gemma RMSNorms compute in float32 even for float64 inputs, so a float64
 model agrees with its fused self to float32 rounding of its norms; in bfloat16/float16 the Llama family
 rounds the normalised input before its weight product, which the op does not, so results differ by
-that rounding. Residual dropout (GPT-2, BERT) uses the op's hashed mask instead of ``nn.Dropout``'s:
-the same distribution, a different mask for the same seed.
+that rounding (GPT-2 and BERT: the same logits and loss, gradients differ by rounding). Residual
+dropout (GPT-2, BERT, Phi-3): on the CPU in eager mode ``nn.Dropout``'s mask, the model's own for the
+same seed; where the op runs it, its hashed mask (the same distribution, a different mask).
 
 The fused model is a view of the model: its norms read the model's norm parameters each time they are
 called (:class:`~addnorm.hf.rewired.Reads`), so fuse before or after loading, moving, converting,

@@ -38,11 +38,12 @@ def layer_statistics(
     heads: int,
     intermediate: int,
     seed: int = 0,
+    norm: str | None = None,
 ) -> dict[str, dict[str, list[float]]]:
     """``{placement: {metric: per-layer values}}`` (metrics: :data:`METRICS`), each the mean over one
     fresh model per batch (seeds ``seed``, ``seed + 1``, ...). ``placements`` may include :data:`MODEL`,
     the untouched model. ``batches``: (batch, seq + 1) token windows over a 256-symbol vocabulary; dropout
-    is off."""
+    is off. ``norm``: the norm of the re-placed models (None: the model's own)."""
     sizes = {"layers": layers, "hidden": hidden, "heads": heads, "intermediate": intermediate}
     vocab = 256
     results = {}
@@ -53,7 +54,7 @@ def layer_statistics(
                 model_type, seed=seed + r, vocab=vocab, positions=tokens.shape[1], dropout=0.0, **sizes
             )
             if name != MODEL:
-                with_placement(model, name)
+                with_placement(model, name, norm=norm)
             model.train()
             with Probe(model) as probe:
                 logits = model(input_ids=tokens[:, :-1]).logits

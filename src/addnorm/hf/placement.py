@@ -9,28 +9,51 @@ a Llama-family model keeps its function). The placement's rules come with it: it
 by depth) and its final norm (kept, added, or replaced by the identity when the last layer's output is
 already normalised). The layers run as :mod:`addnorm.hf.rewired` describes, fused by default.
 
+The per-layer placements, DeepNorm's alpha, the gates' starting values and how each weight role is
+initialised come from :mod:`addnorm.placement_spec`, the same spec addnorm's own layers read.
+
 The placement and its options are recorded in ``model.config.addnorm``, so ``save_pretrained`` writes
-them to ``config.json`` and :func:`addnorm.hf.from_pretrained` rebuilds the same model.
+them to ``config.json`` and :func:`addnorm.hf.from_pretrained` rebuilds the same model. The saved
+``config.json`` names the model type ``"addnorm:<type> (load with addnorm.hf.from_pretrained)"``, so
+that plain ``transformers`` (``AutoModelForCausalLM.from_pretrained``) refuses it, naming addnorm and
+how to load it, instead of loading the original architecture with re-initialised norms.
 """
 
 from __future__ import annotations
 
-import math
+import json
+import numbers
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from ..addnorm import AddNorm, check_bool, layerscale_init
-from ..model.init import Depth, deepnorm_constants
+from ..addnorm import AddNorm, check_bool
 from ..norms import NORMS, build_norm
+from ..placement_spec import Depth, WeightInit, connection_spec, layer_placements, weight_init
 from ..placements import PLACEMENTS, Placement, get_placement
-from .architectures import Architecture, Sublayer, Weight, architecture_of, norm_eps, norm_options
+from .architectures import Architecture, Sublayer, architecture_of, norm_eps, norm_options
 from .fuse import unfuse
 from .rewired import Rewiring, install, rewiring_of
 
-__all__ = ["CONFIG_KEY", "supported_placements", "with_placement"]
+__all__ = [
+    "CONFIG_KEY",
+    "ORIGINAL_TYPE",
+    "SAVED_MODEL_TYPE",
+    "saved_model_type",
+    "supported_placements",
+    "with_placement",
+]
 
 CONFIG_KEY = "addnorm"
+SAVED_MODEL_TYPE = "addnorm:{} (load with addnorm.hf.from_pretrained)"
+# not "model_type": transformers' config loading takes a nested dict holding one for the config
+ORIGINAL_TYPE = "original_model_type"
+
+
+def saved_model_type(model_type: str) -> str:
+    """The ``model_type`` a re-placed model's saved ``config.json`` carries (unknown to transformers)."""
+    return SAVED_MODEL_TYPE.format(model_type)
 
 
 def _unsupported(p: Placement) -> str | None:
@@ -53,16 +76,6 @@ def supported_placements() -> list[str]:
     return [name for name, p in PLACEMENTS.items() if _unsupported(p) is None]
 
 
-def _per_layer(p: Placement, n_layers: int, mix_fraction: float | None) -> list[Placement]:
-    """One placement per layer: Mix-LN's ``bottom`` for the first ceil(f * L) layers, ``top`` above."""
-    if p.layers is None:
-        return [p] * n_layers
-    bottom, top, fraction = p.layers
-    fraction = fraction if mix_fraction is None else mix_fraction
-    n_bottom = min(n_layers, math.ceil(fraction * n_layers - 1e-9))
-    return [get_placement(bottom)] * n_bottom + [get_placement(top)] * (n_layers - n_bottom)
-
-
 def _copy_norm(ours: nn.Module, theirs: nn.Module) -> None:
     with torch.no_grad():
         for name in ("weight", "bias"):
@@ -82,18 +95,25 @@ def _remove(root: nn.Module, path: str, replacement: nn.Module | None = None) ->
     return old
 
 
-def _block(weight: torch.Tensor, spec: Weight) -> torch.Tensor:
-    return weight if spec.block is None else weight.chunk(spec.count, spec.dim)[spec.block]
-
-
 @torch.no_grad()
-def deepnet_init(layer: nn.Module, sublayers: tuple[Sublayer, ...], beta: float) -> None:
-    """DeepNet's initialisation (Wang et al. 2022) of a layer's sublayers: Xavier-normal with gain beta
-    on values, attention outputs and FFN matrices, gain 1 on queries and keys."""
+def init_weights(layer: nn.Module, sublayers: tuple[Sublayer, ...], init: WeightInit, config) -> None:
+    """A placement's initialisation (:func:`addnorm.placement_spec.weight_init`) of a layer's sublayers,
+    by weight role: ``"xavier_normal"`` (DeepNet, Wang et al. 2022): Xavier-normal with gain
+    ``init.unit`` on queries and keys (``init_unit``) and ``init.scaled`` on values, attention outputs
+    and FFN (``init_scaled``); ``"scale"`` (B2T, Takase et al. 2023): every one of them times
+    ``init.factor``; ``"profiled"`` (Admin): nothing here."""
+    if init.kind == "profiled":
+        return
     for sublayer in sublayers:
-        for specs, gain in ((sublayer.init_unit, 1.0), (sublayer.init_scaled, beta)):
+        for specs, gain in ((sublayer.init_unit, init.unit), (sublayer.init_scaled, init.scaled)):
             for spec in specs:
-                nn.init.xavier_normal_(_block(layer.get_parameter(spec.path), spec), gain=gain)
+                for matrix in spec.matrices(layer, config):
+                    if init.kind == "xavier_normal":
+                        nn.init.xavier_normal_(matrix, gain=gain)
+                    elif init.kind == "scale":
+                        matrix.mul_(init.factor)
+                    else:
+                        raise ValueError(f"init: {init.kind!r} initialisation is not supported by addnorm.hf")
 
 
 def _depth(arch: Architecture, n_layers: int) -> Depth:
@@ -135,10 +155,19 @@ def with_placement(
             f"supported: {', '.join(supported_placements())}"
         )
     fused, init = check_bool("fused", fused), check_bool("init", init)
-    if mix_fraction is not None and not 0.0 <= float(mix_fraction) <= 1.0:
-        raise ValueError(f"mix_fraction: expected a fraction in [0, 1], got {mix_fraction!r}")
-    if dropout is not None and not 0.0 <= float(dropout) < 1.0:
-        raise ValueError(f"dropout: expected a probability in [0, 1), got {dropout!r}")
+    dropout = _number("dropout", dropout, "a probability in [0, 1)", lambda v: 0.0 <= v < 1.0)
+    eps = _number("eps", eps, "a positive number", lambda v: v > 0.0)
+    mix_fraction = _number("mix_fraction", mix_fraction, "a fraction in [0, 1]", lambda v: 0.0 <= v <= 1.0)
+    if mix_fraction is not None and not (p.layers is not None and isinstance(p.layers[2], float)):
+        raise ValueError(
+            f"mix_fraction: placement {p.name!r} does not use it (only a placement whose layers split by "
+            "a fraction does, such as 'mix')"
+        )
+    if norm is not None and not isinstance(norm, str):
+        raise TypeError(f"norm: expected a norm name ({', '.join(NORMS)}), got {norm!r}")
+    for option, value in (("norm", norm), ("eps", eps)):
+        if value is not None and not _has_norms(p):
+            raise ValueError(f"{option}: placement {p.name!r} has no norm for it to set")
     rewiring = rewiring_of(model)
     if rewiring is not None and rewiring.kind != "fused":
         raise ValueError(
@@ -152,11 +181,10 @@ def with_placement(
     norm_name = NORMS.resolve(norm) if norm is not None else arch.norm
     options = norm_options(arch) if norm_name == arch.norm else {}
     first_norm = layers[0].get_submodule(next(iter(arch.sublayers[0].norm_paths().values())))
-    eps = norm_eps(first_norm) if eps is None else float(eps)
-    dropout = arch.residual_dropout(config) if dropout is None else float(dropout)
-    placements = _per_layer(p, len(layers), mix_fraction)
+    eps = norm_eps(first_norm) if eps is None else eps
+    dropout = arch.residual_dropout(config) if dropout is None else dropout
+    placements = layer_placements(p, len(layers), mix_fraction)
     depth = _depth(arch, len(layers))
-    alpha, beta = deepnorm_constants(depth)
     weight = next(layers[0].parameters())
     kw = {"device": weight.device, "dtype": weight.dtype}
     d = config.hidden_size
@@ -165,14 +193,15 @@ def with_placement(
     for layer, layer_placement in zip(layers, placements, strict=True):
         blocks = []
         for sublayer in arch.sublayers:
+            spec = connection_spec(layer_placement, depth)
             conn = AddNorm(
                 d,
-                layer_placement,
+                spec.placement,
                 norm_name,
                 dropout,
                 eps=eps,
-                alpha=alpha if layer_placement.init == "deepnorm" else None,
-                gate_init=layerscale_init(len(layers)) if layer_placement.gate == "layerscale" else None,
+                alpha=spec.alpha,
+                gate_init=spec.gate_init,
                 norm_options=options,
                 fused=fused,
                 **kw,
@@ -185,8 +214,9 @@ def with_placement(
             layer.add_module(sublayer.block, conn)
             blocks.append(conn)
         connections.append(blocks)
-        if init and layer_placement.init == "deepnorm":
-            deepnet_init(layer, arch.sublayers, beta)
+        layer_init = weight_init(layer_placement, depth)
+        if init and layer_init is not None:
+            init_weights(layer, arch.sublayers, layer_init, config)
 
     final_module = applied = None
     if placements[-1].final_norm:
@@ -205,7 +235,9 @@ def with_placement(
     record = {"placement": p.name, "norm": norm_name, "eps": eps, "dropout": dropout, "fused": fused}
     if p.layers is not None:
         record["mix_fraction"] = mix_fraction
+    record[ORIGINAL_TYPE] = config.model_type
     setattr(config, CONFIG_KEY, record)
+    model.save_pretrained = SaveReplaced(model)
     install(
         model,
         Rewiring("placement", arch, layers, connections, final_module=final_module),
@@ -214,3 +246,38 @@ def with_placement(
         b2t=p.stream == "b2t",
     )
     return model
+
+
+def _has_norms(p: Placement) -> bool:
+    """Whether a model re-placed with ``p`` has any norm (ReZero has none)."""
+    layers = [get_placement(q) for q in p.layers[:2]] if p.layers is not None else [p]
+    return any(q.norm_slots or q.final_norm for q in layers)
+
+
+def _number(name: str, value: object, expected: str, valid) -> float | None:
+    """``value`` as a float (None stays None), or a one-line error naming the option."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not valid(float(value)):
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return float(value)
+
+
+class SaveReplaced:
+    """A re-placed model's ``save_pretrained`` (an instance attribute shadowing the class's, so the
+    Trainer and ``push_to_hub`` call it too): the model's own, then ``config.json``'s ``model_type``
+    renamed to :func:`saved_model_type`, so plain ``transformers`` refuses the checkpoint with a
+    message naming addnorm and how to load it (the original type stays in ``config.addnorm``)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+
+    def __call__(self, save_directory, *args, **kwargs):
+        result = type(self.model).save_pretrained(self.model, save_directory, *args, **kwargs)
+        path = Path(save_directory) / "config.json"
+        if path.is_file():
+            data = json.loads(path.read_text())
+            if CONFIG_KEY in data and data.get("model_type") == data[CONFIG_KEY].get(ORIGINAL_TYPE):
+                data["model_type"] = saved_model_type(data["model_type"])
+                path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        return result

@@ -9,10 +9,23 @@ from .architectures import ARCHITECTURES, require_transformers
 
 __all__ = ["tiny_config", "tiny_model"]
 
-_LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+_LLAMA_FAMILY = (
+    "llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "olmo2", "phi3", "mixtral", "qwen2_moe"
+)  # fmt: skip
 _DROPOUTS = {
     "gpt2": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
     "bert": ("hidden_dropout_prob", "attention_probs_dropout_prob"),
+    "phi3": ("resid_pdrop", "embd_pdrop", "attention_dropout"),
+}
+_EXPERTS = {  # four experts, two per token; Qwen2-MoE also has its shared expert
+    "mixtral": lambda ffn: {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": lambda ffn: {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": ffn,
+        "shared_expert_intermediate_size": ffn,
+        "decoder_sparse_step": 1,
+    },
 }
 
 
@@ -55,6 +68,8 @@ def tiny_config(
         fields["intermediate_size"] = ffn
     if model_type in _LLAMA_FAMILY:
         fields.update(num_key_value_heads=max(1, heads // 2), head_dim=hidden // heads)
+    if model_type in _EXPERTS:
+        fields.update(_EXPERTS[model_type](ffn))
     if dropout is not None:
         fields.update(dict.fromkeys(_DROPOUTS.get(model_type, ("attention_dropout",)), float(dropout)))
     fields.update(overrides)

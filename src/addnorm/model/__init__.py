@@ -1,12 +1,14 @@
 """Transformer layers, stacks and models built from AddNorm connections."""
 
+from ..placement_spec import Depth, deepnorm_constants, sub_ln_gain
 from .attention import MultiHeadAttention, causal_mask
 from .config import TransformerConfig
+from .embedding import PositionalEncoding
 from .feedforward import FeedForward
-from .init import INITS, PLACEMENT_INITS, Depth, admin_init, deepnorm_constants, sub_ln_gain
+from .init import INITS, PLACEMENT_INITS, admin_init
 from .interop import UnsupportedModuleError, from_torch, to_torch
 from .layers import DecoderLayer, EncoderLayer
-from .models import EncoderDecoder, LanguageModel, PositionalEncoding, Transformer, reset_buffers
+from .models import EncoderDecoder, LanguageModel, Transformer, reset_buffers
 from .ngpt import NGPTHead, ngpt_matrices, ngpt_normalize_
 from .stacks import Decoder, Encoder
 

@@ -7,12 +7,12 @@ Every layer is built and initialised on its own, so no two layers start with clo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..addnorm import AddNorm
+from ..placement_spec import Depth, WeightInit, deepnorm_constants, sub_ln_gain, weight_init  # noqa: F401 (re-exported)
 from ..registry import Registry
 from .attention import MultiHeadAttention
 from .feedforward import FeedForward
@@ -67,52 +67,6 @@ def init_layer(module: nn.Module, scheme: str, n_layers: int) -> None:
 # --- depth-aware constants and initialisations named by placements ---------------------------------
 
 
-@dataclass(frozen=True)
-class Depth:
-    """Where a layer sits: ``part`` ("encoder" or "decoder") of a model with ``n_encoder`` (N) encoder
-    and ``n_decoder`` (M) decoder layers; N = 0 is decoder-only, M = 0 encoder-only."""
-
-    part: str
-    n_encoder: int
-    n_decoder: int
-
-    @property
-    def architecture(self) -> str:
-        if self.n_encoder and self.n_decoder:
-            return "encoder_decoder"
-        return "encoder" if self.n_encoder else "decoder"
-
-    @property
-    def n_layers(self) -> int:
-        return self.n_encoder if self.part == "encoder" else self.n_decoder
-
-
-def deepnorm_constants(depth: Depth) -> tuple[float, float]:
-    """(alpha, beta) of DeepNet (Wang et al. 2022, Table 1) for N encoder and M decoder layers:
-    encoder-only alpha = (2N)^(1/4), beta = (8N)^(-1/4); decoder-only alpha = (2M)^(1/4),
-    beta = (8M)^(-1/4); encoder-decoder: encoder alpha = 0.81 (N^4 M)^(1/16), beta = 0.87 (N^4 M)^(-1/16),
-    decoder alpha = (3M)^(1/4), beta = (12M)^(-1/4)."""
-    n, m = depth.n_encoder, depth.n_decoder
-    if depth.architecture == "encoder":
-        return (2 * n) ** 0.25, (8 * n) ** -0.25
-    if depth.architecture == "decoder":
-        return (2 * m) ** 0.25, (8 * m) ** -0.25
-    if depth.part == "encoder":
-        return 0.81 * (n**4 * m) ** (1 / 16), 0.87 * (n**4 * m) ** (-1 / 16)
-    return (3 * m) ** 0.25, (12 * m) ** -0.25
-
-
-def sub_ln_gain(depth: Depth) -> float:
-    """Magneto's init gain (Wang et al. 2022, Foundation Transformers): sqrt(log 2N) for encoder- or
-    decoder-only; encoder-decoder: encoder sqrt(log(3M) log(2N) / 3), decoder sqrt(log 3M)."""
-    n, m = depth.n_encoder, depth.n_decoder
-    if depth.architecture != "encoder_decoder":
-        return math.sqrt(math.log(2 * depth.n_layers))
-    if depth.part == "encoder":
-        return math.sqrt(math.log(3 * m) * math.log(2 * n) / 3)
-    return math.sqrt(math.log(3 * m))
-
-
 def _xavier_normal_rows(weight: torch.Tensor, rows: slice, gain: float) -> None:
     """Xavier-normal on a row block of a packed projection, as if it were its own matrix."""
     block = weight[rows]
@@ -121,17 +75,19 @@ def _xavier_normal_rows(weight: torch.Tensor, rows: slice, gain: float) -> None:
         block.normal_(0.0, std)
 
 
-def scaled_xavier_init(module: nn.Module, gain: float, skip: tuple[nn.Module, ...] = ()) -> None:
-    """Xavier-normal with ``gain`` on FFN matrices, value and output projections; gain 1 on queries and
-    keys (the DeepNet / Magneto recipe). Sublayers in ``skip`` keep their initialisation."""
+def scaled_xavier_init(
+    module: nn.Module, gain: float, skip: tuple[nn.Module, ...] = (), unit: float = 1.0
+) -> None:
+    """Xavier-normal with ``gain`` on FFN matrices, value and output projections; gain ``unit`` (1) on
+    queries and keys (the DeepNet / Magneto recipe). Sublayers in ``skip`` keep their initialisation."""
     for m in module.modules():
         if any(m is s for s in skip):
             continue
         if isinstance(m, MultiHeadAttention):
             d = m.d_model
             w = m.in_proj.weight
-            _xavier_normal_rows(w, slice(0, d), 1.0)  # queries, keys and values, each (d, d)
-            _xavier_normal_rows(w, slice(d, 2 * d), 1.0)
+            _xavier_normal_rows(w, slice(0, d), unit)  # queries, keys and values, each (d, d)
+            _xavier_normal_rows(w, slice(d, 2 * d), unit)
             _xavier_normal_rows(w, slice(2 * d, 3 * d), gain)
             nn.init.xavier_normal_(m.out_proj.weight, gain=gain)
         elif isinstance(m, FeedForward):
@@ -140,11 +96,18 @@ def scaled_xavier_init(module: nn.Module, gain: float, skip: tuple[nn.Module, ..
 
 
 PLACEMENT_INITS: Registry = Registry("placement init")
+"""How addnorm's own layers apply each placement's :func:`addnorm.placement_spec.weight_init` (the
+gains and factors are the spec's, shared with :func:`addnorm.hf.with_placement`)."""
+
+
+def _spec(name: str, depth: Depth) -> WeightInit:
+    return weight_init(name, depth)
 
 
 @PLACEMENT_INITS.register("deepnorm")
 def _init_deepnorm(module: nn.Module, depth: Depth) -> None:
-    scaled_xavier_init(module, deepnorm_constants(depth)[1])
+    w = _spec("deepnorm", depth)
+    scaled_xavier_init(module, w.scaled, unit=w.unit)
 
 
 @PLACEMENT_INITS.register("sub_ln")
@@ -152,14 +115,15 @@ def _init_sub_ln(module: nn.Module, depth: Depth) -> None:
     """Magneto's gain on every sublayer but cross-attention, which torchscale leaves unscaled (its
     decoder skips ``encoder_attn``) and builds without an inner norm."""
     cross = getattr(module, "cross_attn", None)
-    scaled_xavier_init(module, sub_ln_gain(depth), skip=() if cross is None else (cross,))
+    w = _spec("sub_ln", depth)
+    scaled_xavier_init(module, w.scaled, skip=() if cross is None else (cross,), unit=w.unit)
 
 
 @PLACEMENT_INITS.register("b2t")
 def _init_b2t(module: nn.Module, depth: Depth) -> None:
     """B2T's ``rescaling_init`` (Takase et al. 2023): every weight matrix of the layer (not the biases,
     not the norms) multiplied by L^(-1/2), L the depth of its stack."""
-    scale = max(depth.n_layers, 1) ** -0.5
+    scale = _spec("b2t", depth).factor
     with torch.no_grad():
         for m in module.modules():
             if isinstance(m, nn.Linear):

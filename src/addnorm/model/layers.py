@@ -6,13 +6,14 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from ..addnorm import AddNorm, layerscale_init
+from ..addnorm import AddNorm
 from ..norms import build_norm
+from ..placement_spec import connection_spec
 from ..placements import Placement, get_placement
 from .attention import MultiHeadAttention
 from .config import TransformerConfig
 from .feedforward import FeedForward
-from .init import PLACEMENT_INITS, Depth, deepnorm_constants, init_layer
+from .init import PLACEMENT_INITS, Depth, init_layer
 from .stream import Connection, Stream
 
 
@@ -100,22 +101,17 @@ class _Layer(nn.Module):
         )
 
     def _connection(self, depth: Depth, attention: bool = False) -> AddNorm:
-        cfg, p = self.cfg, self._p
-        norm = cfg.norm
-        if attention and p.attention_connection is not None:
-            p, norm = p.attention_connection
-        placement = get_placement(p)
-        alpha = deepnorm_constants(depth)[0] if placement.init == "deepnorm" else None
-        gate_init = layerscale_init(depth.n_layers) if placement.gate == "layerscale" else None
+        cfg = self.cfg
+        spec = connection_spec(self._p, depth, attention=attention)  # shared with addnorm.hf
         return AddNorm(
             cfg.d_model,
-            placement,
-            norm,
+            spec.placement,
+            spec.norm or cfg.norm,
             cfg.dropout,
             residual=cfg.residual,
             dropout_at=cfg.dropout_at,
-            alpha=alpha,
-            gate_init=gate_init,
+            alpha=spec.alpha,
+            gate_init=spec.gate_init,
             norm_options=cfg.norm_options,
             **cfg.norm_kwargs(),
             **self._kw,

@@ -2,85 +2,13 @@
 
 from __future__ import annotations
 
-import math
-
-import torch
 from torch import Tensor, nn
 
 from .config import TransformerConfig
+from .embedding import PositionalEncoding, _Embedding
 from .init import Depth
 from .ngpt import NGPTHead, ngpt_normalize_
 from .stacks import Decoder, Encoder
-
-
-class PositionalEncoding(nn.Module):
-    """Adds position information: sinusoidal PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(...)
-    (Vaswani et al. 2017), a learned table, or nothing."""
-
-    def __init__(self, d_model: int, max_len: int, kind: str = "sinusoidal", device=None, dtype=None) -> None:
-        super().__init__()
-        self.kind, self.max_len = kind, max_len
-        self.table = None
-        if kind == "sinusoidal":
-            pe = torch.empty(max_len, d_model, dtype=dtype or torch.get_default_dtype(), device=device)
-            self.register_buffer("pe", pe, persistent=False)
-            self.reset_buffers()
-        elif kind == "learned":
-            self.table = nn.Embedding(max_len, d_model, device=device, dtype=dtype)
-            nn.init.normal_(self.table.weight, std=0.02)
-
-    def reset_buffers(self) -> None:
-        """(Re)compute the sinusoidal table in place, on its device and in its dtype: a state dict does
-        not carry it, so a model built on the meta device needs this after ``to_empty``."""
-        if self.kind != "sinusoidal" or self.pe.is_meta:
-            return
-        max_len, d_model = self.pe.shape
-        pos = torch.arange(max_len, dtype=torch.float64).unsqueeze(1)
-        freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float64) * (-math.log(10000.0) / d_model))
-        pe = torch.zeros(max_len, d_model, dtype=torch.float64)
-        pe[:, 0::2] = torch.sin(pos * freq)
-        pe[:, 1::2] = torch.cos(pos * freq)[:, : d_model // 2]
-        with torch.no_grad():
-            self.pe.copy_(pe)
-
-    def forward(self, x: Tensor) -> Tensor:  # x: (B, T, d)
-        t = x.shape[1]
-        if self.kind == "sinusoidal":
-            return x + self.pe[:t]
-        if self.kind == "learned":
-            return x + self.table.weight[:t]
-        return x
-
-
-class _Embedding(nn.Module):
-    """Token embedding scaled by sqrt(d_model) (Vaswani et al. 2017), entries ~ N(0, 1/d_model) so the
-    scaled vectors have unit variance, plus positions and dropout."""
-
-    def __init__(
-        self, vocab: int, cfg: TransformerConfig, device=None, dtype=None, *, vocab_arg: str = "vocab"
-    ) -> None:
-        super().__init__()
-        if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab <= 0:
-            raise ValueError(f"{vocab_arg}: expected a positive int, got {vocab!r}")
-        self.vocab, self.max_len, self.vocab_arg = vocab, cfg.max_len, vocab_arg
-        self.tokens = nn.Embedding(vocab, cfg.d_model, device=device, dtype=dtype)
-        nn.init.normal_(self.tokens.weight, std=cfg.d_model**-0.5)
-        self.scale = math.sqrt(cfg.d_model)
-        self.positions = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.positional, device, dtype)
-        self.dropout = nn.Dropout(cfg.dropout)
-
-    def forward(self, ids: Tensor, name: str) -> Tensor:
-        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.ndim != 2:
-            got = (
-                f"dtype {ids.dtype}, shape {tuple(ids.shape)}"
-                if isinstance(ids, Tensor)
-                else type(ids).__name__
-            )
-            raise ValueError(f"{name}: expected integer token ids of shape (batch, seq), got {got}")
-        if ids.shape[1] > self.max_len:
-            raise ValueError(f"{name}: sequence length {ids.shape[1]} exceeds max_len={self.max_len}")
-        _check_vocab(ids, name, self.vocab, self.vocab_arg)
-        return self.dropout(self.positions(self.tokens(ids) * self.scale))
 
 
 def reset_buffers(model: nn.Module) -> nn.Module:
@@ -91,24 +19,6 @@ def reset_buffers(model: nn.Module) -> nn.Module:
         if isinstance(module, PositionalEncoding):
             module.reset_buffers()
     return model
-
-
-def _check_vocab(ids: Tensor, name: str, vocab: int, vocab_arg: str) -> None:
-    """Token ids in [0, vocab), else a one-line ValueError instead of ``nn.Embedding``'s IndexError.
-
-    Checked on CPU tensors only, with one fused min/max reduction (``torch.aminmax``) whose ``.item()``
-    costs no device sync there. On an accelerator ``.item()`` would stall the host every step (and
-    break CUDA graphs), so there the lookup's own device-side bounds assertion is left to catch it;
-    under ``torch.compile`` the check is skipped so that it adds no graph break."""
-    if ids.device.type != "cpu" or ids.numel() == 0 or torch.compiler.is_compiling():
-        return
-    low, high = (int(v) for v in torch.aminmax(ids))
-    if low < 0 or high >= vocab:
-        bad = low if low < 0 else high
-        raise ValueError(
-            f"{name}: token id {bad} is outside the vocabulary of {vocab} ids ({vocab_arg}={vocab}: "
-            f"expected 0 <= id < {vocab})"
-        )
 
 
 def _padding_mask(ids: Tensor, pad_id: int | None, given: Tensor | None) -> Tensor | None:

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import MultiHeadAttention
+from .embedding import _Embedding
 from .feedforward import FeedForward
 
 __all__ = ["NGPTHead", "ngpt_matrices", "ngpt_normalize_", "sublayer_matrices"]
@@ -63,8 +64,6 @@ def ngpt_matrices(model: nn.Module) -> list[tuple[nn.Parameter, int]]:
     docstring): its nGPT sublayers' matrices, its :class:`NGPTHead` heads and, when it has nGPT
     sublayers, its token embeddings. Empty for a model without nGPT layers; a weight shared by two
     modules (tied embeddings) is listed once."""
-    from .models import _Embedding  # models builds on this module
-
     found = sublayer_matrices(model)
     if found:
         found += [(m.weight, 1) for m in model.modules() if isinstance(m, NGPTHead)]
