@@ -19,6 +19,7 @@ from rich.table import Table
 from ..cli_errors import handle_errors
 from .executors import Executor, plan_workers
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
+from .lock import folder_lock
 from .report import build_report
 from .runner import estimate_seconds, fmt_time, resolved_base, run_study
 from .spec import (
@@ -232,22 +233,23 @@ def study(
             where = f"on {cluster} with {runner.cpus_per_run} CPU(s){gpus} per run"
         _dry_run(plan, folder, where, console, workers=n_workers, threads=threads)
         return
-    outcome = run_study(
-        plan,
-        folder,
-        workers=n_workers,
-        threads=threads,
-        executor=runner,
-        progress=not quiet,
-        prune=prune,
-        trackers=trackers,
-    )
-    with Store(folder / "study.sqlite") as store:
-        if not quiet:
-            console.print(findings_table(compute_findings(store)))
-            console.print(f"Rule: {RULE}.", markup=False, highlight=False, style="dim")
-        if csv:
-            store.export_csv(folder / "csv")
+    with folder_lock(folder):  # the study and the findings it prints are of one spec
+        outcome = run_study(
+            plan,
+            folder,
+            workers=n_workers,
+            threads=threads,
+            executor=runner,
+            progress=not quiet,
+            prune=prune,
+            trackers=trackers,
+        )
+        with Store(folder / "study.sqlite") as store:
+            if not quiet:
+                console.print(findings_table(compute_findings(store)))
+                console.print(f"Rule: {RULE}.", markup=False, highlight=False, style="dim")
+            if csv:
+                store.export_csv(folder / "csv")
     stale = f", {outcome.stale} stored runs not part of this spec" if outcome.stale else ""
     typer.echo(f"{outcome.total} runs ({outcome.skipped} already stored, {outcome.ran} run now{stale})")
     typer.echo(f"report: {outcome.report}")
@@ -267,7 +269,8 @@ def study(
 def report(out: Path = typer.Argument(..., help="a study folder holding study.sqlite")) -> None:
     """Rebuild a study's report from its database (nothing is retrained)."""
     _database(out)
-    typer.echo(f"report: {build_report(out)}")
+    with folder_lock(out):
+        typer.echo(f"report: {build_report(out)}")
 
 
 def export(

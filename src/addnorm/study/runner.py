@@ -17,6 +17,7 @@ from rich.text import Text
 
 from ..train import FAILED, RunConfig, RunResult
 from .executors import Executor, make_executor
+from .lock import folder_lock
 from .report import build_report
 from .spec import PlannedRun, StudySpec
 from .store import Store
@@ -241,7 +242,7 @@ def run_study(
     planned = spec.expand()
     members = spec.memberships()
     stream = stream or sys.stderr
-    with Store(out / "study.sqlite") as store:
+    with folder_lock(out), Store(out / "study.sqlite") as store:
         rows = [(run_id, exp, label) for run_id, pairs in members.items() for exp, label in pairs]
         store.save_plan(spec.name, spec.to_dict(), resolved_base(spec), rows)
         pruned = store.prune() if prune else 0
@@ -304,5 +305,5 @@ def run_study(
             if bar is not None:
                 bar.close()
             tracking.close()
-    path = build_report(out) if report else None
+        path = build_report(out) if report else None
     return StudyOutcome(out, len(planned), len(planned) - len(todo), len(todo), failed, stale, pruned, path)
