@@ -139,3 +139,27 @@ def test_a_full_disk_while_writing_the_report_keeps_the_old_report(tmp_path, mon
     assert result.exit_code == 4 and "No space left on device" in result.output, result.output
     assert (out / "report.html").read_bytes() == good
     assert [p.name for p in out.iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (
+            "name: t\nexperiments:\n  a: {set: {lr: 0.01}}\n  a: {}\n",
+            "duplicate key 'a' (line 4",
+        ),
+        ("name: t\nbase: {steps: 3, steps: 4}\nexperiments: {a: {}}\n", "duplicate key 'steps'"),
+        (
+            "name: t\nexperiments:\n  a:\n    sweep:\n      variant: [{label: x}, {label: x, lr: 1}]\n",
+            "label 'x' is used twice",
+        ),
+        ("name: ../..\nexperiments: {a: {}}\n", "name: '../..'"),
+        ("name: /abs/path\nexperiments: {a: {}}\n", "name: '/abs/path'"),
+    ],
+)
+def test_ambiguous_specs_are_one_line_errors_naming_the_duplicate(tmp_path, text, named):
+    (tmp_path / "spec.yaml").write_text(text)
+    result = cli("study", tmp_path / "spec.yaml", "--out", tmp_path / "out", "--dry-run")
+    assert result.exit_code == 2, result.output
+    (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert named in line, line
