@@ -163,3 +163,10 @@ def test_ambiguous_specs_are_one_line_errors_naming_the_duplicate(tmp_path, text
     assert result.exit_code == 2, result.output
     (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
     assert named in line, line
+
+
+def test_cpus_per_run_zero_is_refused(tmp_path):
+    spec = write_spec(tmp_path / "spec.yaml")
+    ray = ("--executor", "ray", "--cpus-per-run", "0")
+    result = cli("study", spec, "--out", tmp_path / "out", *ray, "--dry-run")
+    assert result.exit_code == 2 and "--cpus-per-run: expected a whole number >= 1, got 0" in result.output

@@ -224,7 +224,9 @@ def study(
     if executor == "ray":
         from .ray_executor import RayExecutor
 
-        runner = RayExecutor(address, cpus_per_run or 1, gpus_per_run or 0.0)
+        if cpus_per_run is not None and cpus_per_run < 1:
+            raise ValueError(f"--cpus-per-run: expected a whole number >= 1, got {cpus_per_run}")
+        runner = RayExecutor(address, 1 if cpus_per_run is None else cpus_per_run, gpus_per_run or 0.0)
     if dry_run:
         where = None
         if runner is not None:
