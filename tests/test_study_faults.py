@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,104 @@ def test_cpus_per_run_zero_is_refused(tmp_path):
     ray = ("--executor", "ray", "--cpus-per-run", "0")
     result = cli("study", spec, "--out", tmp_path / "out", *ray, "--dry-run")
     assert result.exit_code == 2 and "--cpus-per-run: expected a whole number >= 1, got 0" in result.output
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+def _torch_workers(pid: int) -> list[int]:
+    """The pool workers of ``pid``: its spawned children that run multiprocessing's spawn_main."""
+    out = []
+    for child in _children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as fh:
+                if b"spawn_main" in fh.read():
+                    out.append(child)
+        except OSError:
+            pass
+    return out
+
+
+def test_a_dead_pool_worker_fails_no_other_run(tmp_path):
+    """SIGKILL of one of two pool workers mid-study: the pool is replaced, the runs it took down are
+    tried again, every run ends done (the one-off kill hit no run twice); an uninterrupted in-process
+    study gives the same losses."""
+    spec = parse_spec(
+        {
+            "name": "kill",
+            "base": {**TINY, "steps": 60},
+            "experiments": {"main": {"sweep": {"seed": [0, 1, 2, 3]}}},
+        }
+    )
+    import threading
+
+    killed = []
+
+    def killer():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            workers = _torch_workers(os.getpid())
+            if len(workers) == 2 and (tmp_path / "out" / "study.sqlite").exists():
+                time.sleep(1.0)  # inside a run
+                os.kill(workers[0], signal.SIGKILL)
+                killed.append(workers[0])
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    outcome = run_study(spec, tmp_path / "out", workers=2, threads=1, progress=False, report=False)
+    thread.join()
+    assert killed and outcome.failed == []
+    here = run_study(spec, tmp_path / "here", workers=1, progress=False, report=False)
+    assert here.failed == []
+    with Store(tmp_path / "out" / "study.sqlite") as a, Store(tmp_path / "here" / "study.sqlite") as b:
+        assert {r["id"]: r["final_val_loss"] for r in a.runs()} == {
+            r["id"]: r["final_val_loss"] for r in b.runs()
+        }
+
+
+def _session(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid and fields[0] != "Z":
+                    found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+@pytest.mark.parametrize("after", [2.0, 4.0])
+def test_workers_die_with_a_killed_driver_even_while_starting(tmp_path, after):
+    """kill -9 of the driver while its two workers start (or run): within 30 s no process of its
+    session is left (no orphan holding the output pipe)."""
+    spec = write_spec(tmp_path / "spec.yaml", seed=[0, 1, 2, 3])
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "addnorm.cli", "study", spec, "--out", tmp_path / "o", "--workers", "2"],
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    time.sleep(after)
+    driver.kill()
+    driver.wait()
+    deadline = time.monotonic() + 30
+    while _session(driver.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _session(driver.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
