@@ -272,3 +272,18 @@ def test_workers_die_with_a_killed_driver_even_while_starting(tmp_path, after):
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == []
+
+
+def test_a_tracker_that_fails_to_open_is_dropped_with_one_warning(tmp_path):
+    """``<out>/tensorboard`` is a file: one warning line, the study runs and exits 0 without it."""
+    pytest.importorskip("torch.utils.tensorboard")
+    spec = write_spec(tmp_path / "spec.yaml")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tensorboard").write_text("in the way")
+    result = cli("study", spec, "--out", out, "--track", "tensorboard", "--quiet")
+    assert result.exit_code == 0, result.output
+    warnings = [x for x in result.output.splitlines() if x.startswith("warning: --track tensorboard")]
+    assert len(warnings) == 1 and "Traceback" not in result.output
+    with Store(out / "study.sqlite") as store:
+        assert [r["status"] for r in store.runs()] == ["done"]
