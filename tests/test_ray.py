@@ -233,3 +233,26 @@ def test_one_line_errors(cluster, tmp_path, monkeypatch):
     result = runner.invoke(app, study + ["--executor", "ray"])
     assert result.exit_code == 2
     assert result.output.strip() == "error: --executor ray needs the 'ray' extra: pip install 'addnorm[ray]'"
+
+
+def test_an_address_that_is_not_ray_is_one_line_at_once(cluster):
+    """A local HTTP server at --address (it accepts the connection, then would keep Ray waiting for
+    minutes) is told apart from the cluster's GCS, which answers the HTTP/2 preface."""
+    import http.server
+    import threading
+
+    ray_executor._check_reachable(cluster)  # the real cluster passes
+
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{server.server_address[1]}"
+    try:
+        with pytest.raises(ValueError, match=f"--address: {address} answers, but not as a Ray cluster"):
+            ray_executor._check_reachable(address)
+    finally:
+        server.shutdown()
+        server.server_close()

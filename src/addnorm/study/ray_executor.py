@@ -35,6 +35,8 @@ from .spec import PlannedRun
 
 FEATURE = "--executor ray"
 ACK_WAIT = 30.0  # seconds a remote run waits at most for the driver to take its first progress batch
+# the HTTP/2 client preface and an empty SETTINGS frame: a gRPC server (Ray's GCS) answers with SETTINGS
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 LOCAL_OBJECT_STORE = 256 * 2**20  # bytes: results are small; the default takes 30% of the memory
 
 
@@ -132,9 +134,13 @@ def _check_reachable(address: str) -> None:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"--address: expected auto or host:port, got {address!r}")
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        with socket.create_connection((host, int(port)), timeout=5) as conn:
+            conn.sendall(HTTP2_PREFACE)
+            reply = conn.recv(9)
     except OSError as err:
         raise ValueError(f"--address: no Ray cluster answers at {address} ({err.strerror or err})") from None
+    if len(reply) < 4 or reply[3] != 0x4:  # a Ray GCS speaks gRPC: it answers with an HTTP/2 SETTINGS frame
+        raise ValueError(f"--address: {address} answers, but not as a Ray cluster (no gRPC/HTTP2 reply)")
 
 
 class RayExecutor(Executor):
