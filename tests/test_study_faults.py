@@ -287,3 +287,32 @@ def test_a_tracker_that_fails_to_open_is_dropped_with_one_warning(tmp_path):
     assert len(warnings) == 1 and "Traceback" not in result.output
     with Store(out / "study.sqlite") as store:
         assert [r["status"] for r in store.runs()] == ["done"]
+
+
+def test_a_finished_run_whose_save_fails_is_kept_and_stored_on_resume(tmp_path, monkeypatch):
+    """The database write of a finished run fails (an injected 'disk is full'): the study stops with
+    that error, the run is kept in a side file, and the next study stores it without training it again;
+    its numbers equal an uninterrupted study's."""
+    import sqlite3
+
+    spec = parse_spec(
+        {"name": "full", "base": dict(TINY), "experiments": {"main": {"sweep": {"seed": [0, 1]}}}}
+    )
+    real = Store.save_run
+
+    def full(self, *args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(Store, "save_run", full)
+    with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+        run_study(spec, tmp_path / "out", workers=1, progress=False, report=False)
+    assert len(list((tmp_path / "out" / "unsaved").glob("*.pkl"))) == 1
+    monkeypatch.setattr(Store, "save_run", real)
+    resumed = run_study(spec, tmp_path / "out", workers=1, progress=False, report=False)
+    assert (resumed.skipped, resumed.ran) == (1, 1)
+    assert list((tmp_path / "out" / "unsaved").glob("*.pkl")) == []
+    whole = run_study(spec, tmp_path / "whole", workers=1, progress=False, report=False)
+    assert whole.ran == 2
+    with Store(tmp_path / "out" / "study.sqlite") as a, Store(tmp_path / "whole" / "study.sqlite") as b:
+        losses = [{r["id"]: (r["status"], r["final_val_loss"]) for r in store.runs()} for store in (a, b)]
+        assert losses[0] == losses[1]
