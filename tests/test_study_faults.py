@@ -316,3 +316,23 @@ def test_a_finished_run_whose_save_fails_is_kept_and_stored_on_resume(tmp_path, 
     with Store(tmp_path / "out" / "study.sqlite") as a, Store(tmp_path / "whole" / "study.sqlite") as b:
         losses = [{r["id"]: (r["status"], r["final_val_loss"]) for r in store.runs()} for store in (a, b)]
         assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_study_exits_130_with_a_message(tmp_path, sig):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        yaml.safe_dump({"name": "i", "base": {**TINY, "steps": 100000}, "experiments": {"main": {"set": {}}}})
+    )
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "addnorm.cli", "study", spec, "--out", tmp_path / "o", "--workers", "1"],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "o" / "study.sqlite").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2.0)  # training
+    driver.send_signal(sig)
+    _, err = driver.communicate(timeout=60)
+    assert driver.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("interrupted: finished runs are stored"), err

@@ -8,6 +8,8 @@ with code 1 when a run of the spec failed (after storing and reporting everythin
 from __future__ import annotations
 
 import json
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -122,6 +124,16 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
     console.print(table)
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM stops a study as Ctrl-C does (runs in flight cancelled, exit 130 with a message)."""
+    if threading.current_thread() is threading.main_thread():
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def study(
     spec: str = typer.Argument("quick", help="a preset name (see --list) or a path to a YAML spec"),
     out: Path = typer.Option(None, "--out", help="output folder (default addnorm-out/<study name>)"),
@@ -183,6 +195,7 @@ def study(
 ) -> None:
     """Run a study (resuming one already started in the same folder: finished runs are kept, failed
     runs tried again), write its report and print its findings. Exit code 1 if a run failed."""
+    _interrupt_on_sigterm()
     console = Console()
     if list_presets:
         for name in preset_names():
