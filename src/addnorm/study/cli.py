@@ -8,6 +8,8 @@ with code 1 when a run of the spec failed (after storing and reporting everythin
 from __future__ import annotations
 
 import json
+import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -19,6 +21,7 @@ from rich.table import Table
 from ..cli_errors import handle_errors
 from .executors import Executor, plan_workers
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
+from .lock import folder_lock
 from .report import build_report
 from .runner import estimate_seconds, fmt_time, resolved_base, run_study
 from .spec import (
@@ -121,6 +124,16 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
     console.print(table)
 
 
+def _interrupt_on_sigterm() -> None:
+    """SIGTERM stops a study as Ctrl-C does (runs in flight cancelled, exit 130 with a message)."""
+    if threading.current_thread() is threading.main_thread():
+
+        def interrupt(signum, frame):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, interrupt)
+
+
 def study(
     spec: str = typer.Argument("quick", help="a preset name (see --list) or a path to a YAML spec"),
     out: Path = typer.Option(None, "--out", help="output folder (default addnorm-out/<study name>)"),
@@ -182,6 +195,7 @@ def study(
 ) -> None:
     """Run a study (resuming one already started in the same folder: finished runs are kept, failed
     runs tried again), write its report and print its findings. Exit code 1 if a run failed."""
+    _interrupt_on_sigterm()
     console = Console()
     if list_presets:
         for name in preset_names():
@@ -223,7 +237,9 @@ def study(
     if executor == "ray":
         from .ray_executor import RayExecutor
 
-        runner = RayExecutor(address, cpus_per_run or 1, gpus_per_run or 0.0)
+        if cpus_per_run is not None and cpus_per_run < 1:
+            raise ValueError(f"--cpus-per-run: expected a whole number >= 1, got {cpus_per_run}")
+        runner = RayExecutor(address, 1 if cpus_per_run is None else cpus_per_run, gpus_per_run or 0.0)
     if dry_run:
         where = None
         if runner is not None:
@@ -232,22 +248,23 @@ def study(
             where = f"on {cluster} with {runner.cpus_per_run} CPU(s){gpus} per run"
         _dry_run(plan, folder, where, console, workers=n_workers, threads=threads)
         return
-    outcome = run_study(
-        plan,
-        folder,
-        workers=n_workers,
-        threads=threads,
-        executor=runner,
-        progress=not quiet,
-        prune=prune,
-        trackers=trackers,
-    )
-    with Store(folder / "study.sqlite") as store:
-        if not quiet:
-            console.print(findings_table(compute_findings(store)))
-            console.print(f"Rule: {RULE}.", markup=False, highlight=False, style="dim")
-        if csv:
-            store.export_csv(folder / "csv")
+    with folder_lock(folder):  # the study and the findings it prints are of one spec
+        outcome = run_study(
+            plan,
+            folder,
+            workers=n_workers,
+            threads=threads,
+            executor=runner,
+            progress=not quiet,
+            prune=prune,
+            trackers=trackers,
+        )
+        with Store(folder / "study.sqlite") as store:
+            if not quiet:
+                console.print(findings_table(compute_findings(store)))
+                console.print(f"Rule: {RULE}.", markup=False, highlight=False, style="dim")
+            if csv:
+                store.export_csv(folder / "csv")
     stale = f", {outcome.stale} stored runs not part of this spec" if outcome.stale else ""
     typer.echo(f"{outcome.total} runs ({outcome.skipped} already stored, {outcome.ran} run now{stale})")
     typer.echo(f"report: {outcome.report}")
@@ -267,7 +284,8 @@ def study(
 def report(out: Path = typer.Argument(..., help="a study folder holding study.sqlite")) -> None:
     """Rebuild a study's report from its database (nothing is retrained)."""
     _database(out)
-    typer.echo(f"report: {build_report(out)}")
+    with folder_lock(out):
+        typer.echo(f"report: {build_report(out)}")
 
 
 def export(

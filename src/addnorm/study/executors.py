@@ -23,14 +23,18 @@ names them for ``addnorm study --executor``.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import math
 import multiprocessing as mp
 import os
 import queue
+import signal
+import sys
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures.process import BrokenProcessPool
 
 import torch
 
@@ -194,18 +198,31 @@ class LocalExecutor(Executor):
 
 # --- the process pool: each worker sets its threads once and reports progress through a queue --------
 _progress: mp.Queue | None = None
+BREAKS_ALLOWED = 2  # a run in flight when a worker dies is tried again once in a new pool, then failed
 PROGRESS_EVERY = 0.5  # seconds between a worker's progress messages
 
 
-def _init_worker(threads: int, progress: mp.Queue | None) -> None:
+def _init_worker(threads: int, progress: mp.Queue | None, parent: int | None = None) -> None:
     global _progress
+    _die_with_parent()
     torch.set_num_threads(threads)
     _progress = progress
-    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
+    threading.Thread(target=_exit_with_parent, args=(parent or os.getppid(),), daemon=True).start()
+
+
+def _die_with_parent() -> None:
+    """On Linux, ask the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``)."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
 
 
 def _exit_with_parent(parent: int) -> None:
-    """A worker whose driver died (even by ``kill -9``) exits instead of lingering as an orphan."""
+    """A worker whose driver died (even by ``kill -9``, even while the worker was still starting: the
+    driver's pid is passed in, so a worker already reparented exits at once) exits instead of
+    lingering as an orphan holding the output pipe."""
     while os.getppid() == parent:
         time.sleep(1.0)
     os._exit(1)
@@ -237,9 +254,39 @@ class ProcessExecutor(Executor):
                 self.workers,
                 mp_context=context,
                 initializer=_init_worker,
-                initargs=(self.threads, self._queue),
+                initargs=(self.threads, self._queue, os.getpid()),
             )
         self._futures[self._pool.submit(_execute_in_worker, run.config.to_dict(), run.run_id)] = run
+
+    @staticmethod
+    def _outcome(future: cf.Future) -> RunResult:
+        try:
+            return future.result()
+        except Exception as err:  # noqa: BLE001 - a worker that died (out of memory, killed)
+            return RunResult(status=FAILED, error=f"worker died: {type(err).__name__}: {err}")
+
+    def _broken(self, breaks: dict[str, int]) -> set[cf.Future]:
+        """A worker died and broke the pool, failing every run the pool held. Shut it down; the runs that
+        finished before are returned as done; the others are resubmitted to a new pool, unless a run
+        already broke ``BREAKS_ALLOWED - 1`` pools (the likely culprit): that one is returned failed."""
+        old, self._pool = self._pool, None
+        if old is not None:
+            old.shutdown(wait=True, cancel_futures=True)
+        if self._queue is not None:
+            self._queue.close()
+            self._queue = None
+        finished = set()
+        for future, run in list(self._futures.items()):
+            if future.done() and not future.cancelled() and future.exception() is None:
+                finished.add(future)
+                continue
+            breaks[run.run_id] = breaks.get(run.run_id, 0) + 1
+            if breaks[run.run_id] >= BREAKS_ALLOWED:
+                finished.add(future)
+                continue
+            del self._futures[future]
+            self.submit(run)
+        return finished
 
     def _drain(self, relay: StepRelay) -> None:
         by_id = {run.run_id: run for run in self._futures.values()}
@@ -254,16 +301,15 @@ class ProcessExecutor(Executor):
     def results(self, on_step=None):
         relay = StepRelay(on_step)
         try:
-            pending = set(self._futures)
-            while pending:
-                done, pending = cf.wait(pending, timeout=0.25, return_when=cf.FIRST_COMPLETED)
+            breaks: dict[str, int] = {}
+            while self._futures:
+                done, _ = cf.wait(set(self._futures), timeout=0.25, return_when=cf.FIRST_COMPLETED)
                 self._drain(relay)
+                if any(isinstance(f.exception(), BrokenProcessPool) for f in done if not f.cancelled()):
+                    done = self._broken(breaks)  # every run of the pool is back: done, or to retry
                 for future in done:
                     run = self._futures.pop(future)
-                    try:
-                        result = future.result()
-                    except Exception as err:  # noqa: BLE001 - a worker that died (e.g. out of memory)
-                        result = RunResult(status=FAILED, error=f"worker died: {type(err).__name__}: {err}")
+                    result = self._outcome(future)
                     relay.complete(run, result)
                     yield run, result
         except BaseException:  # interrupted (Ctrl-C) or abandoned: the runs in flight are not waited for

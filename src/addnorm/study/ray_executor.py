@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
 from collections.abc import Iterator
 
 import torch
@@ -33,6 +34,9 @@ from .executors import PROGRESS_EVERY, Executor, StepBatcher, StepRelay, execute
 from .spec import PlannedRun
 
 FEATURE = "--executor ray"
+ACK_WAIT = 30.0  # seconds a remote run waits at most for the driver to take its first progress batch
+# the HTTP/2 client preface and an empty SETTINGS frame: a gRPC server (Ray's GCS) answers with SETTINGS
+HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 LOCAL_OBJECT_STORE = 256 * 2**20  # bytes: results are small; the default takes 30% of the memory
 
 
@@ -43,21 +47,46 @@ def progress_box():
     class ProgressBox:
         def __init__(self) -> None:
             self._batches: list = []
+            self._drained: set = set()
 
         def report(self, run_id: str, steps: list) -> None:
             self._batches.append((run_id, steps))
 
         def drain(self) -> list:
             batches, self._batches = self._batches, []
+            self._drained.update(run_id for run_id, _ in batches)
             return batches
+
+        def acknowledged(self, run_id: str) -> bool:
+            """Whether the driver has taken a batch of ``run_id``."""
+            return run_id in self._drained
 
     return ProgressBox
 
 
+def _await_ack(box, run_id: str) -> None:
+    """Wait (at most ``ACK_WAIT`` seconds) until the driver has taken ``run_id``'s first batch."""
+    import ray
+
+    deadline = time.monotonic() + ACK_WAIT
+    while time.monotonic() < deadline and not ray.get(box.acknowledged.remote(run_id)):
+        time.sleep(0.02)
+
+
 def run_task(config: dict, run_id: str, threads: int, box) -> RunResult:
-    """One run inside a Ray worker: its torch threads, its steps to ``box``, its result back."""
+    """One run inside a Ray worker: its torch threads, its steps to ``box``, its result back. After its
+    first step the run waits for the driver to take that batch (a fraction of a second; at most
+    ``ACK_WAIT`` s), so a run's progress is live by construction, whatever its length or the load."""
     torch.set_num_threads(threads)
-    batcher = StepBatcher(lambda steps: box.report.remote(run_id, steps), PROGRESS_EVERY)
+    first = [True]
+
+    def send(steps: list) -> None:
+        box.report.remote(run_id, steps)
+        if first[0]:
+            first[0] = False
+            _await_ack(box, run_id)
+
+    batcher = StepBatcher(send, PROGRESS_EVERY)
     result = execute(config, batcher)
     batcher.flush()
     return result
@@ -105,9 +134,13 @@ def _check_reachable(address: str) -> None:
     if not sep or not host or not port.isdigit():
         raise ValueError(f"--address: expected auto or host:port, got {address!r}")
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        with socket.create_connection((host, int(port)), timeout=5) as conn:
+            conn.sendall(HTTP2_PREFACE)
+            reply = conn.recv(9)
     except OSError as err:
         raise ValueError(f"--address: no Ray cluster answers at {address} ({err.strerror or err})") from None
+    if len(reply) < 4 or reply[3] != 0x4:  # a Ray GCS speaks gRPC: it answers with an HTTP/2 SETTINGS frame
+        raise ValueError(f"--address: {address} answers, but not as a Ray cluster (no gRPC/HTTP2 reply)")
 
 
 class RayExecutor(Executor):

@@ -24,7 +24,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FormatStrFormatter, MaxNLocator, NullFormatter  # noqa: E402
 
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, compute_findings, outcome  # noqa: E402
-from .store import Store  # noqa: E402
+from .store import Store, write_atomic  # noqa: E402
 
 MAX_INLINE = 6  # more series than this: legend outside the axes, curves in small multiples
 MARKERS = "osD^vP*Xh<>"
@@ -684,6 +684,4 @@ built {datetime.now().astimezone().isoformat(timespec="seconds")}.</p>
 {ranking}
 {"".join(sections)}
 </body></html>"""
-    path = out / "report.html"
-    path.write_text(page)
-    return path
+    return write_atomic(out / "report.html", page)

@@ -4,6 +4,8 @@ write each result as it arrives, report."""
 from __future__ import annotations
 
 import contextlib
+import pickle
+import sqlite3
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from rich.text import Text
 
 from ..train import FAILED, RunConfig, RunResult
 from .executors import Executor, make_executor
+from .lock import folder_lock
 from .report import build_report
 from .spec import PlannedRun, StudySpec
 from .store import Store
@@ -219,6 +222,30 @@ def resolved_base(spec: StudySpec) -> dict:
         return {**RunConfig.defaults(), **spec.base}
 
 
+UNSAVED = "unsaved"  # <out>/unsaved/<run id>.pkl: a finished run whose save to the database failed
+
+
+def _save(store: Store, out: Path, *row) -> None:
+    """Store a finished run; when the database write fails (full disk, locked or corrupt database),
+    keep the run in a side file that the next study on the folder stores first, then re-raise."""
+    try:
+        store.save_run(*row)
+    except (OSError, sqlite3.Error):
+        try:
+            (out / UNSAVED).mkdir(exist_ok=True)
+            (out / UNSAVED / f"{row[1]}.pkl").write_bytes(pickle.dumps(row))
+        except OSError:
+            pass  # nowhere to keep it: the run is trained again on the next resume
+        raise
+
+
+def _store_unsaved(store: Store, out: Path) -> None:
+    """Store the runs a previous study kept in side files (see :func:`_save`), then drop the files."""
+    for path in sorted((out / UNSAVED).glob("*.pkl")):
+        store.save_run(*pickle.loads(path.read_bytes()))  # noqa: S301 - written by this module
+        path.unlink()
+
+
 def run_study(
     spec: StudySpec,
     out_dir: str | Path,
@@ -241,9 +268,10 @@ def run_study(
     planned = spec.expand()
     members = spec.memberships()
     stream = stream or sys.stderr
-    with Store(out / "study.sqlite") as store:
+    with folder_lock(out), Store(out / "study.sqlite") as store:
         rows = [(run_id, exp, label) for run_id, pairs in members.items() for exp, label in pairs]
         store.save_plan(spec.name, spec.to_dict(), resolved_base(spec), rows)
+        _store_unsaved(store, out)
         pruned = store.prune() if prune else 0
         stale = len(store.stale_ids())
         done = store.finished_ids()
@@ -287,14 +315,8 @@ def run_study(
             watched = progress or tracking.trackers
             with contextlib.closing(executor.results(on_step if watched else None)) as results:
                 for run, result in results:
-                    store.save_run(
-                        spec.name,
-                        run.run_id,
-                        members[run.run_id],
-                        run.config.to_dict(),
-                        result,
-                        time.time() - result.wall_s,
-                    )
+                    row = (spec.name, run.run_id, members[run.run_id], run.config.to_dict(), result)
+                    _save(store, out, *row, time.time() - result.wall_s)
                     bar.finished(run, result)
                     if tracking.trackers:
                         tracking.log_run(store.run_record(run.run_id))
@@ -304,5 +326,5 @@ def run_study(
             if bar is not None:
                 bar.close()
             tracking.close()
-    path = build_report(out) if report else None
+        path = build_report(out) if report else None
     return StudyOutcome(out, len(planned), len(planned) - len(todo), len(todo), failed, stale, pruned, path)

@@ -33,6 +33,26 @@ SPEC_KEYS = ("name", "description", "base", "experiments")
 EXPERIMENT_KEYS = ("set", "sweep", "description", "rank")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a mapping that repeats a key (YAML would keep the last silently:
+    a repeated experiment name would drop the first experiment)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                mark = key_node.start_mark
+                raise SpecError(f"duplicate key {key!r} (line {mark.line + 1}, column {mark.column + 1})")
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml(text: str):
+    """``yaml.safe_load`` that refuses a repeated key in a mapping (a :class:`SpecError`)."""
+    return yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+
+
 class SpecError(ValueError):
     """A study spec that cannot be used; the message names the key and what is allowed."""
 
@@ -129,6 +149,10 @@ def parse_spec(data: object, source: str = "<spec>") -> StudySpec:
     name = data.get("name")
     if not isinstance(name, str) or not name.strip():
         raise SpecError("name: expected a non-empty string naming the study")
+    if "/" in name or "\\" in name or name.strip() in (".", ".."):
+        raise SpecError(
+            f"name: {name!r} would not name one folder under the output root; expected a plain name"
+        )
     base = data.get("base") or {}
     if not isinstance(base, dict):
         raise SpecError("base: expected a mapping of run settings")
@@ -160,6 +184,10 @@ def parse_spec(data: object, source: str = "<spec>") -> StudySpec:
                     if not isinstance(v, dict) or "label" not in v:
                         raise SpecError(f"{where}.sweep.variant: each value must be a mapping with a 'label'")
                     _check_keys({k: x for k, x in v.items() if k != "label"}, f"{where}.sweep.variant")
+                labels = [str(v["label"]) for v in values]
+                if len(set(labels)) < len(labels):
+                    twice = next(x for x in labels if labels.count(x) > 1)
+                    raise SpecError(f"{where}.sweep.variant: label {twice!r} is used twice; each must differ")
             else:
                 _check_keys({axis: None}, f"{where}.sweep")
     spec = StudySpec(name.strip(), str(data.get("description") or ""), base, experiments, source)
@@ -409,7 +437,9 @@ def load_spec(
             )
         text, source = preset_text(str(name_or_path)), f"preset {name_or_path}"
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)
+    except SpecError as err:
+        raise SpecError(f"{source}: {err}") from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import os
 import sqlite3
 import time
 from datetime import datetime, timezone
@@ -60,6 +62,22 @@ RUN_COLUMNS = (
     "metric",
     "tokens_per_s",
 )
+
+
+def write_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename, so that
+    ``path`` is either its old content or the whole new one (never a truncated file on a full disk)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
 
 
 class Store:
@@ -237,7 +255,8 @@ class Store:
         rows = self.db.execute(
             "SELECT step, value FROM metrics WHERE run_id = ? AND name = ? ORDER BY step", (run_id, name)
         )
-        return [(r["step"], r["value"]) for r in rows]
+        # SQLite stores a NaN as NULL: give it back as NaN (a diverged run's last loss)
+        return [(r["step"], math.nan if r["value"] is None else r["value"]) for r in rows]
 
     def layer_metric(self, run_id: str, metric: str, step: int | None = None) -> list[dict]:
         query = "SELECT * FROM layer_metrics WHERE run_id = ? AND metric = ?"

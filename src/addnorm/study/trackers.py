@@ -200,6 +200,9 @@ class MLflowTracker(Tracker):
         from mlflow.tracking import MlflowClient
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # no notes on creating the tables
+        # bounded: MLflow's defaults retry an unreachable server for minutes
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
         uri = self._uri or os.environ.get("MLFLOW_TRACKING_URI")
         self.uri = uri or f"sqlite:///{(Path(out_dir) / 'mlflow.db').resolve()}"
         if not uri:
@@ -328,10 +331,11 @@ class TrackerGroup:
             self._call(tracker, call, *args)
 
     def open(self, out_dir: Path, study: str, store) -> None:
-        """Open every tracker (an error here stops the study before it runs anything), then log the
-        stored finished runs of the plan that a tracker does not have yet."""
-        for tracker in self.trackers:
-            tracker.open(out_dir, study)
+        """Open every tracker (one that fails to open, e.g. an unreachable server or a file where its
+        folder should be, is dropped with one warning line), then log the stored finished runs of the
+        plan that a tracker does not have yet."""
+        for tracker in list(self.trackers):
+            self._call(tracker, "open", out_dir, study)
         finished = store.finished_ids()
         for run_id in dict.fromkeys(run_id for run_id, _, _ in store.planned()):
             if run_id not in finished:

@@ -1,0 +1,338 @@
+"""A study under faults: a NaN loss, two studies on one folder (two real processes), a killed holder's
+stale lock, storage faults (corrupt database, read-only folder, a file in the way, a full disk by an
+injected ENOSPC) as one line with their own exit codes, and an atomic report."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from addnorm.study import Store, parse_spec, run_study
+from addnorm.study import store as store_module
+from addnorm.study.lock import LOCK_NAME, FolderInUse, folder_lock
+
+TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=3, batch_size=4, seq_len=16, eval_every=0)
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+HOLD = "import time\nfrom addnorm.study.lock import folder_lock\nwith folder_lock({!r}):\n    {}"
+ENV = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+
+
+def write_spec(path: Path, name="tiny", **sweep) -> Path:
+    spec = {"name": name, "base": dict(TINY), "experiments": {"main": {"sweep": sweep or {"seed": [0]}}}}
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def cli(*args):
+    from tests.test_study_cli import make_app
+
+    return CliRunner().invoke(make_app(), [str(a) for a in args])
+
+
+def test_a_nan_loss_is_a_diverged_run_and_the_findings_and_report_are_still_written(tmp_path):
+    """lr = inf makes the first loss NaN (stored as NULL by SQLite): the run is stored as diverged, the
+    report is written, and ``report`` rebuilds it."""
+    spec = parse_spec(
+        {"name": "nan", "base": dict(TINY), "experiments": {"main": {"sweep": {"lr": [1e-3, float("inf")]}}}}
+    )
+    outcome = run_study(spec, tmp_path, workers=1, progress=False)
+    assert outcome.report is not None and outcome.report.stat().st_size > 0
+    with Store(tmp_path / "study.sqlite") as store:
+        statuses = sorted(r["status"] for r in store.runs())
+        assert statuses == ["diverged", "done"]
+        diverged = next(r for r in store.runs() if r["status"] == "diverged")
+        assert all(isinstance(v, float) for _, v in store.metric(diverged["id"], "train_loss"))
+    result = cli("report", tmp_path)
+    assert result.exit_code == 0, result.output
+
+
+def test_a_second_process_on_a_folder_in_use_refuses_in_one_line(tmp_path):
+    """A real second process: exit code 3, one line naming the folder and the holder's pid; once the
+    holder is killed (-9) its stale lock does not block."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD.format(str(tmp_path), "print('held', flush=True); time.sleep(600)")],
+        env=ENV, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        spec = write_spec(tmp_path / "spec.yaml")
+        second = subprocess.run(
+            [sys.executable, "-m", "addnorm.cli", "study", str(spec), "--out", str(tmp_path), "--quiet"],
+            env=ENV, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert second.returncode == 3, second.stderr
+        lines = second.stderr.strip().splitlines()
+        assert len(lines) == 1 and str(tmp_path) in lines[0] and f"process {holder.pid}" in lines[0], lines
+        assert not (tmp_path / "study.sqlite").exists()  # nothing was touched
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    with folder_lock(tmp_path):  # the killed holder's lock is taken over at once
+        assert (tmp_path / LOCK_NAME).read_text().strip() == str(os.getpid())
+
+
+def test_the_lock_is_reentrant_in_one_process_and_exclusive_across_open_files(tmp_path):
+    with folder_lock(tmp_path), folder_lock(tmp_path):
+        pass
+    with folder_lock(tmp_path):
+        child = subprocess.run(
+            [sys.executable, "-c", HOLD.format(str(tmp_path), "pass")],
+            env=ENV, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert child.returncode != 0 and FolderInUse.__name__ in child.stderr
+
+
+@pytest.mark.parametrize(
+    "fault",
+    ["garbage database", "truncated database", "read-only folder", "file in the way"],
+)
+def test_storage_faults_are_one_line_with_exit_code_4(tmp_path, fault):
+    spec = write_spec(tmp_path / "spec.yaml")
+    out = tmp_path / "out"
+    if fault == "file in the way":
+        out.write_text("not a folder")
+    else:
+        out.mkdir()
+        if fault == "garbage database":
+            (out / "study.sqlite").write_bytes(os.urandom(4096))
+        elif fault == "truncated database":
+            assert cli("study", spec, "--out", out, "--quiet").exit_code == 0
+            data = (out / "study.sqlite").read_bytes()
+            (out / "study.sqlite").write_bytes(data[: len(data) // 3])
+        else:
+            out.chmod(0o500)
+            if os.access(out, os.W_OK):
+                pytest.skip("running as root: permissions do not stop writes")
+    try:
+        result = cli("study", spec, "--out", out, "--quiet")
+    finally:
+        if out.is_dir():
+            out.chmod(0o700)
+    assert result.exit_code == 4, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "storage fault" in errors[0] and "Traceback" not in result.output
+
+
+def test_a_full_disk_while_writing_the_report_keeps_the_old_report(tmp_path, monkeypatch):
+    """The report goes through a temporary file and a rename: ENOSPC mid-write leaves the previous
+    report whole, no temporary file, and the study exits 4 with one line."""
+    spec = write_spec(tmp_path / "spec.yaml")
+    out = tmp_path / "out"
+    assert cli("study", spec, "--out", out, "--quiet").exit_code == 0
+    good = (out / "report.html").read_bytes()
+    real_replace = os.replace
+
+    def full(src, dst):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(dst))
+
+    monkeypatch.setattr(store_module.os, "replace", full)
+    result = cli("report", out)
+    monkeypatch.setattr(store_module.os, "replace", real_replace)
+    assert result.exit_code == 4 and "No space left on device" in result.output, result.output
+    assert (out / "report.html").read_bytes() == good
+    assert [p.name for p in out.iterdir() if p.name.endswith(".tmp")] == []
+
+
+@pytest.mark.parametrize(
+    ("text", "named"),
+    [
+        (
+            "name: t\nexperiments:\n  a: {set: {lr: 0.01}}\n  a: {}\n",
+            "duplicate key 'a' (line 4",
+        ),
+        ("name: t\nbase: {steps: 3, steps: 4}\nexperiments: {a: {}}\n", "duplicate key 'steps'"),
+        (
+            "name: t\nexperiments:\n  a:\n    sweep:\n      variant: [{label: x}, {label: x, lr: 1}]\n",
+            "label 'x' is used twice",
+        ),
+        ("name: ../..\nexperiments: {a: {}}\n", "name: '../..'"),
+        ("name: /abs/path\nexperiments: {a: {}}\n", "name: '/abs/path'"),
+    ],
+)
+def test_ambiguous_specs_are_one_line_errors_naming_the_duplicate(tmp_path, text, named):
+    (tmp_path / "spec.yaml").write_text(text)
+    result = cli("study", tmp_path / "spec.yaml", "--out", tmp_path / "out", "--dry-run")
+    assert result.exit_code == 2, result.output
+    (line,) = [x for x in result.output.splitlines() if x.startswith("error:")]
+    assert named in line, line
+
+
+def test_cpus_per_run_zero_is_refused(tmp_path):
+    spec = write_spec(tmp_path / "spec.yaml")
+    ray = ("--executor", "ray", "--cpus-per-run", "0")
+    result = cli("study", spec, "--out", tmp_path / "out", *ray, "--dry-run")
+    assert result.exit_code == 2 and "--cpus-per-run: expected a whole number >= 1, got 0" in result.output
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+def _torch_workers(pid: int) -> list[int]:
+    """The pool workers of ``pid``: its spawned children that run multiprocessing's spawn_main."""
+    out = []
+    for child in _children(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as fh:
+                if b"spawn_main" in fh.read():
+                    out.append(child)
+        except OSError:
+            pass
+    return out
+
+
+def test_a_dead_pool_worker_fails_no_other_run(tmp_path):
+    """SIGKILL of one of two pool workers mid-study: the pool is replaced, the runs it took down are
+    tried again, every run ends done (the one-off kill hit no run twice); an uninterrupted in-process
+    study gives the same losses."""
+    spec = parse_spec(
+        {
+            "name": "kill",
+            "base": {**TINY, "steps": 60},
+            "experiments": {"main": {"sweep": {"seed": [0, 1, 2, 3]}}},
+        }
+    )
+    import threading
+
+    killed = []
+
+    def killer():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            workers = _torch_workers(os.getpid())
+            if len(workers) == 2 and (tmp_path / "out" / "study.sqlite").exists():
+                time.sleep(1.0)  # inside a run
+                os.kill(workers[0], signal.SIGKILL)
+                killed.append(workers[0])
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=killer)
+    thread.start()
+    outcome = run_study(spec, tmp_path / "out", workers=2, threads=1, progress=False, report=False)
+    thread.join()
+    assert killed and outcome.failed == []
+    here = run_study(spec, tmp_path / "here", workers=1, progress=False, report=False)
+    assert here.failed == []
+    with Store(tmp_path / "out" / "study.sqlite") as a, Store(tmp_path / "here" / "study.sqlite") as b:
+        assert {r["id"]: r["final_val_loss"] for r in a.runs()} == {
+            r["id"]: r["final_val_loss"] for r in b.runs()
+        }
+
+
+def _session(sid: int) -> list[int]:
+    """Live (not zombie) processes of session ``sid``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                if int(fields[3]) == sid and fields[0] != "Z":
+                    found.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return found
+
+
+@pytest.mark.parametrize("after", [2.0, 4.0])
+def test_workers_die_with_a_killed_driver_even_while_starting(tmp_path, after):
+    """kill -9 of the driver while its two workers start (or run): within 30 s no process of its
+    session is left (no orphan holding the output pipe)."""
+    spec = write_spec(tmp_path / "spec.yaml", seed=[0, 1, 2, 3])
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "addnorm.cli", "study", spec, "--out", tmp_path / "o", "--workers", "2"],
+        env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    time.sleep(after)
+    driver.kill()
+    driver.wait()
+    deadline = time.monotonic() + 30
+    while _session(driver.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _session(driver.pid)
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert left == []
+
+
+def test_a_tracker_that_fails_to_open_is_dropped_with_one_warning(tmp_path):
+    """``<out>/tensorboard`` is a file: one warning line, the study runs and exits 0 without it."""
+    pytest.importorskip("torch.utils.tensorboard")
+    spec = write_spec(tmp_path / "spec.yaml")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "tensorboard").write_text("in the way")
+    result = cli("study", spec, "--out", out, "--track", "tensorboard", "--quiet")
+    assert result.exit_code == 0, result.output
+    warnings = [x for x in result.output.splitlines() if x.startswith("warning: --track tensorboard")]
+    assert len(warnings) == 1 and "Traceback" not in result.output
+    with Store(out / "study.sqlite") as store:
+        assert [r["status"] for r in store.runs()] == ["done"]
+
+
+def test_a_finished_run_whose_save_fails_is_kept_and_stored_on_resume(tmp_path, monkeypatch):
+    """The database write of a finished run fails (an injected 'disk is full'): the study stops with
+    that error, the run is kept in a side file, and the next study stores it without training it again;
+    its numbers equal an uninterrupted study's."""
+    import sqlite3
+
+    spec = parse_spec(
+        {"name": "full", "base": dict(TINY), "experiments": {"main": {"sweep": {"seed": [0, 1]}}}}
+    )
+    real = Store.save_run
+
+    def full(self, *args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    monkeypatch.setattr(Store, "save_run", full)
+    with pytest.raises(sqlite3.OperationalError, match="disk is full"):
+        run_study(spec, tmp_path / "out", workers=1, progress=False, report=False)
+    assert len(list((tmp_path / "out" / "unsaved").glob("*.pkl"))) == 1
+    monkeypatch.setattr(Store, "save_run", real)
+    resumed = run_study(spec, tmp_path / "out", workers=1, progress=False, report=False)
+    assert (resumed.skipped, resumed.ran) == (1, 1)
+    assert list((tmp_path / "out" / "unsaved").glob("*.pkl")) == []
+    whole = run_study(spec, tmp_path / "whole", workers=1, progress=False, report=False)
+    assert whole.ran == 2
+    with Store(tmp_path / "out" / "study.sqlite") as a, Store(tmp_path / "whole" / "study.sqlite") as b:
+        losses = [{r["id"]: (r["status"], r["final_val_loss"]) for r in store.runs()} for store in (a, b)]
+        assert losses[0] == losses[1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_study_exits_130_with_a_message(tmp_path, sig):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(
+        yaml.safe_dump({"name": "i", "base": {**TINY, "steps": 100000}, "experiments": {"main": {"set": {}}}})
+    )
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "addnorm.cli", "study", spec, "--out", tmp_path / "o", "--workers", "1"],
+        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "o" / "study.sqlite").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(2.0)  # training
+    driver.send_signal(sig)
+    _, err = driver.communicate(timeout=60)
+    assert driver.returncode == 130, err
+    assert err.strip().splitlines()[-1].startswith("interrupted: finished runs are stored"), err
