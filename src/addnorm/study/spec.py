@@ -295,9 +295,9 @@ SMOKE: dict[str, object] = {
     "kv_heads": lambda v: 1 if v else v,
 }
 SMOKE_HELP = (
-    "run the spec shrunk to a smoke size: d_model 16, 2 heads, d_ff 32, batch 2, seq 16, at most 4 "
-    "steps, compile off; depths, placements, seeds and precision kept (the same code path in a minute, "
-    "into <name>-smoke)"
+    "run the spec shrunk to a smoke size: d_model 16, 2 heads (1 key/value head), d_ff 32, batch 2, "
+    "seq 16, at most 4 steps, compile off; depths, placements, seeds and precision kept (the same code "
+    "path in a minute, into <name>-smoke)"
 )
 
 
