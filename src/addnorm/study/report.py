@@ -576,9 +576,9 @@ def _ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> str:
     placements = sorted({str(r["config"]["placement"]) for r in runs})
     if len(placements) < 3:
         return ""
-    in_sweep = lambda r: all(e in lr_experiments for e, _ in r["experiments"])  # noqa: E731
+    only_sweep = lambda r: all(e in lr_experiments for e, _ in r["experiments"])  # noqa: E731
     tables = []
-    for title, group in _settings([r for r in runs if not in_sweep(r)]):
+    for title, group in _settings([r for r in runs if not only_sweep(r)]):
         samples: dict[str, list[float]] = defaultdict(list)
         for r in group:
             samples[str(r["config"]["placement"])].append(outcome(r))
@@ -606,8 +606,9 @@ def _ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> str:
         parts.append(_ranking_plot(tables))
     if len(tables) > 1:
         parts.append(_side_by_side(tables))
-    if any(in_sweep(r) for r in runs):
-        parts.append(_lr_tolerance([r for r in runs if in_sweep(r)]))
+    swept = [r for r in runs if any(e in lr_experiments for e, _ in r["experiments"])]
+    if swept:
+        parts.append(_lr_tolerance(swept))
     return "".join(parts) + _growth_plot(store, runs, placements)
 
 
