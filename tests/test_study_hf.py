@@ -165,3 +165,23 @@ def test_llama_preset_plans_both_architectures_at_smoke_size():
     assert archs == {"addnorm", "hf-llama"}
     assert {r.config.seed for r in spec.expand()} == {0, 1, 2}
     assert all(r.config.kv_heads in (0, 1) for r in spec.expand())
+
+
+@pytest.mark.parametrize(
+    "family", ["hf-llama", "hf-mistral", "hf-qwen2", "hf-qwen3", "hf-gemma2", "hf-gemma3", "hf-gpt2"]
+)
+def test_every_family_trains_re_placed_with_its_sizes(family):
+    cfg = RunConfig(**SIZE, model=family, kv_heads=2, placement="sandwich", steps=2, eval_every=0)
+    result = train(cfg)
+    assert result.status == "done", result.error
+    layers = {r["layer"] for r in result.layer_metrics if r["metric"] == "act_rms"}
+    assert layers == {0, 1, 2}  # the probe sees the family's layers through the re-placed connections
+    from addnorm.tasks import build_task as task_of
+    from addnorm.train.loop import build_model
+
+    model = build_model(cfg, task_of("lm", corpus=None, limit=SIZE["corpus_bytes"]))
+    config = model.hf.config
+    assert (config.hidden_size, config.num_hidden_layers, config.num_attention_heads) == (32, 3, 4)
+    assert config.addnorm["placement"] == "sandwich"
+    if family != "hf-gpt2":
+        assert (config.num_key_value_heads, config.intermediate_size) == (2, 48)
