@@ -44,7 +44,11 @@ def _f(default: Any, help: str) -> Any:
 class RunConfig:
     """One run: its model (``model``, built from the flat model keys, which also read as attributes:
     ``cfg.n_layers``) and task, optimisation, evaluation and probing settings. Two configs with the same
-    settings have the same :attr:`run_id`."""
+    settings have the same :attr:`run_id`.
+
+    The spec key ``model`` names the architecture (``addnorm``, the default, or a Hugging Face family
+    such as ``hf-llama``: :mod:`addnorm.train.hf_model`); it is held as :attr:`arch`, since
+    :attr:`model` is the TransformerConfig of addnorm's own model (whose sizes an ``hf-`` model takes)."""
 
     model: TransformerConfig
     task: str = _f("lm", "lm (byte-level language modelling), copy, reverse or sort")
