@@ -453,9 +453,15 @@ def _depth_text(pairs, worse_name: str, better_name: str) -> str:
     )
 
 
+def _where(rest: dict) -> str:
+    """The depth of a setting, and its model when that is not addnorm's transformer."""
+    model = rest.get("model", "addnorm")
+    return f"{rest.get('n_layers')} layers" + ("" if model == "addnorm" else f" ({model})")
+
+
 def _depth_scale(pairs) -> tuple[str, list[int]]:
     seeds = _seeds(*(x for _, a, b in pairs for x in (a, b)))
-    depths = ", ".join(str(rest.get("n_layers")) for rest, _, _ in pairs)
+    depths = ", ".join(dict.fromkeys(str(rest.get("n_layers")) for rest, _, _ in pairs))
     return f"{depths} layers; " + scale(pairs[0][0], seeds, ("n_layers",)), seeds
 
 
@@ -601,8 +607,7 @@ def _placement_claim(
         evidence = (
             f"{measure}: "
             + "; ".join(
-                f"{r.get('n_layers')} layers: {better} {b.text()}, {worse} {a.text()}{_margin(a, b)}"
-                for r, a, b in pairs
+                f"{_where(r)}: {better} {b.text()}, {worse} {a.text()}{_margin(a, b)}" for r, a, b in pairs
             )
             + f". Supported when {worse} is worse by the rule at every depth measured"
         )
