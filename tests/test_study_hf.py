@@ -185,3 +185,14 @@ def test_every_family_trains_re_placed_with_its_sizes(family):
     assert config.addnorm["placement"] == "sandwich"
     if family != "hf-gpt2":
         assert (config.num_key_value_heads, config.intermediate_size) == (2, 48)
+
+
+def test_planning_an_hf_study_does_not_import_transformers():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from addnorm.study import load_spec; load_spec('llama').expand(); "
+        "assert 'transformers' not in sys.modules, 'transformers imported at planning time'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
