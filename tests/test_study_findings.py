@@ -103,7 +103,7 @@ def test_the_rule_in_closed_form():
 def test_an_empty_study_tests_nothing(tmp_path):
     with Store(tmp_path / "s.sqlite") as store:
         found = compute_findings(store)
-    assert len(found) == 7 and {f.verdict for f in found} == {NOT_TESTED}
+    assert len(found) == 10 and {f.verdict for f in found} == {NOT_TESTED}
 
 
 def test_gradient_profiles_per_init_with_the_mechanism(tmp_path):
@@ -230,3 +230,55 @@ def test_runs_that_start_alike_are_one_seed_not_two(tmp_path):
             )
         (finding,) = verdicts(store)[PRE_GRAD]
         assert finding.seeds == [0] and finding.verdict == INCONCLUSIVE and "(seeds 0)" in finding.evidence
+
+
+DEEPNORM = "DeepNorm trains better than Post-LN at depth"
+PERI = "Peri-LN (sandwich) keeps the residual stream's activations from growing with depth as Pre-LN's do"
+MIX = "Mix-LN gives the last layers larger gradients than Pre-LN"
+
+
+def test_deepnorm_beats_post_only_at_depth_and_by_the_rule(tmp_path):
+    with Store(tmp_path / "s.sqlite") as store:
+        assert one(store, DEEPNORM).verdict == NOT_TESTED
+        save_arm(store, [3.0, 3.1, 3.2], placement="post", n_layers=2)
+        save_arm(store, [2.0, 2.1, 2.2], placement="deepnorm", n_layers=2)
+        assert one(store, DEEPNORM).verdict == NOT_TESTED  # 2 layers is not "at depth"
+        post = save_arm(store, [3.0, 3.1, 3.2], placement="post", n_layers=8)
+        save_arm(store, [2.0, 2.1, 2.2], placement="deepnorm", n_layers=8)
+        found = one(store, DEEPNORM)
+        assert (
+            found.verdict == SUPPORTED and "8 layers" in found.evidence and "2 layers:" not in found.evidence
+        )
+        for run_id, loss in zip(post, (2.0, 2.1, 2.2), strict=True):  # now the same: no difference
+            set_loss(store, run_id, loss)
+        assert one(store, DEEPNORM).verdict == INCONCLUSIVE
+        for run_id, loss in zip(post, (1.0, 1.1, 1.2), strict=True):
+            set_loss(store, run_id, loss)
+        assert one(store, DEEPNORM).verdict == NOT_SUPPORTED
+
+
+def test_peri_ln_activation_growth_against_pre_ln(tmp_path):
+    with Store(tmp_path / "s.sqlite") as store:
+        # Pre-LN's stream grows 8x over 4 layers, sandwich's 1.1x: log-ratios 2.08 vs 0.10 (seed spread ~0.01)
+        for seed, jitter in zip(SEEDS, (1.0, 1.01, 0.99), strict=True):
+            save(store, 2.0, rms=[1.0, 2.0, 4.0, 8.0 * jitter], placement="pre", n_layers=8, seed=seed)
+            save(store, 2.0, rms=[1.0, 1.0, 1.0, 1.1 * jitter], placement="sandwich", n_layers=8, seed=seed)
+        assert one(store, PERI).verdict == SUPPORTED
+    with Store(tmp_path / "t.sqlite") as store:
+        for seed, jitter in zip(SEEDS, (1.0, 1.01, 0.99), strict=True):
+            save(store, 2.0, rms=[1.0, 1.0, 1.0, 1.1 * jitter], placement="pre", n_layers=8, seed=seed)
+            save(store, 2.0, rms=[1.0, 2.0, 4.0, 8.0 * jitter], placement="sandwich", n_layers=8, seed=seed)
+        assert one(store, PERI).verdict == NOT_SUPPORTED
+
+
+def test_mix_ln_top_layer_gradients_against_pre_ln(tmp_path):
+    with Store(tmp_path / "s.sqlite") as store:
+        for seed, jitter in zip(SEEDS, (1.0, 1.02, 0.98), strict=True):
+            save(store, 2.0, grads=[1.0, 0.5, 0.3, 0.2 * jitter], placement="pre", n_layers=8, seed=seed)
+            save(store, 2.0, grads=[1.0, 0.9, 0.9, 0.8 * jitter], placement="mix", n_layers=8, seed=seed)
+        found = one(store, MIX)
+        assert found.verdict == SUPPORTED and "Li et al. 2024" in found.source
+        # seeds that disagree: inconclusive
+        save(store, 2.0, grads=[1.0, 0.5, 0.3, 2.0], placement="pre", n_layers=8, seed=3)
+        save(store, 2.0, grads=[1.0, 0.9, 0.9, 0.1], placement="mix", n_layers=8, seed=3)
+        assert one(store, MIX).verdict == INCONCLUSIVE

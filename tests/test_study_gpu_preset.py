@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from addnorm.cli import app
 from addnorm.study import Store, load_spec
 
-KEPT = ("placement", "n_layers", "seed", "init", "precision", "lr", "task", "norm", "schedule")
+KEPT = ("placement", "n_layers", "seed", "init", "precision", "lr", "task", "norm", "schedule", "model")
 
 
 def test_the_preset_is_the_comparisons_at_scale():
@@ -18,7 +18,8 @@ def test_the_preset_is_the_comparisons_at_scale():
     for run in runs:
         c = run.config.to_dict()
         assert (c["d_model"], c["n_heads"], c["seq_len"], c["precision"]) == (512, 8, 256, "bf16")
-        assert c["n_layers"] == (24 if run.experiment == "deepnorm" else 12)
+        assert c["n_layers"] == (24 if run.experiment.startswith("deepnorm") else 12)
+        assert c["model"] == ("hf-llama" if run.experiment.endswith("llama") else "addnorm")
     groups = Counter(
         (
             r.experiment,
@@ -36,6 +37,10 @@ def test_the_preset_is_the_comparisons_at_scale():
         ("pre", 200),
     }
     assert {p for e, p, _, _ in groups if e == "deepnorm"} == {"post", "deepnorm"}
+    assert {p for e, p, _, _ in groups if e == "deepnorm_llama"} == {"post", "deepnorm"}
+    ranked = {"post", "pre", "sandwich", "deepnorm", "mix"}
+    assert {p for e, p, _, _ in groups if e == "placements_llama"} == ranked
+    assert {p for e, p, _, _ in groups if e == "placements_addnorm"} == ranked
     assert {(p, i) for e, p, _, i in groups if e == "gradient_flow"} == {
         (p, i) for p in ("post", "pre") for i in ("torch", "xavier", "gpt2")
     }
@@ -54,13 +59,16 @@ def test_smoke_shrinks_widths_and_keeps_what_is_compared():
 
 
 def test_smoke_runs_every_config_of_the_preset_on_cpu(tmp_path):
-    """``addnorm study gpu --smoke``: all 36 runs train (bf16 autocast on the CPU, 12 and 24 layers), each
+    """``addnorm study gpu --smoke``: all 72 runs train (bf16 autocast on the CPU, 12 and 24 layers), each
     trained over more than one step with its tokens/s; the findings are computed and the report is written."""
     result = CliRunner().invoke(app, ["study", "gpu", "--smoke", "--out", str(tmp_path), "--workers", "1"])
     assert result.exit_code == 0, result.output
     with Store(tmp_path / "study.sqlite") as store:
         runs = store.runs()
-        assert len(runs) == 36 and {r["status"] for r in runs} == {"done"}
+        assert len(runs) == 72 and {r["status"] for r in runs} == {"done"}
+        assert {r["provenance"].get("transformers") for r in runs if r["config"]["model"] == "hf-llama"} != {
+            None
+        }
         # tokens/s is timed after the first step: the 1-step gradient profile runs have none
         assert all((r["tokens_per_s"] or 0) > 0 for r in runs if r["steps_done"] > 1)
         assert all(r["tokens_per_s"] is None for r in runs if r["steps_done"] == 1)

@@ -220,17 +220,19 @@ def test_compile_trains_like_eager():
 
 
 def test_settings_added_later_keep_the_run_ids_of_stored_studies():
-    """precision, compile and corpus_bytes at their defaults (what every run did before they existed)
-    are left out of the run id: the id is the SHA-1 of the config as it was before they were added."""
+    """precision, compile, corpus_bytes and the Hugging Face keys (model, kv_heads, rope_theta, fused) at
+    their defaults (what every run did before they existed) are left out of the run id: the id is the
+    SHA-1 of the config as it was before they were added."""
     import hashlib
     import json
 
     cfg = RunConfig(**TINY)
-    before = {k: v for k, v in cfg.to_dict().items() if k not in ("precision", "compile", "corpus_bytes")}
+    later = ("precision", "compile", "corpus_bytes", "model", "kv_heads", "rope_theta", "fused")
+    before = {k: v for k, v in cfg.to_dict().items() if k not in later}
     text = json.dumps(before, sort_keys=True, separators=(",", ":"))
     assert cfg.run_id == hashlib.sha1(text.encode()).hexdigest()[:12]
     ids = {
         RunConfig(**TINY, **{k: v}).run_id
-        for k, v in (("precision", "bf16"), ("compile", True), ("corpus_bytes", 2048))
+        for k, v in (("precision", "bf16"), ("compile", True), ("corpus_bytes", 2048), ("kv_heads", 1))
     }
-    assert len(ids) == 3 and cfg.run_id not in ids
+    assert len(ids) == 4 and cfg.run_id not in ids

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 SUPPORTED, NOT_SUPPORTED, INCONCLUSIVE = "supported", "not supported", "inconclusive"
 NOT_TESTED = "not tested by this study"
 K = 2.0  # a difference counts when it exceeds K pooled standard deviations
+FFN_SUBLAYERS = ("ff", "mlp")  # addnorm's transformer, Hugging Face models
 GROWTH = 1.2  # a top/first-layer ratio above this grows, below 1/GROWTH shrinks, between is flat
 RULE = (
     f"a difference counts when the difference of the means exceeds {K:g} pooled standard deviations "
@@ -154,8 +155,12 @@ def _results(runs: list[dict]) -> list[dict]:
     return [r for r in runs if r["status"] in ("done", "diverged")]
 
 
-def arms(runs: list[dict], vary: str, where: dict | None = None) -> list[tuple[dict, dict]]:
-    """Groups of runs identical except for ``vary`` and the seed: [(shared config, {value: Arm})]."""
+def arms(
+    runs: list[dict], vary: str, where: dict | None = None, value: Callable[[dict], float] = None
+) -> list[tuple[dict, dict]]:
+    """Groups of runs identical except for ``vary`` and the seed: [(shared config, {value: Arm})]; an
+    arm holds ``value(run)`` per seed (default: :func:`outcome`, the held-out loss)."""
+    value = value or outcome
     groups: dict[str, tuple[dict, dict]] = {}
     for run in _results(runs):
         cfg = run["config"]
@@ -164,7 +169,7 @@ def arms(runs: list[dict], vary: str, where: dict | None = None) -> list[tuple[d
         rest = {k: v for k, v in cfg.items() if k not in (vary, "seed")}
         key = repr(sorted(rest.items()))
         group = groups.setdefault(key, (rest, defaultdict(Arm)))[1]
-        group[_hashable(cfg.get(vary))].add(outcome(run), cfg.get("seed", 0))
+        group[_hashable(cfg.get(vary))].add(value(run), cfg.get("seed", 0))
     out = [(rest, dict(v)) for rest, v in groups.values() if len(v) > 1]
     return sorted(out, key=lambda g: (g[0].get("n_layers", 0), repr(sorted(g[0].items()))))
 
@@ -242,7 +247,7 @@ def warmup_claim(runs, layer_rows) -> list[Finding]:
 
 def ffn_grad_profile(layer_rows: list[dict]) -> list[float]:
     """Per-layer FFN weight-gradient norm sqrt(sum of squared matrix norms) at the first probed step."""
-    rows = [r for r in layer_rows if r["metric"] == "weight_grad_norm" and r["sublayer"] == "ff"]
+    rows = [r for r in layer_rows if r["metric"] == "weight_grad_norm" and r["sublayer"] in FFN_SUBLAYERS]
     if not rows:
         return []
     first = min(r["step"] for r in rows)
@@ -424,10 +429,12 @@ def pre_gradient_claim(runs, layer_rows) -> list[Finding]:
     return _gradient_claim(runs, layer_rows, "pre", "Pre-LN gradient norms stay flat across layers", "flat")
 
 
-def _per_depth(runs, vary: str, worse, better, where: dict | None = None) -> list[tuple[dict, Arm, Arm]]:
+def _per_depth(
+    runs, vary: str, worse, better, where: dict | None = None, value=None
+) -> list[tuple[dict, Arm, Arm]]:
     """(shared config, arm with ``vary = worse``, arm with ``vary = better``) for each matched setting."""
     out = []
-    for rest, group in arms(runs, vary, where):
+    for rest, group in arms(runs, vary, where, value):
         if worse in group and better in group:
             out.append((rest, group[worse], group[better]))
     return out
@@ -446,9 +453,15 @@ def _depth_text(pairs, worse_name: str, better_name: str) -> str:
     )
 
 
+def _where(rest: dict) -> str:
+    """The depth of a setting, and its model when that is not addnorm's transformer."""
+    model = rest.get("model", "addnorm")
+    return f"{rest.get('n_layers')} layers" + ("" if model == "addnorm" else f" ({model})")
+
+
 def _depth_scale(pairs) -> tuple[str, list[int]]:
     seeds = _seeds(*(x for _, a, b in pairs for x in (a, b)))
-    depths = ", ".join(str(rest.get("n_layers")) for rest, _, _ in pairs)
+    depths = ", ".join(dict.fromkeys(str(rest.get("n_layers")) for rest, _, _ in pairs))
     return f"{depths} layers; " + scale(pairs[0][0], seeds, ("n_layers",)), seeds
 
 
@@ -543,6 +556,99 @@ def final_norm_claim(runs, layer_rows) -> list[Finding]:
     return [Finding(claim, source, evidence, _every_depth(pairs), sc, caveat, seeds)]
 
 
+# --- "placement A beats B" (the papers' claims, with the rule above) ------------------------------------
+DEEP = 6  # "at depth": 6 layers or more
+
+
+def _last_profile(run: dict, metric: str) -> list[float]:
+    """Per-layer values of ``metric`` at the run's last probed step (stored in ``run['last_profile']``
+    by :func:`compute_findings`)."""
+    return (run.get("last_profile") or {}).get(metric, [])
+
+
+def act_growth(run: dict) -> float:
+    """log(RMS of the residual stream after the top layer / after the first layer) at the end of training;
+    +inf for a run that did not finish (no profile)."""
+    prof = _last_profile(run, "act_rms")
+    if run["status"] != "done" or len(prof) < 2 or not prof[0] > 0 or not prof[-1] > 0:
+        return math.inf
+    return math.log(prof[-1] / prof[0])
+
+
+def top_grad_shortfall(run: dict) -> float:
+    """-log(FFN weight-gradient norm of the top layer / of the first layer) at the end of training: larger
+    when the last layers get relatively smaller gradients; +inf without a profile."""
+    prof = _last_profile(run, "weight_grad_norm")
+    if run["status"] != "done" or len(prof) < 2 or not prof[0] > 0 or not prof[-1] > 0:
+        return math.inf
+    return -math.log(prof[-1] / prof[0])
+
+
+def _placement_claim(
+    claim: str, source: str, caveat: str, worse: str, better: str, value, measure: str, deep_only: bool
+) -> Callable:
+    """A claim "``better`` beats ``worse``" judged on ``value`` per seed (lower is better) by the rule, at
+    every setting where both ran (at :data:`DEEP` layers or more with ``deep_only``): supported when
+    ``worse`` is worse by the rule at every such setting, not supported when it is better at one."""
+
+    def check(runs, layer_rows) -> list[Finding]:
+        pairs = [
+            (r, a, b)
+            for r, a, b in _per_depth(runs, "placement", worse, better, value=value)
+            if not deep_only or r.get("n_layers", 0) >= DEEP
+        ]
+        if not pairs:
+            where = f" at {DEEP}+ layers" if deep_only else ""
+            return [
+                Finding(
+                    claim, source, f"needs {worse} and {better} runs at the same settings{where}", NOT_TESTED
+                )
+            ]
+        evidence = (
+            f"{measure}: "
+            + "; ".join(
+                f"{_where(r)}: {better} {b.text()}, {worse} {a.text()}{_margin(a, b)}" for r, a, b in pairs
+            )
+            + f". Supported when {worse} is worse by the rule at every depth measured"
+        )
+        sc, seeds = _depth_scale(pairs)
+        return [Finding(claim, source, evidence, _every_depth(pairs), sc, caveat, seeds)]
+
+    check.__name__ = f"{better}_beats_{worse}"
+    return check
+
+
+deepnorm_claim = _placement_claim(
+    "DeepNorm trains better than Post-LN at depth",
+    "Wang et al. 2022 (DeepNet)",
+    "depth (the paper's gap opens at tens to hundreds of layers), learning rate and warmup",
+    "post",
+    "deepnorm",
+    outcome,
+    "held-out loss (nats)",
+    deep_only=True,
+)
+peri_growth_claim = _placement_claim(
+    "Peri-LN (sandwich) keeps the residual stream's activations from growing with depth as Pre-LN's do",
+    "Kim et al. 2025 (Peri-LN); Ding et al. 2021 (Sandwich-LN)",
+    "training length: the growth under Pre-LN builds up over training",
+    "pre",
+    "sandwich",
+    act_growth,
+    "log(stream RMS after the top layer / after the first) at the end of training",
+    deep_only=True,
+)
+mix_gradient_claim = _placement_claim(
+    "Mix-LN gives the last layers larger gradients than Pre-LN",
+    "Li et al. 2024 (Mix-LN)",
+    "depth and training length (the paper measures the deeper layers of billion-parameter models)",
+    "pre",
+    "mix",
+    top_grad_shortfall,
+    "-log(FFN weight-gradient norm of the top layer / of the first) at the end of training",
+    deep_only=True,
+)
+
 CLAIMS: list[Callable] = [
     warmup_claim,
     post_gradient_claim,
@@ -551,6 +657,9 @@ CLAIMS: list[Callable] = [
     no_norm_claim,
     batchnorm_claim,
     final_norm_claim,
+    deepnorm_claim,
+    peri_growth_claim,
+    mix_gradient_claim,
 ]
 
 
@@ -560,6 +669,18 @@ def compute_findings(store) -> list[Finding]:
     for r in runs:  # RMS(x + F(x)) / RMS(x) at initialisation, for the gradient findings' mechanism
         x, total = store.metric(r["id"], "xf_x_rms")[:1], store.metric(r["id"], "xf_sum_rms")[:1]
         r["branch_gain"] = total[0][1] / x[0][1] if x and total and x[0][1] else None
+    for r in runs:  # per-layer profiles at the last probed step, for the placement claims
+        r["last_profile"] = {}
+        for metric, sublayers in (("act_rms", ("",)), ("weight_grad_norm", FFN_SUBLAYERS)):
+            rows = [x for x in store.layer_metric(r["id"], metric) if x["sublayer"] in sublayers]
+            last = max((x["step"] for x in rows), default=None)
+            per_layer: dict[int, float] = defaultdict(float)
+            for x in rows:
+                if x["step"] == last:
+                    per_layer[x["layer"]] += x["value"] ** 2 if metric == "weight_grad_norm" else x["value"]
+            r["last_profile"][metric] = [
+                math.sqrt(v) if metric == "weight_grad_norm" else v for _, v in sorted(per_layer.items())
+            ]
     layer_rows = {
         r["id"]: store.layer_metric(r["id"], "weight_grad_norm", step=0)
         + store.layer_metric(r["id"], "act_rms", step=0)

@@ -24,6 +24,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import FormatStrFormatter, MaxNLocator, NullFormatter  # noqa: E402
 
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, compute_findings, outcome  # noqa: E402
+from .ranking import ALPHA, DIVERGED, rank, spearman  # noqa: E402
+from .spec import SpecError, parse_spec  # noqa: E402
 from .store import Store, write_atomic  # noqa: E402
 
 MAX_INLINE = 6  # more series than this: legend outside the axes, curves in small multiples
@@ -446,61 +448,172 @@ def _table(runs: list[dict], experiment: str) -> str:
     return f"<details><summary>{len(runs)} runs</summary><table>{head}{''.join(body)}</table></details>"
 
 
+# Keys that set how a model is built, which differ between addnorm's transformer and a Hugging Face family
+# by construction (the family keeps its own activation, norm and positions; kv_heads etc. are its own).
+ARCH_KEYS = (
+    "model",
+    "activation",
+    "norm",
+    "bias",
+    "norm_bias",
+    "positional",
+    "init",
+    "kv_heads",
+    "rope_theta",
+    "fused",
+)
+
+
+def _settings(runs: list[dict]) -> list[tuple[str, list[dict]]]:
+    """Runs grouped by setting (every key but placement and seed), each named by the keys that differ
+    between the settings (``n_layers=8, model=hf-llama``); in order of first appearance."""
+    groups: dict[str, list[dict]] = {}
+    for r in runs:
+        rest = sorted((k, repr(v)) for k, v in r["config"].items() if k not in ("placement", "seed"))
+        groups.setdefault(repr(rest), []).append(r)
+    configs = [g[0]["config"] for g in groups.values()]
+    keys = sorted(
+        {
+            k
+            for c in configs
+            for k in c
+            if k not in ("placement", "seed") and len({repr(x.get(k)) for x in configs}) > 1
+        }
+    )
+    if "model" in keys:  # across architectures, the keys one of them ignores would only add noise
+        keys = ["model"] + [k for k in keys if k not in ARCH_KEYS]
+    return [
+        (", ".join(f"{k}={g[0]['config'].get(k)}" for k in keys) or "all runs", g) for g in groups.values()
+    ]
+
+
+def _tier_text(row) -> str:
+    return "diverged" if row.tier == DIVERGED else str(row.tier)
+
+
+def _ranking_plot(tables: list[tuple[str, list]]) -> str:
+    """Each setting's placements in rank order: the mean and its 95% interval, coloured by tier."""
+    fig, axes = plt.subplots(
+        1,
+        len(tables),
+        figsize=(4.6 * len(tables), 0.28 * max(len(r) for _, r in tables) + 1.4),
+        layout="constrained",
+        squeeze=False,
+    )
+    colours = [plt.get_cmap("tab10")(i) for i in range(10)]
+    for ax, (title, rows) in zip(axes[0], tables, strict=True):
+        rows = [r for r in rows if math.isfinite(r.mean)]
+        for y, r in enumerate(rows):
+            colour = "#999" if r.tier == DIVERGED else colours[(int(r.tier) - 1) % 10]
+            err = 0.0 if math.isnan(r.high) else r.high - r.mean
+            ax.errorbar(r.mean, y, xerr=err, fmt="o", color=colour, ms=4, capsize=3)
+        ax.set_yticks(range(len(rows)), [f"{r.name} ({_tier_text(r)})" for r in rows])
+        ax.invert_yaxis()
+        ax.set_xlabel("final held-out loss (nats), mean and 95% interval")
+        ax.set_title(title, fontsize=8, wrap=True)
+        ax.grid(alpha=0.3, axis="x")
+    return f'<img alt="ranking with intervals" src="data:image/png;base64,{_png(fig)}">'
+
+
+def _side_by_side(tables: list[tuple[str, list]]) -> str:
+    """Every setting's rank (tier) per placement in one table, with Spearman's rank correlation of each
+    setting's ranking with the first one's over the placements both ran: does the ranking transfer?"""
+    ranks = [{r.name: r.rank for r in rows} for _, rows in tables]
+    tiers = [{r.name: _tier_text(r) for r in rows} for _, rows in tables]
+    names = sorted({n for t in ranks for n in t}, key=lambda n: (ranks[0].get(n, math.inf), n))
+    head = "".join(f"<th>{html.escape(t)}</th>" for t, _ in tables)
+    body = "".join(
+        f"<tr><td>{html.escape(n)}</td>"
+        + "".join(
+            f"<td>{f'{r[n]} (tier {t[n]})' if n in r else 'n/a'}</td>"
+            for r, t in zip(ranks, tiers, strict=True)
+        )
+        + "</tr>"
+        for n in names
+    )
+    rho = "".join(
+        f"<td>{'' if i == 0 else ('n/a' if math.isnan(s := spearman(ranks[0], ranks[i])) else f'{s:+.2f}')}</td>"
+        for i in range(len(tables))
+    )
+    best = [{n for n, t in tier.items() if t == "1"} for tier in tiers]
+    shared = ", ".join(sorted(set.intersection(*best))) or "none"
+    return (
+        "<h3>Side by side: does the ranking transfer?</h3><p class='note'>Rank (tier) of each placement in each "
+        "setting; the last row is Spearman's rank correlation with the first setting's ranking over the "
+        f"placements both ran (+1: the same order). Tied with the best in every setting: {html.escape(shared)}.</p>"
+        f"<table><tr><th>placement</th>{head}</tr>{body}<tr><th>Spearman vs first</th>{rho}</tr></table>"
+    )
+
+
+def _lr_tolerance(runs: list[dict]) -> str:
+    """How many learning rates of the sweeps give a placement a loss within 10% of the best any placement
+    reached at that rate."""
+    best_at: dict[float, float] = {}
+    for r in runs:
+        best_at[r["config"]["lr"]] = min(best_at.get(r["config"]["lr"], math.inf), outcome(r))
+    tolerant: dict[str, set[float]] = defaultdict(set)
+    for r in runs:
+        p = str(r["config"]["placement"])
+        tolerant[p]
+        if outcome(r) <= 1.1 * best_at[r["config"]["lr"]]:
+            tolerant[p].add(r["config"]["lr"])
+    order = sorted(tolerant, key=lambda p: (-len(tolerant[p]), p))
+    body = "".join(
+        f"<tr><td>{i + 1}</td><td>{html.escape(p)}</td><td>{', '.join(f'{x:g}' for x in sorted(tolerant[p]))}</td></tr>"
+        for i, p in enumerate(order)
+    )
+    return (
+        "<h3>Learning-rate tolerance</h3><p class='note'>The learning rates at which the placement's loss "
+        "(any seed) is within 10% of the best loss any placement reached at that rate.</p>"
+        f"<table><tr><th>rank by lr tolerance</th><th>placement</th><th>tolerated learning rates</th></tr>{body}</table>"
+    )
+
+
 def _ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> str:
-    """Placements ranked by final held-out loss (runs outside learning-rate sweeps) and by learning-rate
-    tolerance (in the sweeps: how many learning rates give a loss within 10% of the best any placement
-    reached at that rate), with the residual stream's RMS per layer at the end of training."""
+    """Placements ranked per setting by final held-out loss over seeds (:mod:`addnorm.study.ranking`:
+    mean ± sd, 95% intervals, tiers of statistically tied placements), the settings side by side, the
+    learning-rate tolerance in the sweeps, and the residual stream's RMS per layer at the end of training."""
     placements = sorted({str(r["config"]["placement"]) for r in runs})
     if len(placements) < 3:
         return ""
-    in_sweep = lambda r: any(e in lr_experiments for e, _ in r["experiments"])  # noqa: E731
-    # Compare like with like: only settings (all but placement and seed) that every placement ran.
-    matched: dict[str, list[dict]] = defaultdict(list)
-    for r in runs:
-        if not all(e in lr_experiments for e, _ in r["experiments"]):
-            rest = sorted((k, repr(v)) for k, v in r["config"].items() if k not in ("placement", "seed"))
-            matched[repr(rest)].append(r)
-    loss: dict[str, list[float]] = defaultdict(list)
-    for group in matched.values():
-        if {str(r["config"]["placement"]) for r in group} == set(placements):
-            for r in group:
-                loss[str(r["config"]["placement"])].append(outcome(r))
-    best_at: dict[float, float] = {}
-    for r in filter(in_sweep, runs):
-        best_at[r["config"]["lr"]] = min(best_at.get(r["config"]["lr"], math.inf), outcome(r))
-    tolerant: dict[str, list[float]] = defaultdict(list)
-    for r in filter(in_sweep, runs):
-        if outcome(r) <= 1.1 * best_at[r["config"]["lr"]]:
-            tolerant[str(r["config"]["placement"])].append(r["config"]["lr"])
-
-    def mean_finite(v):
-        finite = [x for x in v if math.isfinite(x)]
-        return sum(finite) / len(finite) if finite else math.inf
-
-    if not loss and not any(in_sweep(r) for r in runs):
-        return ""
-    rows = []
-    for p in placements:
-        v = loss.get(p, [])
-        rows.append(
-            (sum(math.isinf(x) for x in v), mean_finite(v), p, len(v), sorted(set(tolerant.get(p, []))))
+    only_sweep = lambda r: all(e in lr_experiments for e, _ in r["experiments"])  # noqa: E731
+    tables = []
+    for title, group in _settings([r for r in runs if not only_sweep(r)]):
+        samples: dict[str, list[float]] = defaultdict(list)
+        for r in group:
+            samples[str(r["config"]["placement"])].append(outcome(r))
+        if len(samples) >= 3:
+            tables.append((title, rank(samples)))
+    parts = [
+        "<h2 id='ranking'>Ranking</h2><p class='note'>Per setting (every setting but placement and seed), "
+        "placements ranked by final held-out loss: mean ± sd over seeds and the 95% interval of the mean. "
+        "Tier: placements in the same tier are statistically tied (Welch's t-test between every pair, "
+        f"Holm-corrected at {ALPHA:g}); tier 1 is tied with the best. A placement with a diverged seed "
+        "ranks last. One seed cannot separate anything: sweep seeds for a ranking to cite.</p>"
+    ]
+    for title, rows in tables:
+        body = "".join(
+            f"<tr><td>{r.rank}</td><td>{html.escape(r.name)}</td><td>{r.text()}</td>"
+            f"<td>{'' if math.isnan(r.low) or math.isinf(r.low) else f'{r.low:.3f} to {r.high:.3f}'}</td>"
+            f"<td>{_tier_text(r)}</td><td>{r.n}{f' ({r.diverged} diverged)' if r.diverged else ''}</td></tr>"
+            for r in rows
         )
-    rows.sort(key=lambda t: (t[0], t[1]))
-    by_tol = sorted(rows, key=lambda t: (-len(t[4]), t[1]))
-    tol_rank = {t[2]: i + 1 for i, t in enumerate(by_tol)}
-    body = "".join(
-        f"<tr><td>{i + 1}</td><td>{html.escape(p)}</td><td>{'' if math.isinf(m) else f'{m:.3f}'}</td>"
-        f"<td>{d} of {n}</td><td>{tol_rank[p] if best_at else ''}</td><td>{', '.join(f'{x:g}' for x in lrs)}</td></tr>"
-        for i, (d, m, p, n, lrs) in enumerate(rows)
-    )
-    table = (
-        "<h2 id='ranking'>Ranking</h2><p>Final held-out loss: mean over the runs outside learning-rate sweeps whose "
-        "settings every placement ran (diverged runs rank last). Learning-rate tolerance: the learning rates at which the placement's loss is "
-        "within 10% of the best loss any placement reached at that rate. One seed per setting unless the spec sweeps seeds: "
-        "a ranking of these settings, not of the methods at scale.</p>"
-        "<table><tr><th>rank by loss</th><th>placement</th><th>mean final loss</th><th>diverged</th>"
-        f"<th>rank by lr tolerance</th><th>tolerated learning rates</th></tr>{body}</table>"
-    )
+        parts.append(
+            f"<h3>{html.escape(title)}</h3><table><tr><th>rank</th><th>placement</th><th>final loss</th>"
+            f"<th>95% interval</th><th>tier</th><th>seeds</th></tr>{body}</table>"
+        )
+    if tables:
+        parts.append(_ranking_plot(tables))
+    if len(tables) > 1:
+        parts.append(_side_by_side(tables))
+    swept = [r for r in runs if any(e in lr_experiments for e, _ in r["experiments"])]
+    if swept:
+        parts.append(_lr_tolerance(swept))
+    return "".join(parts) + _growth_plot(store, runs, placements)
+
+
+def _growth_plot(store: Store, runs: list[dict], placements: list[str]) -> str:
+    """The residual stream's RMS per layer at the end of training, deepest runs, one line per placement."""
     deepest = max(r["config"]["n_layers"] for r in runs)
     fig, ax = plt.subplots(figsize=(8, 4.4), layout="constrained")
     drawn: list[str] = []
@@ -519,14 +632,14 @@ def _ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> str:
         drawn.append(p)
     if not drawn:
         plt.close(fig)
-        return table
+        return ""
     _log_axis(ax, [y for line in ax.get_lines() for y in line.get_ydata()])
     _layer_axis(ax)
     ax.set_ylabel("residual-stream RMS (log)")
-    ax.set_title(f"activation growth per layer at the end of training, {deepest} layers")
+    ax.set_title(f"activation growth per layer at the end of training, {deepest} layers (first seed)")
     ax.grid(alpha=0.3, which="both")
     _legend(fig, [ax], len(drawn), title="placement")
-    return table + f'<img alt="activation growth per layer" src="data:image/png;base64,{_png(fig)}">'
+    return f'<img alt="activation growth per layer" src="data:image/png;base64,{_png(fig)}">'
 
 
 def _kv_table(pairs: list[tuple[str, str]]) -> str:
@@ -639,6 +752,22 @@ th{background:#f3f3f3}.supported{color:#0a6d2a;font-weight:600}.not{color:#b3261
 .findings td:nth-child(3){min-width:28em}summary{cursor:pointer;color:#245}"""
 
 
+def _not_applicable(spec: dict) -> str:
+    """The stored spec's runs left out as not applicable, one line each (none when it no longer parses)."""
+    try:
+        rows = parse_spec(spec).not_applicable()
+    except (SpecError, TypeError, ValueError):
+        return ""
+    if not rows:
+        return ""
+    lines = dict.fromkeys(f"{e}: {_seedless(label)}: not applicable ({why})" for e, label, why in rows)
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in lines)
+    return (
+        "<h2 id='not-applicable'>Not applicable</h2><p class='note'>Runs of the spec left out of the plan: "
+        f"addnorm.hf.with_placement cannot apply these placements to the model.</p><ul>{items}</ul>"
+    )
+
+
 def build_report(out_dir: str | Path) -> Path:
     """Write ``out_dir/report.html`` from ``out_dir/study.sqlite``; returns its path."""
     out = Path(out_dir)
@@ -682,6 +811,7 @@ built {datetime.now().astimezone().isoformat(timespec="seconds")}.</p>
 {configuration}
 {_findings(findings)}
 {ranking}
+{_not_applicable(spec)}
 {"".join(sections)}
 </body></html>"""
     return write_atomic(out / "report.html", page)

@@ -81,7 +81,7 @@ class StudySpec:
         runs, seen = [], set()
         for exp_name, exp in self.experiments.items():
             for run in _expand_experiment(exp_name, exp, self.base):
-                if run.run_id not in seen:
+                if run.config.not_applicable is None and run.run_id not in seen:
                     seen.add(run.run_id)
                     runs.append(run)
         return runs
@@ -91,8 +91,19 @@ class StudySpec:
         out: dict[str, list[tuple[str, str]]] = {}
         for exp_name, exp in self.experiments.items():
             for run in _expand_experiment(exp_name, exp, self.base):
-                out.setdefault(run.run_id, []).append((exp_name, run.label))
+                if run.config.not_applicable is None:
+                    out.setdefault(run.run_id, []).append((exp_name, run.label))
         return out
+
+    def not_applicable(self) -> list[tuple[str, str, str]]:
+        """(experiment, label, why) of every run left out of the plan because its placement cannot be
+        applied to its model (a Hugging Face family, see ``RunConfig.not_applicable``)."""
+        return [
+            (exp_name, run.label, run.config.not_applicable)
+            for exp_name, exp in self.experiments.items()
+            for run in _expand_experiment(exp_name, exp, self.base)
+            if run.config.not_applicable is not None
+        ]
 
     def to_dict(self) -> dict:
         return {
@@ -191,7 +202,8 @@ def parse_spec(data: object, source: str = "<spec>") -> StudySpec:
             else:
                 _check_keys({axis: None}, f"{where}.sweep")
     spec = StudySpec(name.strip(), str(data.get("description") or ""), base, experiments, source)
-    spec.expand()  # resolves and validates every run now
+    if not spec.expand() and spec.not_applicable():  # resolves and validates every run now
+        raise SpecError(f"{source}: no run of this spec is applicable: {spec.not_applicable()[0][2]}")
     return spec
 
 
@@ -308,11 +320,12 @@ SMOKE: dict[str, object] = {
     "eval_every": lambda v: min(v, 2) if v else v,
     "probe_every": lambda v: 2 if v else v,
     "compile": lambda v: False,
+    "kv_heads": lambda v: 1 if v else v,
 }
 SMOKE_HELP = (
-    "run the spec shrunk to a smoke size: d_model 16, 2 heads, d_ff 32, batch 2, seq 16, at most 4 "
-    "steps, compile off; depths, placements, seeds and precision kept (the same code path in a minute, "
-    "into <name>-smoke)"
+    "run the spec shrunk to a smoke size: d_model 16, 2 heads (1 key/value head), d_ff 32, batch 2, "
+    "seq 16, at most 4 steps, compile off; depths, placements, seeds and precision kept (the same code "
+    "path in a minute, into <name>-smoke)"
 )
 
 

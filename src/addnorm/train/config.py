@@ -17,8 +17,10 @@ from ..model import TransformerConfig
 from ..tasks import TASKS
 from ..tasks.corpus import DEFAULT_CORPUS_BYTES
 from .device import PRECISIONS
+from .hf_model import ADDNORM_MODEL, HF_FAMILIES, not_applicable
 from .schedules import SCHEDULES
 
+HF_NAMES = tuple("hf-" + name[3:] for name in HF_FAMILIES)
 # The study's small-model defaults where they differ from TransformerConfig's (torch.nn.Transformer's).
 MODEL_DEFAULTS: dict[str, Any] = {
     "d_model": 64,
@@ -42,7 +44,11 @@ def _f(default: Any, help: str) -> Any:
 class RunConfig:
     """One run: its model (``model``, built from the flat model keys, which also read as attributes:
     ``cfg.n_layers``) and task, optimisation, evaluation and probing settings. Two configs with the same
-    settings have the same :attr:`run_id`."""
+    settings have the same :attr:`run_id`.
+
+    The spec key ``model`` names the architecture (``addnorm``, the default, or a Hugging Face family
+    such as ``hf-llama``: :mod:`addnorm.train.hf_model`); it is held as :attr:`arch`, since
+    :attr:`model` is the TransformerConfig of addnorm's own model (whose sizes an ``hf-`` model takes)."""
 
     model: TransformerConfig
     task: str = _f("lm", "lm (byte-level language modelling), copy, reverse or sort")
@@ -68,11 +74,21 @@ class RunConfig:
         "auto", "fp32; bf16 (autocast, on any device); auto: bf16 on a GPU that has it, else fp32"
     )
     compile: bool = _f(False, "torch.compile the model (probed steps run it uncompiled)")
+    arch: str = _f(
+        ADDNORM_MODEL,
+        "the model: addnorm (addnorm's own transformer) or a Hugging Face family with random weights, "
+        "re-placed by addnorm.hf.with_placement (lm task only): " + ", ".join(HF_NAMES),
+    )
+    kv_heads: int = _f(0, "hf- models: key/value heads (grouped-query attention); 0: n_heads")
+    rope_theta: float = _f(10000.0, "hf- models: the RoPE base")
+    fused: bool = _f(False, "hf- models: run each residual connection in addnorm's fused op")
 
-    def __init__(self, model: TransformerConfig | None = None, **values: Any) -> None:
+    def __init__(self, model: TransformerConfig | str | None = None, **values: Any) -> None:
+        if isinstance(model, str):  # the spec key ``model`` names the architecture (field ``arch``)
+            values["arch"], model = model, None
         model_values = {k: values.pop(k) for k in list(values) if k in MODEL_KEYS}
         for key in values:
-            if key not in TRAIN_KEYS:
+            if key not in TRAIN_KEYS and key != "arch":
                 raise TypeError(f"{key}: unknown run setting; expected one of: {', '.join(RunConfig.keys())}")
         for f in fields(self):
             if f.name != "model":
@@ -121,6 +137,21 @@ class RunConfig:
         object.__setattr__(self, "corpus", None if corpus in (None, "", "stdlib") else corpus)
         object.__setattr__(self, "task", TASKS.resolve(self.task))
         object.__setattr__(self, "schedule", SCHEDULES.resolve(self.schedule))
+        object.__setattr__(self, "arch", _arch_name(self.arch))
+        _integer("kv_heads", self.kv_heads, minimum=0)
+        object.__setattr__(self, "rope_theta", _float("rope_theta", self.rope_theta, True))
+        if not isinstance(self.fused, bool):
+            raise ValueError(f"fused: expected true or false, got {self.fused!r}")
+        if self.arch != ADDNORM_MODEL and self.task != "lm":
+            raise ValueError(
+                f"model: {self.arch} is a causal language model; it trains on task lm, not {self.task!r}"
+            )
+
+    @property
+    def not_applicable(self) -> str | None:
+        """Why this run cannot be built (a placement ``with_placement`` cannot apply to its Hugging Face
+        family), or None: such runs are planned as "not applicable", not run."""
+        return not_applicable(self.arch, _placement_names(self.model.placement))
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
@@ -130,7 +161,7 @@ class RunConfig:
     @classmethod
     def defaults(cls) -> dict[str, Any]:
         """Each key's default value (the study's small-model defaults for the model keys)."""
-        out = {f.name: f.default for f in fields(cls) if f.name != "model"}
+        out = {_key(f.name): f.default for f in fields(cls) if f.name != "model"}
         for f in fields(TransformerConfig):
             if f.name in MODEL_KEYS:
                 default = f.default_factory() if f.default is MISSING else f.default
@@ -141,14 +172,14 @@ class RunConfig:
     def help(cls) -> dict[str, str]:
         """Each key's one-line description, read from the fields' metadata."""
         return {
-            f.name: f.metadata.get("help", "")
+            _key(f.name): f.metadata.get("help", "")
             for f in (*fields(cls), *fields(TransformerConfig))
-            if f.name in cls.keys()
+            if _key(f.name) in cls.keys() and f.name != "model"
         }
 
     def to_dict(self) -> dict[str, Any]:
         """Every key flat, names canonical; ``RunConfig(**cfg.to_dict()) == cfg``."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
+        out = {_key(f.name): getattr(self, f.name) for f in fields(self) if f.name != "model"}
         for name in MODEL_KEYS:
             value = getattr(self.model, name)
             if name == "placement":
@@ -174,10 +205,35 @@ class RunConfig:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
-TRAIN_KEYS: tuple[str, ...] = tuple(f.name for f in fields(RunConfig) if f.name != "model")
+def _key(field_name: str) -> str:
+    """A field's key in a spec: ``arch`` is given as ``model``."""
+    return "model" if field_name == "arch" else field_name
+
+
+def _arch_name(name: Any) -> str:
+    """``addnorm`` or a Hugging Face family's name as ``hf-<family>`` (case and dashes as the registry's)."""
+    if not isinstance(name, str):
+        raise ValueError(f"model: expected addnorm or one of {', '.join(HF_NAMES)}, got {name!r}")
+    if name.strip().lower() == ADDNORM_MODEL:
+        return ADDNORM_MODEL
+    try:
+        return "hf-" + HF_FAMILIES.resolve(name)[3:]
+    except ValueError:
+        raise ValueError(f"model: expected addnorm or one of {', '.join(HF_NAMES)}, got {name!r}") from None
+
+
+TRAIN_KEYS: tuple[str, ...] = tuple(_key(f.name) for f in fields(RunConfig) if f.name != "model")
 # Settings added after studies were first stored, each with the value that does what runs did before
 # it existed: at that value a key is left out of the run id, so stored studies keep their runs' ids.
-LATER_KEYS: dict[str, Any] = {"corpus_bytes": DEFAULT_CORPUS_BYTES, "precision": "auto", "compile": False}
+LATER_KEYS: dict[str, Any] = {
+    "corpus_bytes": DEFAULT_CORPUS_BYTES,
+    "precision": "auto",
+    "compile": False,
+    "model": ADDNORM_MODEL,
+    "kv_heads": 0,
+    "rope_theta": 10000.0,
+    "fused": False,
+}
 
 
 def _integer(name: str, value: Any, minimum: int) -> None:

@@ -17,6 +17,7 @@ from ..probe import Probe
 from ..tasks import build_task
 from .config import RunConfig
 from .device import Throughput, autocast, autocast_dtype, device_name, precision_name, select_device
+from .hf_model import ADDNORM_MODEL, build_hf_model, transformers_version
 from .optim import build_optimizer
 from .schedules import lr_multiplier
 
@@ -74,7 +75,7 @@ def _update_ratios(model, before: dict[str, torch.Tensor], layer_names: list[str
             continue
         rel = name[len(layer) + 1 :]
         sub = rel.split(".")[0]
-        sublayer = sub if sub in ("self_attn", "cross_attn", "ff") else ""
+        sublayer = sub if sub in ("self_attn", "cross_attn", "ff", "mlp") else ""
         ratio = (params[name].detach() - old).norm().item() / max(old.norm().item(), 1e-12)
         rows.append(
             {
@@ -93,7 +94,11 @@ def _update_ratios(model, before: dict[str, torch.Tensor], layer_names: list[str
 def _residual_picture(model, task, batch, step: int) -> list[tuple[int, str, float]]:
     """RMS of x, F(x) and x + F(x) at the FFN connection of the middle layer (the Add of Add & Norm),
     read at its ``stream_in`` and ``branch`` observation points."""
-    conns = [m for name, m in model.named_modules() if isinstance(m, AddNorm) and name.endswith("ff_block")]
+    conns = [
+        m
+        for name, m in model.named_modules()
+        if isinstance(m, AddNorm) and name.endswith(("ff_block", "mlp_block"))
+    ]
     if not conns:
         return []
     conn = conns[len(conns) // 2]
@@ -169,6 +174,14 @@ class _StepLog:
         return True
 
 
+def build_model(cfg: RunConfig, task) -> torch.nn.Module:
+    """The run's model: the task's own (addnorm's transformer) or, for ``model: hf-*``, the Hugging Face
+    family's causal LM re-placed by ``with_placement`` (:mod:`addnorm.train.hf_model`)."""
+    if cfg.arch == ADDNORM_MODEL:
+        return task.build_model(cfg.model)
+    return build_hf_model(cfg, task.vocab)
+
+
 def train(
     cfg: RunConfig,
     *,
@@ -194,7 +207,7 @@ def train(
         {"corpus": cfg.corpus, "limit": cfg.corpus_bytes} if cfg.task == "lm" else {"symbols": cfg.symbols}
     )
     task = build_task(cfg.task, **options)
-    model = task.build_model(cfg.model).to(device)
+    model = build_model(cfg, task).to(device)
     forward = torch.compile(model) if cfg.compile else model
     gen = torch.Generator().manual_seed(cfg.seed)
     # Admin's profiling pass sets omega from data
@@ -209,6 +222,8 @@ def train(
         "precision": precision_name(dtype),
         "compile": cfg.compile,
     }
+    if cfg.arch != ADDNORM_MODEL:
+        result.provenance["transformers"] = transformers_version()
     probe_steps = {0, cfg.steps - 1}
     if cfg.probe_every:
         probe_steps |= set(range(0, cfg.steps, cfg.probe_every))

@@ -1,0 +1,125 @@
+"""The Hugging Face model families a run can train (``model: hf-llama``, ``hf-qwen3``, ...): a causal LM of
+that family built from a config with random weights at the run's width, depth and heads, its Add & Norm
+re-placed with :func:`addnorm.hf.with_placement`.
+
+Sizes come from the run config: ``d_model`` -> ``hidden_size``, ``n_layers`` -> ``num_hidden_layers``,
+``n_heads`` -> ``num_attention_heads``, ``d_ff`` -> ``intermediate_size`` (GPT-2: ``n_inner``),
+``kv_heads`` -> ``num_key_value_heads`` (grouped-query attention: ``n_heads / kv_heads`` query heads
+share one key/value head; Llama family only), ``rope_theta`` -> the RoPE base, ``dropout`` -> every
+dropout rate of the family, ``seq_len`` -> ``max_position_embeddings``. The family keeps its own
+activation (SwiGLU, GeGLU, GELU), norm (RMSNorm or LayerNorm), positions (RoPE or learned) and biases;
+addnorm's ``activation``, ``norm``, ``positional``, ``bias`` and ``init`` keys do not apply to it.
+``fused`` is :func:`with_placement`'s (the connections run in the fused op; the function is the same).
+
+``transformers`` is imported only when such a model is built (:func:`build_hf_model`); naming the
+families and checking which placements apply (:func:`not_applicable`) need no import of it.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..hf.placement import _unsupported
+from ..placements import get_placement
+from ..registry import Registry
+
+__all__ = [
+    "ADDNORM_MODEL",
+    "HF_FAMILIES",
+    "HFCausalLM",
+    "build_hf_model",
+    "not_applicable",
+    "transformers_version",
+]
+
+ADDNORM_MODEL = "addnorm"
+# run config name -> transformers model_type
+HF_FAMILIES: Registry = Registry("model")
+for _name, _type in (
+    ("hf-llama", "llama"),
+    ("hf-mistral", "mistral"),
+    ("hf-qwen2", "qwen2"),
+    ("hf-qwen3", "qwen3"),
+    ("hf-gemma2", "gemma2"),
+    ("hf-gemma3", "gemma3_text"),
+    ("hf-gpt2", "gpt2"),
+):
+    HF_FAMILIES.register(_name, _type)
+_GQA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+
+
+def not_applicable(model: str, placement) -> str | None:
+    """Why ``placement`` cannot be applied to the family ``model`` by ``with_placement`` (a one-line
+    reason), or None when it can (always None for addnorm's own model)."""
+    if model == ADDNORM_MODEL:
+        return None
+    if isinstance(placement, (list, tuple)):
+        return "per-layer placement lists are not supported for Hugging Face models"
+    why = _unsupported(get_placement(placement))
+    return None if why is None else f"{get_placement(placement).name} {why}"
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM seen as addnorm's tasks see a model: ``forward(tokens) -> logits``."""
+
+    def __init__(self, hf: nn.Module) -> None:
+        super().__init__()
+        self.hf = hf
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.hf(input_ids=tokens, use_cache=False).logits
+
+
+def hf_config(model: str, model_cfg, vocab: int, *, kv_heads: int, rope_theta: float, max_len: int):
+    """The ``transformers`` config of family ``model`` at the run's sizes (see the module docstring)."""
+    from ..hf.tiny import tiny_config
+
+    model_type = HF_FAMILIES[model]
+    overrides = {}
+    if model_type in _GQA_FAMILIES:
+        kv = kv_heads or model_cfg.n_heads
+        if model_cfg.n_heads % kv:
+            raise ValueError(f"kv_heads: {kv} does not divide n_heads={model_cfg.n_heads}")
+        overrides["num_key_value_heads"] = kv
+        overrides["rope_parameters"] = {"rope_type": "default", "rope_theta": float(rope_theta)}
+    return tiny_config(
+        model_type,
+        layers=model_cfg.n_layers,
+        hidden=model_cfg.d_model,
+        heads=model_cfg.n_heads,
+        vocab=vocab,
+        intermediate=model_cfg.d_ff,
+        positions=max_len,
+        dropout=model_cfg.dropout,
+        **overrides,
+    )
+
+
+def build_hf_model(cfg, vocab: int) -> HFCausalLM:
+    """The run's Hugging Face model: ``torch.manual_seed(cfg.seed)``, a random-weight causal LM of the
+    family ``cfg.arch`` from :func:`hf_config`, then ``with_placement(model, cfg.placement,
+    mix_fraction=cfg.mix_fraction, fused=cfg.fused)``."""
+    import torch
+
+    from ..hf import with_placement
+    from ..hf.architectures import require_transformers
+
+    transformers = require_transformers()
+    m = cfg.model
+    why = not_applicable(cfg.arch, m.placement)
+    if why is not None:
+        raise ValueError(f"placement: not applicable to {cfg.arch}: {why}")
+    config = hf_config(
+        cfg.arch, m, vocab, kv_heads=cfg.kv_heads, rope_theta=cfg.rope_theta, max_len=max(cfg.seq_len, 16)
+    )
+    torch.manual_seed(cfg.seed)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    placement = get_placement(m.placement).name
+    with_placement(hf, placement, mix_fraction=m.mix_fraction, fused=cfg.fused)
+    return HFCausalLM(hf)
+
+
+def transformers_version() -> str:
+    from ..hf.architectures import require_transformers
+
+    return require_transformers().__version__
