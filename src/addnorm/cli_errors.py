@@ -35,6 +35,8 @@ def handle_errors(command: F) -> F:
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
+        except typer.Exit:  # already reported (click's Exit is a RuntimeError with an exit_code)
+            raise
         except LIBRARY_ERRORS as err:
             raise fail(err) from None
         except (OSError, sqlite3.Error) as err:
