@@ -190,6 +190,7 @@ def run(args) -> dict:
         dtypes = ("float32",)
         elements = 2**20 if args.quick else 2**22
     hiddens = tuple(args.hidden or hiddens)
+    dtypes = tuple(args.dtypes or dtypes)
     elements = args.elements or elements
     impls: dict[str, Callable] = {"addnorm": fused_add_norm, "eager": eager_add_norm}
     if device == "cuda" or args.compile:
@@ -364,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--hidden", type=int, nargs="+", default=None, help="hidden sizes (default by device)")
+    ap.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPES), help="default by device")
     ap.add_argument("--elements", type=int, default=None, help="rows x hidden (default by device)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--note", default="", help="a line recorded with the results (e.g. machine load)")

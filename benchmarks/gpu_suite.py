@@ -53,7 +53,7 @@ class Step:
 
 
 def plan(py: str = sys.executable, out: Path = BENCH / "results") -> list[Step]:
-    """The suite's steps, in order, with their time limits (seconds; 570 in all, so that the suite
+    """The suite's steps, in order, with their time limits (seconds; 540 in all, so that the suite
     with its start-up fits ten minutes on an H100)."""
     o = ["--out", str(out)]
     return [
@@ -61,46 +61,71 @@ def plan(py: str = sys.executable, out: Path = BENCH / "results") -> list[Step]:
             "gpu_tests",
             "pytest -m gpu",
             [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"],
-            90,
+            60,
         ),
         Step(
             "ops",
-            "op bandwidth: eager, torch.compile, Liger, flash-attn, addnorm (fwd, fwd+bwd)",
-            [py, str(BENCH / "bench_add_norm.py"), "--reps", "10", "--warmup", "2", *o],
-            170,
+            "op bandwidth, bf16, hidden 1K/4K/16K: eager, torch.compile, Liger, flash-attn, addnorm",
+            [
+                py,
+                str(BENCH / "bench_add_norm.py"),
+                "--dtypes",
+                "bfloat16",
+                "--hidden",
+                "1024",
+                "4096",
+                "16384",
+                "--reps",
+                "10",
+                "--warmup",
+                "2",
+                *o,
+            ],  # fmt: skip
+            210,
         ),
         Step(
             "host_overhead",
             "host time per call, real launches",
             [py, str(BENCH / "bench_host_overhead.py"), "--label", "gpu", "--samples", "15", *o],
-            50,
+            40,
         ),
         Step(
             "lm_step",
-            "LM step: default / fused=False / nn.TransformerEncoder; eager, compile (both paths), "
-            "reduce-overhead",
+            "LM step, Pre-LN: default / fused=False / nn.TransformerEncoder; eager, torch.compile",
             [
                 py,
                 str(BENCH / "bench_lm_step.py"),
+                "--placements",
+                "pre",
                 "--modes",
                 "eager",
                 "compile",
-                "reduce-overhead",
                 "--compile-paths",
-                "both",
+                "default",
                 "--steps",
                 "8",
                 "--warmup",
                 "2",
                 *o,
             ],  # fmt: skip
-            170,
+            150,
         ),
         Step(
             "hf_step",
-            "HF Llama step: plain / fused / Liger; eager and compile",
-            [py, str(BENCH / "bench_hf_step.py"), "--gpu", "--reps", "10", "--warmup", "3", *o],
-            90,
+            "HF Llama step: plain / fused / Liger; eager",
+            [
+                py,
+                str(BENCH / "bench_hf_step.py"),
+                "--gpu",
+                "--modes",
+                "eager",
+                "--reps",
+                "10",
+                "--warmup",
+                "3",
+                *o,
+            ],
+            80,
         ),
     ]
 

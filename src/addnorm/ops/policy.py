@@ -55,9 +55,14 @@ def invalidate() -> None:
     VERSION += 1
 
 
+# looked up once, at import: torch.compile cannot trace ``importlib.util.find_spec`` (a graph break in
+# every fused call, measured on an H100), and triton does not come or go while a process runs
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
 def triton_available() -> bool:
-    """Whether triton can be imported (without importing it)."""
-    return importlib.util.find_spec("triton") is not None
+    """Whether triton can be imported (without importing it; looked up once, at import)."""
+    return _TRITON_AVAILABLE
 
 
 def _env_backend() -> str:

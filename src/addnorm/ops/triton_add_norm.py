@@ -665,22 +665,26 @@ class Launch(NamedTuple):
         return min(255, 65536 // (32 * self.num_warps))
 
 
-# Rows up to these widths stay in registers in one pass; wider rows go in column chunks. Narrow rows
-# share a program: tiles of TILE elements. The forward holds about 16 fp32 values per thread per tile
-# tensor (ELEMS_PER_WARP 512), the backward, with more tensors live, 8 (256): no spills and at most
-# ~130 registers on sm_80 / sm_90 for every variant (``benchmarks/triton_variants.py``, the
-# compile-time test).
+# Rows up to these widths stay in registers in one pass; wider rows go in column chunks. Forward: narrow
+# rows share a program (tiles of TILE elements), about 16 fp32 values per thread per tile tensor
+# (ELEMS_PER_WARP 512). Backward: one row at a time (BLOCK_M 1), 8 values per thread (256), one pass up
+# to 8192 columns. Measured on an H100 (bf16, rows = 2**27 / hidden, ``benchmarks/sweep_launch_config.py``,
+# ``benchmarks/results/launch_config_sweep_h100.md``): a backward tile of several rows (BLOCK_M 2-8, its
+# dw/db column sums reduced across the tile's rows) ran 2.8-4.7x slower than one row per step at hidden
+# 256, 1024, 4096 and 8192; the forward's multi-row tiles were as fast as one row or faster.
+# No spills and at most ~130 registers on sm_80 / sm_90 for every variant
+# (``benchmarks/triton_variants.py``, the compile-time test).
 FWD_MAX_ONE_PASS = 8192
-BWD_MAX_ONE_PASS = 2048
+BWD_MAX_ONE_PASS = 8192
 FWD_CHUNK = Launch(1, 2048, True, 8)
-BWD_CHUNK = Launch(2, 1024, True, 8)
+BWD_CHUNK = Launch(1, 4096, True, 16)
 TILE = 2048
 MIN_BLOCK_N = 16
 
 
-def _one_pass(n: int, elems_per_warp: int) -> Launch:
+def _one_pass(n: int, elems_per_warp: int, tile: int = TILE) -> Launch:
     block_n = max(MIN_BLOCK_N, triton.next_power_of_2(n))
-    block_m = max(1, TILE // block_n)
+    block_m = max(1, tile // block_n)
     warps = min(max(block_m * block_n // elems_per_warp, 1), 16)
     return Launch(block_m, block_n, False, warps)
 
@@ -693,8 +697,8 @@ def fwd_config(n: int) -> Launch:
 
 @functools.lru_cache(maxsize=256)
 def bwd_config(n: int) -> Launch:
-    """The backward's launch configuration for rows of ``n`` columns."""
-    return _one_pass(n, 256) if n <= BWD_MAX_ONE_PASS else BWD_CHUNK
+    """The backward's launch configuration for rows of ``n`` columns: one row per step."""
+    return _one_pass(n, 256, tile=1) if n <= BWD_MAX_ONE_PASS else BWD_CHUNK
 
 
 @functools.lru_cache(maxsize=16)

@@ -1,0 +1,108 @@
+"""Sweep the fused kernels' launch configurations on a GPU: which tile shape and warp count each hidden
+size should get. Build-time tool (like ``triton_variants.py``): it swaps
+``addnorm.ops.triton_add_norm.fwd_config`` / ``bwd_config`` for each candidate rule, clears the cached
+specs and plans, and times the op's forward (no grad) and backward (on a retained graph) in bf16,
+rows = 2**27 / hidden, LayerNorm and RMSNorm, Pre-LN (y, s) and Post-LN (y). Effective bandwidth as in
+``bench_add_norm.py`` (minimum bytes). The winners go into ``triton_add_norm.py`` by hand.
+
+    python benchmarks/sweep_launch_config.py [--hidden 256 1024 ...] [--reps 20] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import triton
+from bench_add_norm import make_calls, min_bytes, time_once
+from machine import machine_info, machine_line
+
+import addnorm.ops.triton_add_norm as tk
+from addnorm.ops import add_norm, policy
+
+Launch = tk.Launch
+
+
+def one_pass(n: int, tile: int, elems_per_warp: int, max_warps: int = 16) -> Launch:
+    block_n = max(tk.MIN_BLOCK_N, triton.next_power_of_2(n))
+    block_m = max(1, tile // block_n)
+    warps = min(max(block_m * block_n // elems_per_warp, 1), max_warps)
+    return Launch(block_m, block_n, False, warps)
+
+
+def rule(max_one_pass: int, tile: int, epw: int, chunk: Launch):
+    @functools.lru_cache(maxsize=256)
+    def cfg(n: int) -> Launch:
+        return one_pass(n, tile, epw) if n <= max_one_pass else chunk
+
+    return cfg
+
+
+ORIGINAL = {"fwd": tk.fwd_config, "bwd": tk.bwd_config}
+# candidate rules: (phase, name) -> config function
+CANDIDATES = {
+    ("fwd", "current"): tk.fwd_config,
+    ("fwd", "row1_epw512"): rule(8192, 1, 512, Launch(1, 2048, True, 8)),
+    ("fwd", "row1_epw256"): rule(8192, 1, 256, Launch(1, 2048, True, 8)),
+    ("fwd", "tile4096_epw512"): rule(8192, 4096, 512, Launch(1, 2048, True, 8)),
+    ("bwd", "current"): tk.bwd_config,
+    ("bwd", "row1_epw256_c8192"): rule(8192, 1, 256, Launch(1, 2048, True, 8)),
+    ("bwd", "row1_epw512_c8192"): rule(8192, 1, 512, Launch(1, 2048, True, 8)),
+    ("bwd", "row1_epw256_c2048"): rule(2048, 1, 256, Launch(1, 2048, True, 8)),
+    ("bwd", "row1_epw128_c4096"): rule(4096, 1, 128, Launch(1, 4096, True, 16)),
+}
+
+
+def install(phase: str, fn) -> None:
+    setattr(tk, f"{phase}_config", fn)
+    tk.clear_caches()
+    policy.invalidate()
+
+
+def fused(x, r, w, b, norm, prenorm):
+    return add_norm(x, r, w, b if norm == "layernorm" else None, norm=norm, prenorm=prenorm)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hidden", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192, 16384])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = ap.parse_args()
+    rows_out = []
+    print(machine_line(machine_info("cuda")), flush=True)
+    for norm, prenorm in (("layernorm", True), ("layernorm", False), ("rmsnorm", True)):
+        if True:
+            for n in args.hidden:
+                rows = 2**27 // n
+                nbytes = min_bytes(rows, n, 2, 2, prenorm)
+                for (phase, name), fn in CANDIDATES.items():
+                    install("fwd", ORIGINAL["fwd"])
+                    install("bwd", ORIGINAL["bwd"])
+                    install(phase, fn)
+                    calls = make_calls(
+                        fused, rows, n, (torch.bfloat16, torch.bfloat16), norm, prenorm, "cuda"
+                    )
+                    call = calls[phase]
+                    for _ in range(3):
+                        call()
+                    t = statistics.median(time_once(call, "cuda") for _ in range(args.reps))
+                    cfg = fn(n)
+                    row = {"norm": norm, "prenorm": prenorm, "hidden": n, "phase": phase, "rule": name,
+                           "config": list(cfg), "ms": t * 1e3, "GBps": nbytes / t / 1e9}  # fmt: skip
+                    rows_out.append(row)
+                    print(f"{norm:9s} pre={int(prenorm)} h={n:5d} {phase} {name:20s} {tuple(cfg)!s:24s} "
+                          f"{t * 1e3:7.3f} ms {row['GBps']:7.1f} GB/s", flush=True)  # fmt: skip
+                    del calls, call
+    install("fwd", ORIGINAL["fwd"])
+    install("bwd", ORIGINAL["bwd"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "launch_config_sweep.json").write_text(json.dumps(rows_out, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
