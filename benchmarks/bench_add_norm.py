@@ -212,8 +212,9 @@ def run(args) -> dict:
     elif device == "cuda":
         print("flash-attn does not import: no flash_attn column")
     results = []
-    for norm in ("layernorm", "rmsnorm"):
-        for prenorm in (True, False):
+    prenorms = {"both": (True, False), "on": (True,), "off": (False,)}[args.prenorm]
+    for norm in args.norms:
+        for prenorm in prenorms:
             for dtype in dtypes:
                 for hidden in hiddens:
                     rows = elements // hidden
@@ -366,6 +367,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--hidden", type=int, nargs="+", default=None, help="hidden sizes (default by device)")
     ap.add_argument("--dtypes", nargs="+", default=None, choices=list(DTYPES), help="default by device")
+    ap.add_argument("--norms", nargs="+", default=["layernorm", "rmsnorm"], choices=["layernorm", "rmsnorm"])
+    ap.add_argument(
+        "--prenorm", choices=["both", "on", "off"], default="both", help="Pre-LN (y, s), Post-LN (y)"
+    )
     ap.add_argument("--elements", type=int, default=None, help="rows x hidden (default by device)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     ap.add_argument("--note", default="", help="a line recorded with the results (e.g. machine load)")

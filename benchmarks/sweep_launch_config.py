@@ -3,7 +3,8 @@ size should get. Build-time tool (like ``triton_variants.py``): it swaps
 ``addnorm.ops.triton_add_norm.fwd_config`` / ``bwd_config`` for each candidate rule, clears the cached
 specs and plans, and times the op's forward (no grad) and backward (on a retained graph) in bf16,
 rows = 2**27 / hidden, LayerNorm and RMSNorm, Pre-LN (y, s) and Post-LN (y). Effective bandwidth as in
-``bench_add_norm.py`` (minimum bytes). The winners go into ``triton_add_norm.py`` by hand.
+``bench_add_norm.py`` (minimum bytes). The winners go into ``triton_add_norm.py`` by hand
+(2026-11-24: ``results/gpu_h100.md``).
 
     python benchmarks/sweep_launch_config.py [--hidden 256 1024 ...] [--reps 20] [--out DIR]
 """
@@ -98,10 +99,11 @@ def main() -> None:
                     print(f"{norm:9s} pre={int(prenorm)} h={n:5d} {phase} {name:20s} {tuple(cfg)!s:24s} "
                           f"{t * 1e3:7.3f} ms {row['GBps']:7.1f} GB/s", flush=True)  # fmt: skip
                     del calls, call
+                    # written as it goes: a timeout keeps the rows measured so far
+                    args.out.mkdir(parents=True, exist_ok=True)
+                    (args.out / "launch_config_sweep.json").write_text(json.dumps(rows_out, indent=1) + "\n")
     install("fwd", ORIGINAL["fwd"])
     install("bwd", ORIGINAL["bwd"])
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "launch_config_sweep.json").write_text(json.dumps(rows_out, indent=1) + "\n")
 
 
 if __name__ == "__main__":

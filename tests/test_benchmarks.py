@@ -176,12 +176,15 @@ def test_gpu_suite_dry_run_plans_every_step_and_launches_nothing(bench_module, m
     assert sum(s.timeout_s for s in steps) <= 600 - 30  # room for start-up within ten minutes
     assert all(f"[{s.name}]" in out for s in steps) and "nothing run" in out
     assert steps[0].argv[2:5] == ["pytest", "-m", "gpu"]
-    lm = steps[3].argv
+    assert {"eager", "compile"} <= set(steps[3].argv)
+    full = suite.plan(full=True)
+    assert [s.name for s in full] == [s.name for s in steps]
+    lm = full[3].argv
     assert {"eager", "compile", "reduce-overhead"} <= set(lm) and lm[
         lm.index("--compile-paths") + 1
     ] == "both"
-    assert "--gpu" in steps[4].argv
-    for s in steps[1:]:
+    assert "--gpu" in steps[4].argv and "--gpu" in full[4].argv
+    for s in steps[1:] + full[1:]:
         source = Path(s.argv[1]).read_text()
         flags = [a for a in s.argv[2:] if a.startswith("--")]
         assert flags and all(f'"{f}"' in source for f in flags), (s.name, flags)

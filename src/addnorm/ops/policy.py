@@ -140,15 +140,18 @@ def resolve_backend(backend: str, device: torch.device, hidden: int, dtypes: tup
 
 COMPILE_PATHS = ("composite", "kernel")
 # Inductor's fusion of the composite with its neighbours beat the opaque op on an H100 (issue 10:
-# compiled fused 0.78-0.83x of compiled unfused, 0.97x with CUDA graphs); bench_lm_step.py measures
-# both paths (--compile-paths both) so a GPU run can revisit this default.
+# compiled fused 0.78-0.83x of compiled unfused, 0.97x with CUDA graphs). Re-measured 2026-11-24
+# (benchmarks/results/gpu_h100.md, LM d_model 1024 x 12 layers, bf16): the composite path 1.009x the
+# compiled unfused model at no extra memory; bench_lm_step.py --compile-paths both revisits it.
 _compile_path = "composite"
 
 # fused_op_preferred(device type, dropout) -> bool, from benchmarks/bench_host_overhead.py on the CPU
 # (benchmarks/results/host_overhead_cpu.md; tiny Pre-LN LM step, dropout 0.1, one thread): the op forced
 # wherever the model can fuse was 1.06x the unfused step, the unfused modules the faster; without
 # dropout the op runs the unfused modules' own torch ops and saves their Python. On a GPU the op
-# (issue 10: ~5% less GPU time per step; tokens/s to be confirmed by bench_lm_step.py on a GPU).
+# everywhere (benchmarks/results/gpu_h100.md, H100, 2026-11-24): LM step with dropout 0.1 eager 0.985x
+# unfused (within the runs' ~2% spread), compiled 1.009x; HF Llama without dropout 1.048x; 2-7% less
+# peak memory in each.
 _RULE = {("cpu", True): False}
 
 
