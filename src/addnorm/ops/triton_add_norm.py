@@ -668,15 +668,16 @@ class Launch(NamedTuple):
 # Rows up to these widths stay in registers in one pass; wider rows go in column chunks. Forward: narrow
 # rows share a program (tiles of TILE elements), about 16 fp32 values per thread per tile tensor
 # (ELEMS_PER_WARP 512). Backward: one row at a time (BLOCK_M 1), 8 values per thread (256), one pass up
-# to 4096 columns, chunks of 4096 with 16 warps beyond. Measured on an H100 (bf16, rows = 2**27 / hidden,
-# ``benchmarks/sweep_launch_config.py``, ``benchmarks/results/gpu_h100.md``): a backward tile of several
-# rows (BLOCK_M 2-8, its dw/db column sums reduced across the tile's rows) ran 2.8-4.7x slower than one
-# row per step at hidden 256-4096; the forward's multi-row tiles were as fast as one row or faster. One
-# pass at 8192 (0.76 ms against 1.18 chunked there) spills 240-668 bytes in the heaviest variant (fp32,
-# dropout, vector gate), so 8192 is chunked. No spills and at most ~130 registers on sm_80 / sm_90 for
-# every variant (``benchmarks/triton_variants.py``, the compile-time test).
+# to 2048 columns, chunks of 4096 with 16 warps beyond. Measured on an H100 (bf16, rows = 2**27 /
+# hidden, ``benchmarks/sweep_launch_config.py``, ``benchmarks/results/gpu_h100.md``): a backward tile of
+# several rows (BLOCK_M 2-8, its dw/db column sums reduced across the tile's rows) ran 2.8-4.7x slower
+# than one row per step; the forward's multi-row tiles were as fast as one row or faster. One pass at
+# 4096 and 8192 was faster still (0.77 ms each, against about 1.0 and 1.18 chunked) but spills 36-668
+# bytes a thread in the heaviest variants (fp32, dropout, vector gate, unaligned), with 8 warps or 16.
+# No spills and at most ~130 registers on sm_80 / sm_90 for every variant
+# (``benchmarks/triton_variants.py``, the compile-time test).
 FWD_MAX_ONE_PASS = 8192
-BWD_MAX_ONE_PASS = 4096
+BWD_MAX_ONE_PASS = 2048
 FWD_CHUNK = Launch(1, 2048, True, 8)
 BWD_CHUNK = Launch(1, 4096, True, 16)
 TILE = 2048
