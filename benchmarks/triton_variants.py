@@ -10,8 +10,10 @@ Which variants: the launchers map every hidden size to one of a few launch confi
 For each configuration and each path (forward storing s or not; backward from s with a gradient
 arriving at s, from y recomputing s in some columns, from s recomputed from x and residual) the
 variant with every optional input (LayerNorm, weight, bias, a vector gate, dropout, fp32 tensors)
-holds the most values live, so it bounds the registers of the others; ``full=True`` adds RMSNorm,
-bf16 and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and without-affine
+holds the most values live, so it bounds the registers of the others (the backward gives the
+register-heavy variants, with dropout or a gate, narrower one-pass rows: the
+configurations only the lighter ones launch are compiled with the heaviest of those); ``full=True``
+adds RMSNorm, bf16 and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and without-affine
 variants, and hidden sizes that are not multiples of 16 (no aligned-vector specialisation).
 
 This module does not import triton at import time.
@@ -74,15 +76,21 @@ class Variant(NamedTuple):
         return ", ".join(parts + ([] if self.aligned else ["unaligned"]))
 
 
-def _configs(kind: str) -> dict:
-    """{launch configuration: hidden sizes} over HIDDEN_SIZES."""
+def _configs(kind: str, heavy: bool = True) -> dict:
+    """{launch configuration: hidden sizes} over HIDDEN_SIZES (the backward's for register-heavy
+    variants, ``triton_add_norm.bwd_register_heavy``, or for the others)."""
     from addnorm.ops.triton_add_norm import bwd_config, fwd_config
 
-    config = fwd_config if kind == "fwd" else bwd_config
     out: dict = {}
     for h in HIDDEN_SIZES:
-        out.setdefault(config(h), []).append(h)
+        out.setdefault(fwd_config(h) if kind == "fwd" else bwd_config(h, heavy), []).append(h)
     return out
+
+
+def _light(base: Variant) -> list[Variant]:
+    """The heaviest backward variant that is not register-heavy (no dropout, no gate): it runs the
+    one-pass configurations the heavy ones do not."""
+    return [base._replace(gate=0, dropout=False)]
 
 
 def variants(full: bool = False) -> list[Variant]:
@@ -103,6 +111,16 @@ def variants(full: bool = False) -> list[Variant]:
                     out += [base._replace(norm="rmsnorm", bias=False), base._replace(dtypes="mixed")]
                     out += [base._replace(dtypes="bf16"), base._replace(dtypes="fp16", gate=1)]
                     out += [base._replace(dropout=False, gate=0), base._replace(weight=False, bias=False)]
+        if kind == "bwd":  # the configurations only the lighter variants launch
+            light = {c: h for c, h in _configs(kind, heavy=False).items() if c not in configs}
+            widest = max(light, key=lambda c: (c.chunked, c.block_n), default=None)
+            for cfg, hidden in light.items():
+                aligned = (True, False) if full or cfg == widest else (True,)
+                for path in paths:
+                    base = Variant(
+                        kind, *cfg, "layernorm", path, "fp32", True, True, 2, True, True, tuple(hidden)
+                    )
+                    out += [v._replace(aligned=a) for v in _light(base) for a in aligned]
     return out
 
 

@@ -18,16 +18,20 @@ def test_launch_configurations_cover_the_hidden_sizes_with_few_variants(bench_mo
     HIDDEN_SIZES, variants = tv.HIDDEN_SIZES, tv.variants
 
     for h in HIDDEN_SIZES:
-        for cfg in (fwd_config(h), bwd_config(h)):
+        for cfg in (fwd_config(h), bwd_config(h), bwd_config(h, heavy=True)):
             assert cfg.block_n >= min(h, cfg.block_n) and (cfg.chunked or cfg.block_n >= h)
             assert cfg.block_m * cfg.block_n <= 8192 and 1 <= cfg.num_warps <= 16
     # the wide rows that spilled before (16,384 and 65,536) go in column chunks
-    assert fwd_config(16384).chunked and fwd_config(65536).chunked and bwd_config(8192).chunked
+    assert fwd_config(16384).chunked and fwd_config(65536).chunked and bwd_config(16384).chunked
+    # one pass at 4096 spilled in the register-heavy backward variants (dropout or a gate): chunks
+    assert bwd_config(4096, heavy=True).chunked and not bwd_config(4096).chunked and bwd_config(8192).chunked
     assert not fwd_config(8192).chunked and fwd_config(64).block_m > 1  # several rows per program
+    assert all(bwd_config(h).block_m == 1 for h in HIDDEN_SIZES)  # the backward: one row per step
     vs = variants()
     launched = {(v.kernel, v.block_m, v.block_n, v.chunked, v.num_warps) for v in vs}
     for h in HIDDEN_SIZES:
         assert ("fwd", *fwd_config(h)) in launched and ("bwd", *bwd_config(h)) in launched
+        assert ("bwd", *bwd_config(h, heavy=True)) in launched
     # every forward and backward path at every configuration
     assert {v.path for v in vs} == {"store_s", "no_s", "from_s", "from_y", "from_xr"}
     assert len(vs) == len(set(vs)) < 80

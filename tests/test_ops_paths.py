@@ -175,9 +175,10 @@ def test_chunked_post_ln_backward_paths(small_chunks, xhat_from):
 @pytest.mark.triton
 @needs_triton
 def test_several_rows_per_program_with_a_partial_last_tile():
+    """The forward's multi-row tiles with a ragged last tile; the backward goes one row per step."""
     from addnorm.ops.triton_add_norm import bwd_config, fwd_config
 
-    assert fwd_config(24).block_m > 1 and bwd_config(24).block_m > 1
+    assert fwd_config(24).block_m > 1 and bwd_config(24).block_m == 1
     _check_triton_vs_oracle(77, 24, torch.float32, "layernorm", True, True, True)  # 77 rows: a ragged tile
     _check_triton_vs_oracle(77, 24, torch.bfloat16, "rmsnorm", False, False, False)
 

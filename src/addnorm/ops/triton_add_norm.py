@@ -668,16 +668,19 @@ class Launch(NamedTuple):
 # Rows up to these widths stay in registers in one pass; wider rows go in column chunks. Forward: narrow
 # rows share a program (tiles of TILE elements), about 16 fp32 values per thread per tile tensor
 # (ELEMS_PER_WARP 512). Backward: one row at a time (BLOCK_M 1), 8 values per thread (256), one pass up
-# to 2048 columns, chunks of 4096 with 16 warps beyond. Measured on an H100 (bf16, rows = 2**27 /
-# hidden, ``benchmarks/sweep_launch_config.py``, ``benchmarks/results/gpu_h100.md``): a backward tile of
-# several rows (BLOCK_M 2-8, its dw/db column sums reduced across the tile's rows) ran 2.8-4.7x slower
-# than one row per step; the forward's multi-row tiles were as fast as one row or faster. One pass at
-# 4096 and 8192 was faster still (0.77 ms each, against about 1.0 and 1.18 chunked) but spills 36-668
-# bytes a thread in the heaviest variants (fp32, dropout, vector gate, unaligned), with 8 warps or 16.
+# to 4096 columns (2048 for the register-heavy variants: dropout or a gate, :func:`bwd_register_heavy`),
+# chunks of 4096 with 16 warps beyond. Measured on an H100 (bf16, rows = 2**27 / hidden,
+# ``benchmarks/sweep_launch_config.py``, ``benchmarks/results/gpu_h100.md``): a backward tile of several
+# rows (BLOCK_M 2-8, its dw/db column sums reduced across the tile's rows) ran 2.6-4.7x slower than one
+# row per step at hidden 256-8192; the forward's multi-row tiles were as fast as one row or faster. One
+# pass at 4096 (0.77 ms against about 1.0 chunked) spills 12-340 bytes a thread in the variants with
+# dropout or a gate, so those take the chunks; one pass at 8192 (0.76 ms against 1.18) spills with
+# dropout alone, so 8192 is chunked for every variant.
 # No spills and at most ~130 registers on sm_80 / sm_90 for every variant
 # (``benchmarks/triton_variants.py``, the compile-time test).
 FWD_MAX_ONE_PASS = 8192
-BWD_MAX_ONE_PASS = 2048
+BWD_MAX_ONE_PASS = 4096
+BWD_MAX_ONE_PASS_HEAVY = 2048
 FWD_CHUNK = Launch(1, 2048, True, 8)
 BWD_CHUNK = Launch(1, 4096, True, 16)
 TILE = 2048
@@ -698,9 +701,22 @@ def fwd_config(n: int) -> Launch:
 
 
 @functools.lru_cache(maxsize=256)
-def bwd_config(n: int) -> Launch:
-    """The backward's launch configuration for rows of ``n`` columns: one row per step."""
-    return _one_pass(n, 256, tile=1) if n <= BWD_MAX_ONE_PASS else BWD_CHUNK
+def bwd_config(n: int, heavy: bool = False) -> Launch:
+    """The backward's launch configuration for rows of ``n`` columns: one row per step; ``heavy``
+    (:func:`bwd_register_heavy`) variants go in column chunks from narrower rows."""
+    return (
+        _one_pass(n, 256, tile=1)
+        if n <= (BWD_MAX_ONE_PASS_HEAVY if heavy else BWD_MAX_ONE_PASS)
+        else BWD_CHUNK
+    )
+
+
+def bwd_register_heavy(s_dtype: torch.dtype, dropout: bool, gate_code: int) -> bool:
+    """Whether a backward variant holds so many values live that one pass over a wide row spills:
+    dropout or a gate, in any dtype (``benchmarks/results/kernel_compile_full.md``; with 16 warps a
+    thread has 128 registers). ``s_dtype``, the stream's dtype, is part of the rule's signature: the
+    spills were measured per dtype and fp32 spills most."""
+    return dropout or gate_code != 0
 
 
 @functools.lru_cache(maxsize=16)
@@ -709,11 +725,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=1024)
-def _bwd_grid(rows: int, n: int, device: torch.device) -> tuple[int, int]:
-    cfg = bwd_config(n)
-    tiles = -(-rows // cfg.block_m)
+def _bwd_grid(rows: int, n: int, device: torch.device, block_m: int, block_n: int) -> tuple[int, int]:
+    tiles = -(-rows // block_m)
     if device.type == "cuda":
-        per_sm = max(1, 8192 // (cfg.block_m * min(cfg.block_n, n)))
+        per_sm = max(1, 8192 // (block_m * min(block_n, n)))
         target = _sm_count(device) * per_sm
     else:
         target = 4
@@ -721,14 +736,21 @@ def _bwd_grid(rows: int, n: int, device: torch.device) -> tuple[int, int]:
     return -(-tiles // per_program), per_program
 
 
-def bwd_grid(rows: int, n: int, device: torch.device) -> tuple[int, int]:
+def bwd_grid(
+    rows: int, n: int, device: torch.device, block: tuple[int, int] | None = None
+) -> tuple[int, int]:
     """(programs, tiles per program) of the backward: enough programs to fill the GPU (about 8192
     elements per tile's worth of work each), few enough that the (programs, hidden) fp32 partial sums
-    stay small. The interpreter takes at most 4 (still more than one partial sum). Cached per shape."""
+    stay small. The interpreter takes at most 4 (still more than one partial sum). ``block``: the
+    launch's (rows, columns) per tile, ``bwd_config(n)``'s by default. Cached per shape."""
     if not rows:
         return 0, 0
+    if block is None:
+        cfg = bwd_config(n)
+        block = (cfg.block_m, cfg.block_n)
     # traced with a symbolic row count (torch.compile's dynamic shapes): computed, not cached
-    return _bwd_grid(rows, n, device) if type(rows) is int else _bwd_grid.__wrapped__(rows, n, device)
+    grid = _bwd_grid if type(rows) is int else _bwd_grid.__wrapped__
+    return grid(rows, n, device, *block)
 
 
 def clear_caches() -> None:
@@ -820,7 +842,7 @@ def bwd_spec(
     xhat_from: int, s_dtype: torch.dtype, x_dtype: torch.dtype, res_dtype: torch.dtype, need_dx: bool,
 ) -> BwdSpec:  # fmt: skip
     """The backward's launch spec (``has_ds``: a gradient arrives at s)."""
-    cfg = bwd_config(n)
+    cfg = bwd_config(n, bwd_register_heavy(s_dtype, p > 0, gate_code))
     recompute = xhat_from == XHAT_FROM_XR or (xhat_from == XHAT_FROM_Y and (has_w or has_b))
     meta = {
         "IS_RMS": norm == "rmsnorm", "HAS_W": has_w, "HAS_B": has_b, "GATE": gate_code, "DROPOUT": p > 0,
@@ -875,7 +897,7 @@ def launch_bwd(sp: BwdSpec, dy, ds, saved, x, residual, weight, bias, gate, seed
     dyc = dy.is_contiguous()
     dres = _empty_like(dy, dyc, sp.res_dtype)
     dx = _empty_like(dres, True, sp.x_dtype) if sp.need_dx else None
-    programs, per_program = bwd_grid(rows, n, dy.device)
+    programs, per_program = bwd_grid(rows, n, dy.device, (sp.meta["BLOCK_M"], sp.meta["BLOCK_N"]))
     # per-program partial sums of dweight / dbias / dgate, summed below; one program (few rows) writes
     # the sums themselves
     part = (n,) if programs == 1 else (programs, n)
@@ -980,6 +1002,7 @@ __all__ = [
     "add_norm_fwd_triton",
     "bwd_config",
     "bwd_grid",
+    "bwd_register_heavy",
     "bwd_spec",
     "clear_caches",
     "fwd_config",
