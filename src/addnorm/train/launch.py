@@ -60,19 +60,23 @@ def _die_with_parent() -> None:
 
 
 def _failure(workdir: Path, code: int) -> str:
-    """One line: the first rank's own error, else the rank torchrun saw fail and its exit code."""
-    for path in sorted(workdir.glob("error-rank*.txt")):
-        return f"distributed run: rank {path.stem.split('rank')[-1]} failed: {path.read_text().strip()}"
+    """One line: the rank torchrun names as the root cause, and how it ended (the signal that killed
+    it, or its own error as it wrote it; a peer's error about the lost connection comes second)."""
     log = (workdir / LOG).read_text(errors="replace") if (workdir / LOG).exists() else ""
-    rank = re.search(r"rank\s*:\s*(\d+)", log)
-    exit_code = re.search(r"exitcode\s*:\s*(-?\d+)", log)
-    how = ""
-    if exit_code:
-        number = int(exit_code.group(1))
-        how = f" (killed by {signal.Signals(-number).name})" if number < 0 else f" (exit code {number})"
-    who = f"rank {rank.group(1)}" if rank else "a rank"
+    root = log[log.find("Root Cause") :] if "Root Cause" in log else log
+    rank = re.search(r"rank\s*:\s*(\d+)", root)
+    exit_code = re.search(r"exitcode\s*:\s*(-?\d+)", root)
+    errors = {p.stem.split("rank")[-1]: p for p in sorted(workdir.glob("error-rank*.txt"))}
+    who = rank.group(1) if rank else next(iter(errors), None)
+    if exit_code and int(exit_code.group(1)) < 0:
+        how = f"was killed by {signal.Signals(-int(exit_code.group(1))).name}"
+    elif who in errors:
+        how = f"failed: {errors[who].read_text().strip()}"
+    else:
+        how = f"exited with {exit_code.group(1)}" if exit_code else "died"
     return (
-        f"distributed run: {who} died{how}; torchrun exited with {code}; the next study invocation reruns it"
+        f"distributed run: {'rank ' + who if who else 'a rank'} {how} (torchrun exit code {code}); "
+        "the next study invocation runs it again"
     )
 
 
