@@ -23,6 +23,7 @@ from addnorm.study.runner import run_study
 from addnorm.study.spec import SpecError, load_spec, parse_spec
 from addnorm.study.store import Store
 from addnorm.train import RunConfig
+from addnorm.train.launch import launch, launcher_command
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
@@ -267,3 +268,18 @@ def test_the_ray_executor_gives_a_run_on_n_processes_n_gpus():
     assert on_gpus.task_options(one)["num_gpus"] == 1
     on_cpus = ray_executor.RayExecutor(None, cpus_per_run=1)
     assert on_cpus.task_options(two)["num_gpus"] == 0 and on_cpus.task_options(two)["num_cpus"] == 2
+
+
+def test_on_gpus_a_run_takes_one_gpu_per_process(monkeypatch):
+    """The GPU path without a GPU: N processes need N GPUs; torchrun gets one process per GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert plan_workers("auto", None, runs=4, nproc=2) == (1, 1)
+    with pytest.raises(ValueError, match=r"^distributed.nproc: a run on 4 processes takes 4 GPUs .* has 2$"):
+        plan_workers("auto", None, runs=4, nproc=4)
+    command = launcher_command("/tmp/work", 2)
+    assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc-per-node=2" in command and "--max-restarts=0" in command
+    assert command[-3:] == ["-m", "addnorm.train.launch", "/tmp/work"]
+    with pytest.raises(ValueError, match="^distributed: launch needs a run with distributed set"):
+        launch(RunConfig(**TINY))
