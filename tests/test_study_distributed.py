@@ -13,11 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import typer
 from typer.testing import CliRunner
 
+from addnorm.cli import app
 from addnorm.study import executors
-from addnorm.study.cli import register
 from addnorm.study.executors import LocalExecutor, max_nproc, plan_workers
 from addnorm.study.runner import run_study
 from addnorm.study.spec import SpecError, load_spec, parse_spec
@@ -42,17 +41,6 @@ TINY = {
     "lr": 3e-3,
 }
 TOL = 1e-5
-
-
-def make_app() -> typer.Typer:
-    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
-
-    @app.callback()
-    def main() -> None:  # a callback keeps the commands as subcommands, as in the real app
-        """addnorm"""
-
-    register(app)
-    return app
 
 
 def spec(distributed: dict | None = None, **extra) -> object:
@@ -174,7 +162,7 @@ def test_fsdp2_from_the_cli_stores_the_one_process_run(one_process, tmp_path):
     )
     out = tmp_path / "out"
     result = CliRunner().invoke(
-        make_app(),
+        app,
         [
             "study",
             str(path),
@@ -255,7 +243,7 @@ def test_workers_times_processes_above_the_cores_is_refused(monkeypatch):
 def test_the_cli_options_set_distributed_everywhere_and_strategy_needs_nproc():
     plan = load_spec("quick", ["distributed={strategy: fsdp2, nproc: 2}"])
     assert {str(r.config.distributed) for r in plan.expand()} == {"{'strategy': 'fsdp2', 'nproc': 2}"}
-    result = CliRunner().invoke(make_app(), ["study", "quick", "--strategy", "fsdp2", "--dry-run"])
+    result = CliRunner().invoke(app, ["study", "quick", "--strategy", "fsdp2", "--dry-run"])
     assert result.exit_code != 0 and "--strategy: only with --nproc" in result.output
 
 
