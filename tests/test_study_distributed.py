@@ -21,7 +21,7 @@ from addnorm.study.executors import LocalExecutor, max_nproc, plan_workers
 from addnorm.study.runner import run_study
 from addnorm.study.spec import SpecError, load_spec, parse_spec
 from addnorm.study.store import Store
-from addnorm.train import RunConfig
+from addnorm.train import RunConfig, train
 from addnorm.train.launch import launch, launcher_command
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
@@ -271,3 +271,31 @@ def test_on_gpus_a_run_takes_one_gpu_per_process(monkeypatch):
     assert command[-3:] == ["-m", "addnorm.train.launch", "/tmp/work"]
     with pytest.raises(ValueError, match="^distributed: launch needs a run with distributed set"):
         launch(RunConfig(**TINY))
+
+
+@pytest.mark.parametrize(
+    ("extra", "strategy"),
+    [
+        ({"model": "hf-llama", "fused": True}, "fsdp2"),  # a fused HF family, sharded per decoder layer
+        ({"task": "copy", "placement": "post", "grad_clip": 0.5}, "fsdp2"),  # encoder-decoder, clipping
+        ({"placement": "resi_dual"}, "ddp"),
+    ],
+    ids=["hf-llama-fused-fsdp2", "copy-post-clip-fsdp2", "resi_dual-ddp"],
+)
+def test_two_processes_train_like_one_across_models(extra, strategy):
+    if extra.get("model", "").startswith("hf-"):
+        pytest.importorskip("transformers")
+    settings = {**TINY, "steps": 4, "eval_every": 2, "probe_every": 2, **extra}
+    torch.set_num_threads(1)
+    one = train(RunConfig(**settings))
+    two = launch(RunConfig(**settings, distributed={"strategy": strategy, "nproc": 2}))
+    assert two.status == "done", two.error
+    expected = {(step, name): value for step, name, value in one.metrics}
+    got = {(step, name): value for step, name, value in two.metrics}
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=TOL), key
+    assert len(two.layer_metrics) == len(one.layer_metrics)
+    for a, b in zip(one.layer_metrics, two.layer_metrics, strict=True):
+        assert (b["step"], b["layer"], b["metric"]) == (a["step"], a["layer"], a["metric"])
+        assert b["value"] == pytest.approx(a["value"], abs=TOL), a
