@@ -257,12 +257,23 @@ def test_the_ray_executor_gives_a_run_on_n_processes_n_gpus():
     on_cpus = ray_executor.RayExecutor(None, cpus_per_run=1)
     assert on_cpus.task_options(two)["num_gpus"] == 0 and on_cpus.task_options(two)["num_cpus"] == 2
 
+    class Cluster:  # one node with 1 CPU and no GPU: a 2-process run cannot be placed
+        @staticmethod
+        def nodes():
+            return [{"Alive": True, "Resources": {"CPU": 1.0}}]
+
+    on_cpus._ray = Cluster()
+    with pytest.raises(ValueError, match="^distributed.nproc: .* 2 CPUs and 0 GPUs on one node; no node"):
+        on_cpus._check_fits(on_cpus.task_options(two))
+
 
 def test_on_gpus_a_run_takes_one_gpu_per_process(monkeypatch):
     """The GPU path without a GPU: N processes need N GPUs; torchrun gets one process per GPU."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert plan_workers("auto", None, runs=4, nproc=2) == (1, 1)
+    with pytest.raises(ValueError, match=r"^workers: a run on 2 processes takes 2 GPUs .*--workers 1"):
+        plan_workers(2, None, runs=4, nproc=2)
     with pytest.raises(ValueError, match=r"^distributed.nproc: a run on 4 processes takes 4 GPUs .* has 2$"):
         plan_workers("auto", None, runs=4, nproc=4)
     command = launcher_command("/tmp/work", 2)

@@ -79,6 +79,11 @@ def plan_workers(
         threads = 1
     elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads: expected a positive integer, got {threads!r}")
+    if nproc > 1 and cuda and workers > 1:
+        raise ValueError(
+            f"workers: a run on {nproc} processes takes {nproc} GPUs of this machine, so runs go one at a "
+            "time (--workers 1); several at once: --executor ray"
+        )
     if nproc > 1 and cuda and nproc > torch.cuda.device_count():
         raise ValueError(
             f"distributed.nproc: a run on {nproc} processes takes {nproc} GPUs (one each); "

@@ -233,6 +233,17 @@ class RayExecutor(Executor):
             )
         return int(sum(f for f in fits if f >= 1))
 
+    def _check_fits(self, options: dict) -> None:
+        """A run on several processes that no node can hold is an error, not a task waiting forever."""
+        nodes = [n.get("Resources", {}) for n in self._ray.nodes() if n.get("Alive")]
+        if not any(
+            r.get("CPU", 0) >= options["num_cpus"] and r.get("GPU", 0) >= options["num_gpus"] for r in nodes
+        ):
+            raise ValueError(
+                f"distributed.nproc: a run on several processes asks for {options['num_cpus']:g} CPUs and "
+                f"{options['num_gpus']:g} GPUs on one node; no node of the Ray cluster has that many"
+            )
+
     # --- the executor interface ---------------------------------------------------------------------
     def task_options(self, run: PlannedRun) -> dict:
         """Ray's options for ``run``'s task. A run on N processes (``distributed``) asks for N times
@@ -251,7 +262,10 @@ class RayExecutor(Executor):
     def submit(self, run: PlannedRun) -> None:
         if self._ray is None:
             self._connect()
-        task = self._task.options(**self.task_options(run))
+        options = self.task_options(run)
+        if run.config.distributed:
+            self._check_fits(options)
+        task = self._task.options(**options)
         self._refs[task.remote(run.config.to_dict(), run.run_id, self.threads, self._box)] = run
 
     def _drain(self, relay: StepRelay) -> None:
