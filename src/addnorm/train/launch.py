@@ -115,12 +115,18 @@ def launch(
                         break
                     time.sleep(POLL_S)
             finally:
-                if proc.poll() is None:  # interrupted: stop torchrun and every rank
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                if proc.poll() is None:  # interrupted: torchrun stops its ranks on SIGTERM
+                    proc.terminate()
+                    try:
+                        proc.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(proc.pid, signal.SIGKILL)
+                        proc.wait()
         if code == 0 and (work / RESULT).exists():
-            return pickle.loads((work / RESULT).read_bytes())  # noqa: S301 - written by rank 0 below
+            result = pickle.loads((work / RESULT).read_bytes())  # noqa: S301 - written by rank 0 below
+            result.wall_s = time.perf_counter() - start  # the run's cost: starting the ranks included
+            return result
         return RunResult(status=FAILED, error=_failure(work, code), wall_s=time.perf_counter() - start)
 
 
