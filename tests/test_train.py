@@ -220,14 +220,23 @@ def test_compile_trains_like_eager():
 
 
 def test_settings_added_later_keep_the_run_ids_of_stored_studies():
-    """precision, compile, corpus_bytes and the Hugging Face keys (model, kv_heads, rope_theta, fused) at
-    their defaults (what every run did before they existed) are left out of the run id: the id is the
-    SHA-1 of the config as it was before they were added."""
+    """precision, compile, corpus_bytes, the Hugging Face keys (model, kv_heads, rope_theta, fused) and
+    distributed at their defaults (what every run did before they existed) are left out of the run id:
+    the id is the SHA-1 of the config as it was before they were added."""
     import hashlib
     import json
 
     cfg = RunConfig(**TINY)
-    later = ("precision", "compile", "corpus_bytes", "model", "kv_heads", "rope_theta", "fused")
+    later = (
+        "precision",
+        "compile",
+        "corpus_bytes",
+        "model",
+        "kv_heads",
+        "rope_theta",
+        "fused",
+        "distributed",
+    )
     before = {k: v for k, v in cfg.to_dict().items() if k not in later}
     text = json.dumps(before, sort_keys=True, separators=(",", ":"))
     assert cfg.run_id == hashlib.sha1(text.encode()).hexdigest()[:12]

@@ -57,7 +57,9 @@ def _layer_list(model: nn.Module) -> nn.ModuleList | None:
 
 
 def _wide(t: Tensor) -> Tensor:
-    """t in at least float32 for statistics (float64 stays float64)."""
+    """t whole (a DTensor, such as an FSDP2-sharded weight or its gradient, gathered from its ranks)
+    and in at least float32 for statistics (float64 stays float64)."""
+    t = t.full_tensor() if hasattr(t, "full_tensor") else t
     return t if t.dtype == torch.float64 else t.float()
 
 

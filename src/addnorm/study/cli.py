@@ -19,7 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..cli_errors import handle_errors
-from .executors import Executor, plan_workers
+from .executors import Executor, max_nproc, plan_workers
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
 from .lock import folder_lock
 from .report import build_report
@@ -28,6 +28,7 @@ from .spec import (
     OVERRIDE_HELP,
     SMOKE_HELP,
     StudySpec,
+    distributed_override,
     load_spec,
     preset_names,
     preset_text,
@@ -92,7 +93,9 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
         else "single-core time, calibrated on a 2-core machine"
     )
     if where is None:
-        n_workers, n_threads = plan_workers(local["workers"], local["threads"], runs=len(todo))
+        n_workers, n_threads = plan_workers(
+            local["workers"], local["threads"], runs=len(todo), nproc=max_nproc(todo)
+        )
         where = f"on {n_workers} worker(s) x {n_threads} torch thread(s)"
         estimate = f"estimated {fmt_time(total / n_workers)} ({fmt_time(total)} of {unit})"
     else:
@@ -165,6 +168,13 @@ def study(
     gpus_per_run: float = typer.Option(
         None, "--gpus-per-run", help="with --executor ray: GPUs per run, a fraction shares one (default 0)"
     ),
+    nproc: int = typer.Option(
+        None,
+        "--nproc",
+        help="train every run on N processes launched by torchrun, each on its shard of every batch "
+        "(one per GPU; gloo on the CPU): sets distributed: {strategy, nproc: N} everywhere",
+    ),
+    strategy: str = typer.Option(None, "--strategy", help="with --nproc: ddp (the default) or fsdp2"),
     track: list[str] = typer.Option(
         [],
         "--track",
@@ -231,6 +241,8 @@ def study(
     if mlflow_uri is not None and "mlflow" not in [t.strip().lower() for t in track]:
         raise ValueError("--mlflow-uri: only with --track mlflow")
     trackers = make_trackers(track, mlflow_uri)  # a missing extra is an error before anything runs
+    if nproc is not None or strategy is not None:
+        set_ = [*set_, distributed_override(nproc, strategy)]
     plan = load_spec(spec, set_, smoke=smoke)
     folder = out or DEFAULT_OUT / plan.name
     runner: Executor | None = None

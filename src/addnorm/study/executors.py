@@ -39,6 +39,7 @@ from concurrent.futures.process import BrokenProcessPool
 import torch
 
 from ..train import FAILED, RunConfig, RunResult, train
+from ..train.launch import launch
 from .provenance import provenance
 from .spec import PlannedRun
 
@@ -54,18 +55,23 @@ def usable_cores() -> int:
 
 
 def plan_workers(
-    workers: int | str = "auto", threads: int | None = None, runs: int | None = None
+    workers: int | str = "auto", threads: int | None = None, runs: int | None = None, nproc: int = 1
 ) -> tuple[int, int]:
     """(workers, torch threads per worker). ``"auto"``: one worker per usable core, no more than there
     are ``runs``. Threads default to 1 per worker: the small models of a study gain little from
     intra-op threads, and multi-threaded processes stall each other as soon as anything else runs on
     the machine (a quick study took 6x longer beside one busy process). So by default
     workers x threads <= usable cores; ``threads`` raises it for large models on an idle machine.
-    Where CUDA is available, ``"auto"`` is one worker: the runs train on the GPU one at a time."""
+    Where CUDA is available, ``"auto"`` is one worker: the runs train on the GPU one at a time.
+
+    ``nproc``: the most processes one run trains on (its ``distributed`` setting). On a GPU machine a
+    run takes one GPU per process, so ``nproc`` may not exceed the GPUs; on the CPU each process
+    takes ``threads`` cores, and ``workers x nproc x threads`` above the usable cores is refused."""
     cores = usable_cores()
+    cuda = torch.cuda.is_available()
     if workers == "auto":
         # on a GPU machine the runs share the GPU: one at a time (several GPUs: the Ray executor)
-        cores = 1 if torch.cuda.is_available() else cores
+        cores = 1 if cuda else max(1, cores // nproc)
         workers = max(1, min(cores, runs if runs else cores))
     elif isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected a positive integer or 'auto', got {workers!r}")
@@ -73,14 +79,40 @@ def plan_workers(
         threads = 1
     elif isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads: expected a positive integer, got {threads!r}")
+    if nproc > 1 and cuda and workers > 1:
+        raise ValueError(
+            f"workers: a run on {nproc} processes takes {nproc} GPUs of this machine, so runs go one at a "
+            "time (--workers 1); several at once: --executor ray"
+        )
+    if nproc > 1 and cuda and nproc > torch.cuda.device_count():
+        raise ValueError(
+            f"distributed.nproc: a run on {nproc} processes takes {nproc} GPUs (one each); "
+            f"this machine has {torch.cuda.device_count()}"
+        )
+    if nproc > 1 and not cuda and workers * nproc * threads > usable_cores():
+        raise ValueError(
+            f"workers: {workers} worker(s) x {nproc} processes per run (distributed.nproc) x {threads} "
+            f"thread(s) need {workers * nproc * threads} cores, this machine has {usable_cores()}; "
+            f"use --workers {max(1, usable_cores() // (nproc * threads))} or fewer processes"
+        )
     return workers, threads
 
 
+def max_nproc(runs: Iterable[PlannedRun]) -> int:
+    """The most processes any of ``runs`` trains on (1 for runs without ``distributed``)."""
+    return max((r.config.distributed["nproc"] for r in runs if r.config.distributed), default=1)
+
+
 def execute(config: dict, on_step: Callable[[int, float], None] | None = None) -> RunResult:
-    """Run one config; an exception becomes a ``failed`` result carrying its message. The result's
-    ``provenance`` describes this process."""
+    """Run one config (on the processes torchrun starts when it has ``distributed``, see
+    :func:`~addnorm.train.launch.launch`); an exception becomes a ``failed`` result carrying its
+    message. The result's ``provenance`` describes this process."""
     try:
-        result = train(RunConfig(**config), on_step=on_step)
+        cfg = RunConfig(**config)
+        if cfg.distributed:
+            result = launch(cfg, on_step, threads=torch.get_num_threads())
+        else:
+            result = train(cfg, on_step=on_step)
     except Exception as err:  # noqa: BLE001 - recorded, and the study goes on
         tail = traceback.format_exc(limit=3).strip().splitlines()[-1]
         result = RunResult(status=FAILED, error=f"{type(err).__name__}: {err}" if str(err) else tail)
@@ -338,8 +370,8 @@ class ProcessExecutor(Executor):
 
 
 def make_executor(
-    workers: int | str = "auto", threads: int | None = None, runs: int | None = None
+    workers: int | str = "auto", threads: int | None = None, runs: int | None = None, nproc: int = 1
 ) -> Executor:
     """The executor for :func:`plan_workers`' choice: in-process for one worker, else a process pool."""
-    workers, threads = plan_workers(workers, threads, runs)
+    workers, threads = plan_workers(workers, threads, runs, nproc)
     return LocalExecutor(threads) if workers == 1 else ProcessExecutor(workers, threads)

@@ -14,6 +14,8 @@ driver alone writes the study's database, as results come back (:mod:`.executors
   node lost) comes back as a ``failed`` run; finished runs are stored as they arrive, so nothing
   finished is lost, and the next invocation of the study runs only what is missing. An interrupt
   (Ctrl-C) cancels every task not yet back (``ray.cancel(force=True)`` stops those in flight).
+- A run on N processes (``distributed``) is one task with N x ``cpus_per_run`` CPUs and, with
+  ``gpus_per_run`` > 0, N GPUs; torchrun starts its processes inside the task.
 - The cluster's nodes need addnorm installed (the same version: each run's provenance records it),
   and a ``corpus`` path must exist on every node.
 """
@@ -231,17 +233,39 @@ class RayExecutor(Executor):
             )
         return int(sum(f for f in fits if f >= 1))
 
+    def _check_fits(self, options: dict) -> None:
+        """A run on several processes that no node can hold is an error, not a task waiting forever."""
+        nodes = [n.get("Resources", {}) for n in self._ray.nodes() if n.get("Alive")]
+        if not any(
+            r.get("CPU", 0) >= options["num_cpus"] and r.get("GPU", 0) >= options["num_gpus"] for r in nodes
+        ):
+            raise ValueError(
+                f"distributed.nproc: a run on several processes asks for {options['num_cpus']:g} CPUs and "
+                f"{options['num_gpus']:g} GPUs on one node; no node of the Ray cluster has that many"
+            )
+
     # --- the executor interface ---------------------------------------------------------------------
+    def task_options(self, run: PlannedRun) -> dict:
+        """Ray's options for ``run``'s task. A run on N processes (``distributed``) asks for N times
+        ``cpus_per_run`` CPUs and, on GPUs, N whole GPUs (one per process; torchrun starts them inside
+        the task, on the GPUs Ray gave it)."""
+        nproc = run.config.distributed["nproc"] if run.config.distributed else 1
+        gpus = self.gpus_per_run if nproc == 1 else (float(nproc) if self.gpus_per_run else 0.0)
+        return {
+            "name": f"addnorm:{run.run_id}",  # the worker's process title while it trains: ray::addnorm:<id>
+            "num_cpus": self.cpus_per_run * nproc,
+            "num_gpus": gpus,
+            "max_retries": self.max_retries,
+            "retry_exceptions": False,
+        }
+
     def submit(self, run: PlannedRun) -> None:
         if self._ray is None:
             self._connect()
-        task = self._task.options(
-            name=f"addnorm:{run.run_id}",  # the worker's process title while it trains: ray::addnorm:<id>
-            num_cpus=self.cpus_per_run,
-            num_gpus=self.gpus_per_run,
-            max_retries=self.max_retries,
-            retry_exceptions=False,
-        )
+        options = self.task_options(run)
+        if run.config.distributed:
+            self._check_fits(options)
+        task = self._task.options(**options)
         self._refs[task.remote(run.config.to_dict(), run.run_id, self.threads, self._box)] = run
 
     def _drain(self, relay: StepRelay) -> None:

@@ -18,7 +18,7 @@ from rich.table import Column
 from rich.text import Text
 
 from ..train import FAILED, RunConfig, RunResult
-from .executors import Executor, make_executor
+from .executors import Executor, make_executor, max_nproc
 from .lock import folder_lock
 from .report import build_report
 from .spec import PlannedRun, StudySpec
@@ -286,7 +286,7 @@ def run_study(
             if pruned:
                 notes.append(f"{pruned} stale runs pruned")
             stream.write(f"study {spec.name!r}: {len(planned)} runs ({', '.join(notes)}) in {out}\n")
-        executor = executor or make_executor(workers, threads, runs=len(todo))
+        executor = executor or make_executor(workers, threads, runs=len(todo), nproc=max_nproc(todo))
         tracking = TrackerGroup(trackers or [], stream)
         tracking.open(out, spec.name, store)
         bar = None

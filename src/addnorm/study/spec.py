@@ -280,6 +280,14 @@ OVERRIDE_HELP = (
 )
 
 
+def distributed_override(nproc: int | None, strategy: str | None) -> str:
+    """``--nproc N [--strategy S]`` as the ``--set`` override ``distributed={strategy: S, nproc: N}``
+    (validated with the runs: ``distributed.nproc``/``distributed.strategy`` errors name the key)."""
+    if nproc is None:
+        raise SpecError("--strategy: only with --nproc N (the processes each run trains on)")
+    return f"distributed={{strategy: {strategy or 'ddp'}, nproc: {nproc}}}"
+
+
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
     """Apply ``--set`` overrides to a loaded spec (see :data:`OVERRIDE_HELP`)."""
     for item in overrides:

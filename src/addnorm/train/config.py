@@ -18,6 +18,7 @@ from ..tasks import TASKS
 from ..tasks.corpus import DEFAULT_CORPUS_BYTES
 from .device import PRECISIONS
 from .hf_model import ADDNORM_MODEL, HF_FAMILIES, not_applicable
+from .ranks import parse_distributed
 from .schedules import SCHEDULES
 
 HF_NAMES = tuple("hf-" + name[3:] for name in HF_FAMILIES)
@@ -82,6 +83,11 @@ class RunConfig:
     kv_heads: int = _f(0, "hf- models: key/value heads (grouped-query attention); 0: n_heads")
     rope_theta: float = _f(10000.0, "hf- models: the RoPE base")
     fused: bool = _f(False, "hf- models: run each residual connection in addnorm's fused op")
+    distributed: dict | None = _f(
+        None,
+        "train on N processes launched by torchrun, each on its shard of every batch: "
+        "{strategy: ddp | fsdp2, nproc: N} (one process per GPU; gloo on the CPU); none: one process",
+    )
 
     def __init__(self, model: TransformerConfig | str | None = None, **values: Any) -> None:
         if isinstance(model, str):  # the spec key ``model`` names the architecture (field ``arch``)
@@ -142,6 +148,7 @@ class RunConfig:
         object.__setattr__(self, "rope_theta", _float("rope_theta", self.rope_theta, True))
         if not isinstance(self.fused, bool):
             raise ValueError(f"fused: expected true or false, got {self.fused!r}")
+        object.__setattr__(self, "distributed", parse_distributed(self.distributed, self.batch_size))
         if self.arch != ADDNORM_MODEL and self.task != "lm":
             raise ValueError(
                 f"model: {self.arch} is a causal language model; it trains on task lm, not {self.task!r}"
@@ -233,6 +240,7 @@ LATER_KEYS: dict[str, Any] = {
     "kv_heads": 0,
     "rope_theta": 10000.0,
     "fused": False,
+    "distributed": None,
 }
 
 

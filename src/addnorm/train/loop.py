@@ -19,6 +19,7 @@ from .config import RunConfig
 from .device import Throughput, autocast, autocast_dtype, device_name, precision_name, select_device
 from .hf_model import ADDNORM_MODEL, build_hf_model, transformers_version
 from .optim import build_optimizer
+from .ranks import Ranks, full
 from .schedules import lr_multiplier
 
 DONE, DIVERGED, FAILED = "done", "diverged", "failed"
@@ -76,7 +77,8 @@ def _update_ratios(model, before: dict[str, torch.Tensor], layer_names: list[str
         rel = name[len(layer) + 1 :]
         sub = rel.split(".")[0]
         sublayer = sub if sub in ("self_attn", "cross_attn", "ff", "mlp") else ""
-        ratio = (params[name].detach() - old).norm().item() / max(old.norm().item(), 1e-12)
+        new, old = full(params[name].detach()), full(old)
+        ratio = (new - old).norm().item() / max(old.norm().item(), 1e-12)
         rows.append(
             {
                 "step": step,
@@ -195,9 +197,11 @@ def train(
     ``on_step(step, loss)`` is called for every completed step, in order. ``sync_every``: steps between
     reads of the loss from the device (default 1 on the CPU, :data:`SYNC_EVERY` on a GPU); probed steps
     are read at once. The result does not depend on it (see :class:`_StepLog`); ``on_step`` only comes
-    later. With ``compile: true`` the training steps run the model through ``torch.compile``, except
-    probed steps (their hooks run it uncompiled) and evaluation (a few forward passes would not repay
-    compiling the evaluation graph)."""
+    later. A run with ``distributed`` set trains on this process's shard of every batch, under the
+    process group its launcher started (:mod:`addnorm.train.ranks`, :mod:`addnorm.train.launch`),
+    and records what one process would. With ``compile: true`` the training steps run the model
+    through ``torch.compile``, except probed steps (their hooks run it uncompiled) and evaluation (a
+    few forward passes would not repay compiling the evaluation graph)."""
     start = time.perf_counter()
     device = select_device(device)
     dtype = autocast_dtype(device, cfg.precision)
@@ -207,13 +211,16 @@ def train(
         {"corpus": cfg.corpus, "limit": cfg.corpus_bytes} if cfg.task == "lm" else {"symbols": cfg.symbols}
     )
     task = build_task(cfg.task, **options)
+    ranks = Ranks.current(cfg.distributed)
+    # ``model`` is the module a rank observes and evaluates, ``trained`` the one it trains (DDP's wrapper)
     model = build_model(cfg, task).to(device)
-    forward = torch.compile(model) if cfg.compile else model
     gen = torch.Generator().manual_seed(cfg.seed)
     # Admin's profiling pass sets omega from data
     if any(p.init == "admin" for p in cfg.model.placements_for(cfg.model.n_layers)):
         seed = torch.Generator().manual_seed(cfg.seed + 1)
         admin_init(model, *task.model_inputs(task.batch("train", cfg.batch_size, cfg.seq_len, seed, device)))
+    trained = ranks.wrap(model, device) if ranks else model
+    forward = torch.compile(trained) if cfg.compile else trained
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
     on_sphere = bool(ngpt_matrices(model))  # nGPT: matrices back on the unit sphere after each step
     result = RunResult(status=DONE)
@@ -222,6 +229,8 @@ def train(
         "precision": precision_name(dtype),
         "compile": cfg.compile,
     }
+    if ranks:
+        result.provenance["distributed"] = f"{ranks.strategy} x {ranks.world}"
     if cfg.arch != ADDNORM_MODEL:
         result.provenance["transformers"] = transformers_version()
     probe_steps = {0, cfg.steps - 1}
@@ -240,13 +249,16 @@ def train(
             group["lr"] = lr
         batch = task.batch("train", cfg.batch_size, cfg.seq_len, gen, device)
         probing = step in probe_steps
+        if ranks and not probing:  # probed steps: the whole batch on every rank (see ranks.py)
+            batch = ranks.shard(batch)
         read_now = probing or sync_every == 1
         probe = Probe(model) if probing else contextlib.nullcontext()
         with probe:
             with autocast(device, dtype):
-                loss, _ = task.loss(model if probing else forward, batch)
+                loss, _ = task.loss(trained if probing else forward, batch)
+            seen = ranks.mean(loss) if ranks and not probing else loss.detach()
             if read_now:  # a diverged step is recorded before it updates anything
-                if not log.flush() or log.diverges(step, value := loss.item()):
+                if not log.flush() or log.diverges(step, value := seen.item()):
                     break
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -258,10 +270,10 @@ def train(
                     key=lambda n: next(r["layer"] for r in rows if r["layer_name"] == n),
                 )
         if cfg.grad_clip:
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            grad_norm = full(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip))
         else:
             grad_norm = torch.linalg.vector_norm(
-                torch.stack([p.grad.detach().norm() for p in model.parameters() if p.grad is not None])
+                torch.stack([full(p.grad.detach().norm()) for p in model.parameters() if p.grad is not None])
             )
         before = (
             {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim >= 2} if probing else None
@@ -271,7 +283,7 @@ def train(
             ngpt_normalize_(model)
         if probing:
             result.layer_metrics += _update_ratios(model, before, layer_names, step)
-        log.add(step, value if read_now else loss.detach(), grad_norm, lr)
+        log.add(step, value if read_now else seen, grad_norm, lr)
         speed.count(cfg.batch_size * cfg.seq_len)
         if (read_now or len(log.pending) >= sync_every) and not log.flush():
             break

@@ -1,0 +1,312 @@
+"""Study runs that span processes (issue 24, item 3): ``distributed: {strategy, nproc}`` launches a run
+through torchrun; 2 processes (gloo, one thread each) store what 1 process stores; only the driver
+opens the database; a killed rank fails the run with one line and the next invocation reruns it.
+
+Oracle: the same spec trained in one process. Real processes, a real SIGKILL, loopback only
+(torchrun ``--standalone`` rendezvous on a free port)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from addnorm.cli import app
+from addnorm.study import executors
+from addnorm.study.executors import LocalExecutor, max_nproc, plan_workers
+from addnorm.study.runner import run_study
+from addnorm.study.spec import SpecError, load_spec, parse_spec
+from addnorm.study.store import Store
+from addnorm.train import RunConfig, train
+from addnorm.train.launch import launch, launcher_command
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+
+TINY = {
+    "d_model": 16,
+    "n_heads": 2,
+    "d_ff": 32,
+    "n_layers": 2,
+    "batch_size": 4,
+    "seq_len": 16,
+    "steps": 40,
+    "eval_every": 20,
+    "eval_batches": 1,
+    "probe_every": 20,
+    "corpus_bytes": 20_000,
+    "lr": 3e-3,
+}
+TOL = 1e-5
+
+
+def spec(distributed: dict | None = None, **extra) -> object:
+    base = {**TINY, **extra, **({"distributed": distributed} if distributed else {})}
+    return parse_spec({"name": "dist", "base": base, "experiments": {"one": {}}})
+
+
+def stored(folder: Path) -> tuple[dict, dict, list]:
+    """(final values, {(step, name): value}, per-layer rows) of the one run stored in ``folder``."""
+    with Store(folder / "study.sqlite") as store:
+        (run,) = store.runs()
+        record = store.run_record(run["id"])
+    final = {key: record[f"final_{key}"] for key in ("train_loss", "val_loss", "val_metric")}
+    metrics = {(step, name): value for step, name, value in record["metrics"]}
+    layers = sorted(
+        (r["step"], r["layer"], r["sublayer"], r["metric"], r["param"] or "", r["value"])
+        for r in record["layer_metrics"]
+    )
+    return final, metrics, layers
+
+
+def assert_same_run(one: Path, two: Path) -> None:
+    final1, metrics1, layers1 = stored(one)
+    final2, metrics2, layers2 = stored(two)
+    assert set(metrics1) == set(metrics2)
+    assert len({s for s, n in metrics1 if n == "train_loss"}) >= 3  # at least 3 optimiser steps
+    for key, value in metrics1.items():
+        assert metrics2[key] == pytest.approx(value, abs=TOL), key
+    for key in ("train_loss", "val_loss", "val_metric"):
+        assert final2[key] == pytest.approx(final1[key], abs=TOL), key
+    assert [row[:5] for row in layers1] == [row[:5] for row in layers2]
+    for a, b in zip(layers1, layers2, strict=True):
+        assert b[5] == pytest.approx(a[5], abs=TOL), a[:5]
+
+
+def rank_pids() -> list[int]:
+    """Processes below this one running a rank (``addnorm.train.launch`` under torchrun)."""
+    mine, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmd = (entry / "cmdline").read_bytes().split(b"\0")
+            if b"addnorm.train.launch" not in cmd or b"torch.distributed.run" in cmd:
+                continue
+            pid = int(entry.name)
+            parent = pid
+            while parent > 1:  # descends from this test process
+                parent = int((Path("/proc") / str(parent) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                if parent == mine:
+                    found.append(pid)
+                    break
+        except (OSError, ValueError, IndexError):
+            continue
+    return sorted(found)
+
+
+def local_rank(pid: int) -> int:
+    env = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    return int(next(v for v in env if v.startswith(b"LOCAL_RANK=")).split(b"=")[1])
+
+
+class Watching(LocalExecutor):
+    """The in-process executor, calling ``watch()`` at every step the launcher relays."""
+
+    def __init__(self, watch) -> None:
+        super().__init__()
+        self.watch = watch
+
+    def results(self, on_step=None):
+        def step(run, step, loss):
+            self.watch()
+            if on_step is not None:
+                on_step(run, step, loss)
+
+        return super().results(step)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("one")
+    run_study(spec(), folder, workers=1, progress=False, report=False)
+    return folder
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="reads /proc")
+def test_ddp_on_two_processes_stores_the_one_process_run_and_only_the_driver_opens_the_store(
+    one_process, tmp_path
+):
+    seen: dict[int, list[str]] = {}
+
+    def look() -> None:  # what each rank has open while it trains
+        for pid in rank_pids():
+            fds = (Path("/proc") / str(pid) / "fd").iterdir()
+            seen[pid] = [os.readlink(fd) for fd in fds if fd.is_symlink()]
+
+    outcome = run_study(
+        spec({"strategy": "ddp", "nproc": 2}),
+        tmp_path,
+        executor=Watching(look),
+        progress=False,
+        report=False,
+    )
+    assert outcome.failed == []
+    assert len(seen) == 2  # both ranks were seen training
+    assert not any("study.sqlite" in path for paths in seen.values() for path in paths)
+    assert_same_run(one_process, tmp_path)
+    with Store(tmp_path / "study.sqlite") as store:
+        (run,) = store.runs()
+        assert store.run_record(run["id"])["provenance"]["distributed"] == "ddp x 2"
+
+
+def test_fsdp2_from_the_cli_stores_the_one_process_run(one_process, tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(
+        "name: dist\nbase: {"
+        + ", ".join(f"{k}: {v}" for k, v in TINY.items())
+        + "}\nexperiments: {one: {}}\n"
+    )
+    out = tmp_path / "out"
+    result = CliRunner().invoke(
+        app,
+        [
+            "study",
+            str(path),
+            "--out",
+            str(out),
+            "--nproc",
+            "2",
+            "--strategy",
+            "fsdp2",
+            "--workers",
+            "1",
+            "--quiet",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    assert_same_run(one_process, out)
+
+
+def test_a_killed_rank_fails_the_run_with_one_line_and_the_next_invocation_reruns_it(tmp_path):
+    plan = spec({"strategy": "ddp", "nproc": 2}, steps=150, eval_every=0, probe_every=0)
+    killed: list[int] = []
+
+    def kill_rank_1() -> None:
+        if not killed:
+            for pid in rank_pids():
+                if local_rank(pid) == 1:
+                    os.kill(pid, signal.SIGKILL)
+                    killed.append(pid)
+
+    first = run_study(plan, tmp_path, executor=Watching(kill_rank_1), progress=False, report=False)
+    assert killed
+    (line,) = first.failed
+    assert "\n" not in line
+    assert "rank 1 was killed by SIGKILL" in line, line
+    second = run_study(plan, tmp_path, workers=1, progress=False, report=False)
+    assert (second.skipped, second.ran, second.failed) == (0, 1, [])
+    with Store(tmp_path / "study.sqlite") as store:
+        (run,) = store.runs()
+        assert run["status"] == "done"
+
+
+# --- settings, refusals and resources (no processes) --------------------------------------------------
+
+
+def test_runs_without_distributed_keep_their_ids():
+    assert RunConfig().run_id == "78aef321cc1e"  # the id on main before the key existed
+    assert RunConfig(distributed={"strategy": "fsdp2", "nproc": 1}).run_id == RunConfig().run_id
+    assert RunConfig(distributed={"nproc": 2}).distributed == {"strategy": "ddp", "nproc": 2}
+    assert RunConfig(distributed={"nproc": 2}).run_id != RunConfig().run_id
+
+
+@pytest.mark.parametrize(
+    ("value", "words"),
+    [
+        (3, "distributed: expected a mapping"),
+        ({"nproc": 0}, "distributed.nproc: expected a positive integer"),
+        ({"nproc": 2, "strategy": "zero"}, "distributed.strategy: expected one of ddp, fsdp2"),
+        ({"nproc": 2, "gpus": 2}, "distributed.gpus: unknown key"),
+        ({"nproc": 3}, "distributed.nproc: 3 processes cannot share batch_size=16"),
+    ],
+)
+def test_bad_distributed_settings_are_one_line_naming_the_key(value, words):
+    with pytest.raises(SpecError) as err:
+        parse_spec({"name": "x", "base": {"distributed": value}, "experiments": {"a": {}}})
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_workers_times_processes_above_the_cores_is_refused(monkeypatch):
+    monkeypatch.setattr(executors, "usable_cores", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert plan_workers(1, None, runs=3, nproc=2) == (1, 1)
+    assert plan_workers("auto", None, runs=3, nproc=2) == (1, 1)
+    with pytest.raises(ValueError, match=r"^workers: 2 worker\(s\) x 2 processes per run .* use --workers 1"):
+        plan_workers(2, None, runs=3, nproc=2)
+    assert max_nproc(spec({"nproc": 2}).expand()) == 2 and max_nproc(spec().expand()) == 1
+
+
+def test_the_cli_options_set_distributed_everywhere_and_strategy_needs_nproc():
+    plan = load_spec("quick", ["distributed={strategy: fsdp2, nproc: 2}"])
+    assert {str(r.config.distributed) for r in plan.expand()} == {"{'strategy': 'fsdp2', 'nproc': 2}"}
+    result = CliRunner().invoke(app, ["study", "quick", "--strategy", "fsdp2", "--dry-run"])
+    assert result.exit_code != 0 and "--strategy: only with --nproc" in result.output
+
+
+def test_the_ray_executor_gives_a_run_on_n_processes_n_gpus():
+    ray_executor = pytest.importorskip("addnorm.study.ray_executor")
+    (two,) = spec({"nproc": 2}).expand()
+    (one,) = spec().expand()
+    on_gpus = ray_executor.RayExecutor(None, cpus_per_run=1, gpus_per_run=1)
+    assert on_gpus.task_options(two)["num_gpus"] == 2 and on_gpus.task_options(two)["num_cpus"] == 2
+    assert on_gpus.task_options(one)["num_gpus"] == 1
+    on_cpus = ray_executor.RayExecutor(None, cpus_per_run=1)
+    assert on_cpus.task_options(two)["num_gpus"] == 0 and on_cpus.task_options(two)["num_cpus"] == 2
+
+    class Cluster:  # one node with 1 CPU and no GPU: a 2-process run cannot be placed
+        @staticmethod
+        def nodes():
+            return [{"Alive": True, "Resources": {"CPU": 1.0}}]
+
+    on_cpus._ray = Cluster()
+    with pytest.raises(ValueError, match="^distributed.nproc: .* 2 CPUs and 0 GPUs on one node; no node"):
+        on_cpus._check_fits(on_cpus.task_options(two))
+
+
+def test_on_gpus_a_run_takes_one_gpu_per_process(monkeypatch):
+    """The GPU path without a GPU: N processes need N GPUs; torchrun gets one process per GPU."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert plan_workers("auto", None, runs=4, nproc=2) == (1, 1)
+    with pytest.raises(ValueError, match=r"^workers: a run on 2 processes takes 2 GPUs .*--workers 1"):
+        plan_workers(2, None, runs=4, nproc=2)
+    with pytest.raises(ValueError, match=r"^distributed.nproc: a run on 4 processes takes 4 GPUs .* has 2$"):
+        plan_workers("auto", None, runs=4, nproc=4)
+    command = launcher_command("/tmp/work", 2)
+    assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert "--nproc-per-node=2" in command and "--max-restarts=0" in command
+    assert command[-3:] == ["-m", "addnorm.train.launch", "/tmp/work"]
+    with pytest.raises(ValueError, match="^distributed: launch needs a run with distributed set"):
+        launch(RunConfig(**TINY))
+
+
+@pytest.mark.parametrize(
+    ("extra", "strategy"),
+    [
+        ({"model": "hf-llama", "fused": True}, "fsdp2"),  # a fused HF family, sharded per decoder layer
+        ({"task": "copy", "placement": "post", "grad_clip": 0.5}, "fsdp2"),  # encoder-decoder, clipping
+        ({"placement": "resi_dual"}, "ddp"),
+    ],
+    ids=["hf-llama-fused-fsdp2", "copy-post-clip-fsdp2", "resi_dual-ddp"],
+)
+def test_two_processes_train_like_one_across_models(extra, strategy):
+    if extra.get("model", "").startswith("hf-"):
+        pytest.importorskip("transformers")
+    settings = {**TINY, "steps": 4, "eval_every": 2, "probe_every": 2, **extra}
+    torch.set_num_threads(1)
+    one = train(RunConfig(**settings))
+    two = launch(RunConfig(**settings, distributed={"strategy": strategy, "nproc": 2}))
+    assert two.status == "done", two.error
+    expected = {(step, name): value for step, name, value in one.metrics}
+    got = {(step, name): value for step, name, value in two.metrics}
+    assert set(got) == set(expected)
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=TOL), key
+    assert len(two.layer_metrics) == len(one.layer_metrics)
+    for a, b in zip(one.layer_metrics, two.layer_metrics, strict=True):
+        assert (b["step"], b["layer"], b["metric"]) == (a["step"], a["layer"], a["metric"])
+        assert b["value"] == pytest.approx(a["value"], abs=TOL), a
