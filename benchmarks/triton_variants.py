@@ -14,7 +14,9 @@ holds the most values live, so it bounds the registers of the others (the backwa
 register-heavy variants, with dropout or a gate, narrower one-pass rows: the
 configurations only the lighter ones launch are compiled with the heaviest of those); ``full=True``
 adds RMSNorm, bf16 and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and without-affine
-variants, and hidden sizes that are not multiples of 16 (no aligned-vector specialisation).
+variants, the registered op's statistics (mean and rstd apart, where the eager path packs them in one
+buffer, or for a one-pass backward from s keeps none and recomputes them) and hidden sizes that are not
+multiples of 16 (no aligned-vector specialisation).
 
 This module does not import triton at import time.
 """
@@ -54,6 +56,15 @@ class Variant(NamedTuple):
     dropout: bool
     aligned: bool  # hidden size (and so row strides) a multiple of 16
     hidden: tuple[int, ...]  # the hidden sizes (of HIDDEN_SIZES) that launch this configuration
+    # the statistics as the registered op passes them (mean and rstd apart), not as the eager path
+    # does (forward: one buffer, LayerNorm's means after the rstds, MEAN None; backward from s in one
+    # pass: none, recomputed from s, RSTD None too)
+    op_stats: bool = False
+
+    @property
+    def recomputes_stats(self) -> bool:
+        """A backward given no statistics (the eager path's, from s saved or recomputed, one pass)."""
+        return self.kernel == "bwd" and not self.op_stats and self.path != "from_y" and not self.chunked
 
     @property
     def maxnreg(self) -> int:
@@ -73,6 +84,8 @@ class Variant(NamedTuple):
             n for n, on in (("weight", self.weight), ("bias", self.bias), ("dropout", self.dropout)) if on
         ]
         parts += [("", "scalar gate", "vector gate")[self.gate]] if self.gate else []
+        parts += ["op statistics"] if self.op_stats else []
+        parts += ["statistics recomputed"] if self.recomputes_stats else []
         return ", ".join(parts + ([] if self.aligned else ["unaligned"]))
 
 
@@ -111,6 +124,7 @@ def variants(full: bool = False) -> list[Variant]:
                     out += [base._replace(norm="rmsnorm", bias=False), base._replace(dtypes="mixed")]
                     out += [base._replace(dtypes="bf16"), base._replace(dtypes="fp16", gate=1)]
                     out += [base._replace(dropout=False, gate=0), base._replace(weight=False, bias=False)]
+                    out += [base._replace(op_stats=True)]
         if kind == "bwd":  # the configurations only the lighter variants launch
             light = {c: h for c, h in _configs(kind, heavy=False).items() if c not in configs}
             widest = max(light, key=lambda c: (c.chunked, c.block_n), default=None)
@@ -146,8 +160,8 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "SEED": "i64" if v.dropout else None,
         "Y": d["y"],
         "S": d["s"] if store_s else None,
-        "MEAN": "fp32" if ln else None,
-        "RSTD": "fp32",
+        "MEAN": "fp32" if ln and v.op_stats else None,
+        "RSTD": None if v.recomputes_stats else "fp32",
         "DY": d["y"],
         "DS": d["s"] if v.path == "from_s" else None,
         "SAVED": None if v.path == "from_xr" else (d["s"] if v.path == "from_s" else d["y"]),

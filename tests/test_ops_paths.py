@@ -107,6 +107,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(k, "BWD_MAX_ONE_PASS", 16)
     monkeypatch.setattr(k, "FWD_CHUNK", k.Launch(2, 32, True, 4))
     monkeypatch.setattr(k, "BWD_CHUNK", k.Launch(2, 16, True, 4))
+    monkeypatch.setattr(k, "BWD_ONE_PROGRAM_TILES", 0)  # several programs and their partial sums
     k.clear_caches()
     policy.invalidate()  # cached call plans hold launch specs
     yield k
@@ -181,6 +182,80 @@ def test_several_rows_per_program_with_a_partial_last_tile():
     assert fwd_config(24).block_m > 1 and bwd_config(24).block_m == 1
     _check_triton_vs_oracle(77, 24, torch.float32, "layernorm", True, True, True)  # 77 rows: a ragged tile
     _check_triton_vs_oracle(77, 24, torch.bfloat16, "rmsnorm", False, False, False)
+
+
+def test_a_small_backward_is_one_program_and_a_larger_one_sums_partials():
+    """Up to BWD_ONE_PROGRAM_TILES row tiles one program writes dweight / dbias itself (no torch
+    reduction after the kernel); beyond, several programs write partial sums."""
+    from addnorm.ops.triton_add_norm import BWD_ONE_PROGRAM_TILES, bwd_grid
+
+    cpu = torch.device("cpu")
+    assert bwd_grid(0, 64, cpu, (1, 64)) == (0, 0)
+    assert bwd_grid(8, 64, cpu, (1, 64)) == (1, 8)
+    assert bwd_grid(BWD_ONE_PROGRAM_TILES, 64, cpu, (1, 64)) == (1, BWD_ONE_PROGRAM_TILES)
+    programs, per_program = bwd_grid(BWD_ONE_PROGRAM_TILES + 1, 64, cpu, (1, 64))
+    assert programs > 1 and programs * per_program >= BWD_ONE_PROGRAM_TILES + 1
+    assert bwd_grid(2 * BWD_ONE_PROGRAM_TILES, 64, cpu, (2, 64)) == (1, BWD_ONE_PROGRAM_TILES)
+
+
+@pytest.mark.triton
+@needs_triton
+@pytest.mark.parametrize("rows", [5, 40])  # one program; several, with partial sums
+@pytest.mark.parametrize(
+    "norm, prenorm, dtype",
+    [
+        ("layernorm", True, torch.float32),  # s saved: the backward recomputes the statistics
+        ("layernorm", False, torch.float32),  # x_hat from y: the statistics in one buffer
+        ("rmsnorm", False, torch.bfloat16),  # s recomputed from x and residual: no statistics kept
+        ("rmsnorm", True, torch.float32),
+    ],
+)
+def test_eager_triton_path_equals_the_registered_op(rows, norm, prenorm, dtype):
+    """The eager path (statistics in one buffer, or none and recomputed in backward; one program for
+    few rows) against the registered op on the same kernels (mean and rstd apart, as its schema
+    returns them): the same outputs bit for bit, the same gradients to fp32 rounding."""
+    x, r, w, b, g = _inputs(rows, 48, dtype, gate=True)
+    kw = {"norm": norm, "prenorm": prenorm, "alpha": 0.9, "dropout_p": 0.25}
+    weights = torch.linspace(-1, 1, rows * 48, dtype=torch.float64, device=DEVICE).reshape(rows, 48)
+
+    def eager(x, r, w, b, g):
+        return add_norm(x, r, w, b, gate=g, seed=5, backend="triton", **kw)
+
+    fn.clear_plans()
+    out, grads = _grads(eager, (x, r, w, b, g), prenorm, weights)
+    (plan,) = fn._PLANS.values()
+    xhat_from = XHAT_FROM_S if prenorm else plan.xhat_from  # the eager path's own choice
+
+    def op(x, r, w, b, g):
+        args = (torch.tensor(5, device=DEVICE), norm, 1e-5, 0.9, 0.25, r.dtype, x.dtype, prenorm)
+        y, s = lib.add_norm_fwd(x, r, w, b, g, *args, xhat_from, "triton")[:2]
+        return (y, s) if prenorm else y
+
+    out_op, grads_op = _grads(op, (x, r, w, b, g), prenorm, weights)
+    for a, c in zip(out, out_op, strict=True):
+        assert torch.equal(a, c)
+    for a, c in zip(grads, grads_op, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.triton
+@needs_triton
+def test_eager_triton_path_keeps_the_statistics_only_where_backward_reads_them(small_chunks):
+    """Where the backward has s and goes in one pass it recomputes the statistics: the forward
+    allocates none. x_hat from y, or rows in column chunks, read the forward's: one buffer, the rstds
+    then LayerNorm's means (one allocation, not two)."""
+    x, r, w, b, _ = _inputs(6, 12)
+    leaves = [t.requires_grad_(True) for t in (x, r, w, b)]
+    y, _ = add_norm(*leaves, prenorm=True, backend="triton")
+    assert y.grad_fn.stats is None  # s saved, 12 columns: one pass
+    y = add_norm(*leaves, backend="triton")  # Post-LN, fp32 y: x_hat from y
+    assert tuple(y.grad_fn.stats.shape) == (2 * 6,)
+    y = add_norm(*leaves, norm="rmsnorm", backend="triton")
+    assert tuple(y.grad_fn.stats.shape) == (6,)
+    x, r, w, b, _ = _inputs(3, 40)  # wider than the fixture's 16-column backward chunks
+    y, s = add_norm(x, r, w.requires_grad_(True), b, prenorm=True, backend="triton")
+    assert tuple(y.grad_fn.stats.shape) == (2 * 3,)
+    _check_triton_vs_oracle(3, 40, torch.float32, "layernorm", True, False, False)
 
 
 # --- Post-LN weight gradients in bf16 (flash-attn's failing case) --------------------------------

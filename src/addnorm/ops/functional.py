@@ -39,6 +39,9 @@ __all__ = ["Plan", "add_norm", "clear_plans"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _SEED_HIGH = 2**62
+# looked up once: whether a torch dispatch mode (make_fx, fake tensors) or a torch.func transform is active
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
 _NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
@@ -247,9 +250,9 @@ def add_norm(
     compiling, plan, key = is_compiling(), None, None
     if not compiling:
         try:
-            xs = x.shape
+            xs, dev = x.shape, x.device
             key = (
-                policy.VERSION, x.dtype, residual.dtype, x.device, xs[-1], weight is None or weight.dtype,
+                policy.VERSION, x.dtype, residual.dtype, dev, xs[-1], weight is None or weight.dtype,
                 bias is None or bias.dtype, norm, eps, prenorm, alpha, dropout_p if training else 0.0,
                 residual_in_fp32, out_dtype, backend,
             )  # fmt: skip
@@ -270,7 +273,24 @@ def add_norm(
         return _via_op(plan, x, residual, weight, bias, gate, seed_t)
     if residual.shape != xs:
         raise ValueError(f"residual: expected the shape of x {tuple(xs)}, got {tuple(residual.shape)}")
-    traced = torch._C._len_torch_dispatch_stack() > 0 or type(x) is not Tensor  # a dispatch mode or subclass
+    if plan.triton:  # the GPU's path first, its per-call checks inline (each costs host time)
+        if weight is not None and (weight.shape != plan.shape or weight.device != dev):
+            _check_vector("weight", weight, plan.hidden, dev)
+        if bias is not None and (bias.shape != plan.shape or bias.device != dev):
+            _check_vector("bias", bias, plan.hidden, dev)
+        if gate is not None:
+            _check_gate(gate, plan.hidden, dev)
+        seed_t = _seed_value(seed, dev, False) if plan.p else None
+        if _functorch_active():
+            return _composite(plan, x, residual, weight, bias, gate, seed_t)
+        if _dispatch_depth() or type(x) is not Tensor:  # a dispatch mode or a subclass
+            return _via_op(plan, x, residual, weight, bias, gate, seed_t)
+        if gate is None:
+            if seed_t is None:
+                return plan.launches[0].apply(x, residual, weight, bias)
+            return plan.launches[0].apply(x, residual, weight, bias, None, seed_t)
+        return plan.launches[1 if gate.numel() == 1 else 2].apply(x, residual, weight, bias, gate, seed_t)
+    traced = _dispatch_depth() > 0 or type(x) is not Tensor  # a dispatch mode or a subclass
     if plan.simple and gate is None and not traced:  # s = x + r, then the norm: eager's own ops
         try:
             s = x + residual
@@ -286,19 +306,6 @@ def add_norm(
         return (y, s) if plan.prenorm else y
     if gate is not None:
         _check_gate(gate, plan.hidden, x.device)
-    if plan.triton:
-        dev = x.device
-        if weight is not None and (weight.shape != plan.shape or weight.device != dev):
-            _check_vector("weight", weight, plan.hidden, dev)
-        if bias is not None and (bias.shape != plan.shape or bias.device != dev):
-            _check_vector("bias", bias, plan.hidden, dev)
-        seed_t = _seed_value(seed, dev, False) if plan.p else None
-        if torch._C._are_functorch_transforms_active():
-            return _composite(plan, x, residual, weight, bias, gate, seed_t)
-        if traced:
-            return _via_op(plan, x, residual, weight, bias, gate, seed_t)
-        launch = plan.launches[0 if gate is None else (1 if gate.numel() == 1 else 2)]
-        return launch.apply(x, residual, weight, bias, gate, seed_t, launch)
     if traced:
         return _via_op(
             plan, x, residual, weight, bias, gate, _seed_value(seed, x.device, False) if plan.p else None
