@@ -123,10 +123,13 @@ def test_host_overhead_stub_launch_times_the_triton_path_without_running_a_kerne
     argv = ["--stub-launch", "--calls", "2", "--samples", "1"]
     hb.main([*argv, "--no-record", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # --no-record (CI) writes nothing
-    hb.main([*argv, "--out", str(tmp_path)])
+    hb.main([*argv, "--breakdown", "--out", str(tmp_path)])
     assert (k._add_norm_fwd_kernel, k._add_norm_bwd_kernel) == kernels
     run = json.loads((tmp_path / "host_overhead_stub_cpu.json").read_text())["runs"]["after"]
     assert "lm_step" not in run
+    # --breakdown: each case's forward peeled into the same five layers
+    layers = {(r["case"], r["stage"]) for r in run["breakdown"] if r["us"] > 0}
+    assert len(layers) == 2 * 5 and {c for c, _ in layers} == {"layernorm", "layernorm prenorm"}
     targets = {r["case"]: r["target"] for r in run["ops"]}
     assert targets == {
         "layernorm fwd": 1.5, "layernorm fwd+bwd": 1.2, "layernorm prenorm fwd": 1.5,
@@ -134,7 +137,8 @@ def test_host_overhead_stub_launch_times_the_triton_path_without_running_a_kerne
         "layernorm dropout 0.1 fwd": 2.0, "layernorm dropout 0.1 fwd+bwd": 1.5, "floor fwd": 1.5,
         "floor fwd+bwd": 1.2,
     }  # fmt: skip
-    assert "launches stubbed" in (tmp_path / "host_overhead_stub_cpu.md").read_text()
+    md = (tmp_path / "host_overhead_stub_cpu.md").read_text()
+    assert "launches stubbed" in md and "Where the forward's time goes" in md
 
 
 def test_stubbed_launches_run_no_kernel_and_the_path_still_returns_its_outputs(bench_module):

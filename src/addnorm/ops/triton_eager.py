@@ -74,7 +74,8 @@ def _function_for(launch: EagerLaunch):
     def forward(ctx, x, residual, weight, bias, gate=None, seed=None):
         # the statistics in one buffer or none (see EagerLaunch): mean is None
         y, s, _, stats = launch_fwd(fwd, x, residual, weight, bias, gate, seed)
-        # what ``save_for_backward`` sets, without its frame
+        # what ``save_for_backward`` sets, without its frame; the statistics too (created here, they
+        # are kept as they are: no reference cycle), so that ctx needs no attribute dict
         ctx.to_save = (
             x if keep_x else None,
             residual if keep_r else None,
@@ -83,10 +84,8 @@ def _function_for(launch: EagerLaunch):
             gate,
             seed,
             y if save_y else s,
+            stats,
         )
-        # the statistics are neither an input nor an output: an attribute (no reference cycle, no
-        # version counter to check)
-        ctx.stats = stats
         if prenorm:
             # ``set_materialize_grads(False)`` without its frame: no zero-filled gradient for an
             # output that goes unused (one output: backward runs only with its gradient)
@@ -95,12 +94,12 @@ def _function_for(launch: EagerLaunch):
         return y
 
     def backward(ctx, dy, ds=None):
-        x, residual, weight, bias, gate, seed, saved = ctx.saved_tensors
+        x, residual, weight, bias, gate, seed, saved, stats = ctx.saved_tensors
         if dy is None:  # only s was used (Pre-LN: saved is s)
             dy = torch.zeros_like(saved)
         dx, dres, dw, db, dg = launch_bwd(
             bwd if ds is None else bwd_ds, dy, ds, saved, x, residual, weight, bias, gate, seed, None,
-            ctx.stats,
+            stats,
         )  # fmt: skip
         # gradients beyond the inputs given must be None (autograd drops them)
         return dres if dx is None else dx, dres, dw, db, dg, None
