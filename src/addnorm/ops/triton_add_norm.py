@@ -35,6 +35,7 @@ This module imports triton at import time: import it lazily (``addnorm.ops`` doe
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -888,9 +889,10 @@ def _dropout_args(p: float, dropout: bool) -> tuple[int, float]:
     return (dropout_threshold(p), 1.0 / (1.0 - p)) if dropout else (0, 1.0)
 
 
-# the kernels' parameter names, read before anything can replace the kernels (a benchmark's stub)
-_FWD_PARAMS = tuple(_add_norm_fwd_kernel.arg_names)
-_BWD_PARAMS = tuple(_add_norm_bwd_kernel.arg_names)
+# the kernels' parameter names (from the Python function both a JITFunction and the interpreter's
+# kernel wrap), read before anything can replace the kernels (a benchmark's stub)
+_FWD_PARAMS = tuple(inspect.signature(_add_norm_fwd_kernel.fn).parameters)
+_BWD_PARAMS = tuple(inspect.signature(_add_norm_bwd_kernel.fn).parameters)
 
 
 def _tail(params: tuple[str, ...], scalars: tuple, constexprs: dict) -> tuple:
