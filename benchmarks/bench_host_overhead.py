@@ -353,8 +353,9 @@ STUB_HEADER = [
     "and eager timed in alternation); ratio = fused / eager. fwd: a training forward (inputs require",
     "grad); fwd+bwd: plus torch.autograd.grad. Targets (issue 21): fwd <= 1.5x, fwd+bwd <= 1.2x;",
     "with dropout 0.1 fwd <= 2x, fwd+bwd <= 1.5x. The `floor` rows time an `autograd.Function` that",
-    "only makes the Triton path's allocations (y, s, mean, rstd; dresidual, dweight, dbias) against",
-    "the Pre-LN eager ops: what any fused op with this structure costs before its own Python.",
+    "only makes the allocations the Triton path made before issue 21's second attempt (y, s, mean,",
+    "rstd; dresidual, dweight, dbias) against the Pre-LN eager ops: what any fused op with that",
+    "structure costs before its own Python. `--breakdown` peels the forward into layers.",
     "",
 ]
 HEADER = [
