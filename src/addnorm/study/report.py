@@ -599,11 +599,12 @@ def _ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> str:
     parts = [
         "<h2 id='ranking'>Ranking</h2><p class='note'>Per setting (every setting but placement and seed), "
         "placements ranked by final held-out loss: mean ± sd over seeds and the 95% interval of the mean. "
-        "Groups: two placements that share a letter are statistically tied, two that share none differ "
-        f"(Welch's t-test between every pair, Holm-corrected at {ALPHA:g}); letters follow the rank order, "
-        "and a placement with a wide spread may carry the letters of neighbours that differ from each "
-        "other. Tied with the best: shares a letter with rank 1. A placement with a diverged seed ranks "
-        "last. One seed cannot separate anything: sweep seeds for a ranking to cite.</p>"
+        "Groups: two placements that share a letter are tied (the test does not separate them, which is "
+        "not the same as equal), two that share none differ (Welch's t-test between every pair, "
+        f"Holm-corrected at {ALPHA:g}); letters follow the rank order, and a placement with a wide spread "
+        "may carry the letters of neighbours that differ from each other. Tied with the best: shares a "
+        "letter with rank 1. A placement with a diverged seed ranks last. Few seeds separate little "
+        "(one seed: nothing): sweep more seeds for a ranking to cite.</p>"
     ]
     for title, rows in tables:
         body = "".join(
