@@ -28,7 +28,11 @@ def test_llama_smoke_ranks_both_architectures_side_by_side(tmp_path):
     page = smoke("llama", tmp_path)
     with Store(tmp_path / "study.sqlite") as store:
         runs = store.runs()
+        found = {f.claim: f for f in compute_findings(store)}
     assert {r["status"] for r in runs} == {"done"}
+    evidence = found[CLAIMS[0]].evidence  # each setting named, the Llama ones with their initialisation
+    assert "6 layers: " in evidence and "6 layers (hf-llama): " in evidence
+    assert "6 layers (hf-llama, hf_init xavier): " in evidence
     llama = [r for r in runs if r["config"]["model"] == "hf-llama"]
     # 5 placements are not applicable to Llama; it trains under its own init and under Xavier's
     assert len(llama) == 12 * 3 * 2 and len(runs) == 17 * 3 + 12 * 3 * 2
