@@ -194,3 +194,18 @@ def test_gpu_suite_dry_run_plans_every_step_and_launches_nothing(bench_module, m
         assert flags and all(f'"{f}"' in source for f in flags), (s.name, flags)
     with pytest.raises(SystemExit, match="--only: expected step names"):
         suite.main(["--dry-run", "--only", "nope"])
+
+
+def test_report_screenshot_cuts_the_report_to_its_title_and_one_section(bench_module):
+    cut = bench_module("report_screenshot").section_page
+    report = (
+        "<html><head><style>x</style></head><body><h1>t</h1><p>intro</p>"
+        "<h2 id='findings'>F</h2>f<h2 id='ranking'>R</h2><table>r</table><h2 id='depth'>D</h2>d</body></html>"
+    )
+    assert cut(report, "ranking") == (
+        "<html><head><style>x</style></head><body><h1>t</h1><p>intro</p>"
+        "<h2 id='ranking'>R</h2><table>r</table></body></html>"
+    )
+    assert cut(report, "depth").endswith("<h2 id='depth'>D</h2>d</body></html>")
+    with pytest.raises(ValueError, match="section: the report has no section 'nope'"):
+        cut(report, "nope")
