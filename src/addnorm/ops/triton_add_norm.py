@@ -143,6 +143,20 @@ def _vec(P, cols, col_ok, other, HAS: tl.constexpr):
 
 
 @triton.jit
+def _merge_chunk(mean, m2, s, m, c, N, BLOCK_N: tl.constexpr):
+    # the rows' running mean and centred sum of squares merged with chunk c's (Chan et al. 1979: no
+    # E[s^2] - mean^2); s is 0 where m is False
+    done = c * BLOCK_N * 1.0
+    cnt = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
+    mean_c = tl.sum(s, axis=1) / cnt
+    d = tl.where(m, s - mean_c[:, None], 0.0)
+    delta = mean_c - mean
+    mean += delta * (cnt / (done + cnt))
+    m2 += tl.sum(d * d, axis=1) + delta * delta * (done * cnt / (done + cnt))
+    return mean, m2
+
+
+@triton.jit
 def _add_norm_fwd_kernel(
     X,
     R,
@@ -245,13 +259,7 @@ def _add_norm_fwd_kernel(
             if IS_RMS:
                 m2 += tl.sum(s * s, axis=1)
             else:
-                done = c * BLOCK_N * 1.0
-                cnt = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
-                mean_c = tl.sum(s, axis=1) / cnt
-                d = tl.where(m, s - mean_c[:, None], 0.0)
-                delta = mean_c - mean
-                mean += delta * (cnt / (done + cnt))
-                m2 += tl.sum(d * d, axis=1) + delta * delta * (done * cnt / (done + cnt))
+                mean, m2 = _merge_chunk(mean, m2, s, m, c, N, BLOCK_N)
         rstd = 1.0 / tl.sqrt(m2 / N + eps)
         if STORE_S:
             tl.debug_barrier()  # pass 2 reads s written by other threads of this program
