@@ -292,6 +292,8 @@ def add_norm(
         if key is not None:
             _PLANS[key] = plan
     if compiling:
+        if type(x) is not Tensor and _is_dtensor(x):
+            return _dtensor_call(plan, x, residual, weight, bias, gate, seed)
         seed_t = _seed_value(seed, x.device, False) if plan.p else None
         if policy.compile_path() == "composite":
             return _composite(plan, x, residual, weight, bias, gate, seed_t)
