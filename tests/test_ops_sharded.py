@@ -204,17 +204,24 @@ def run_cancellation() -> dict:
 
 def run_unseeded() -> dict:
     """seed=None: every rank draws the seed from torch's generator, seeded alike, so the shards of a
-    Shard(1) call and of a Shard(-1) call drop the elements the replicated call drops."""
+    Shard(1) call and of a Shard(-1) call drop the elements the replicated call drops; so does a
+    Post-LN ``AddNorm`` with dropout on the CPU (which fuses a DTensor stream whatever the device)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+    from addnorm import AddNorm
+
     mesh = init_device_mesh("cpu", (2,))
     data = _data({"config": "post"})
+    conn = AddNorm(SHAPE[-1], placement="post", dropout=0.5).train()
     out = {}
     for name, pl in (("Shard(1)", [Shard(1)]), ("Shard(-1)", [Shard(2)]), ("Replicate", [Replicate()])):
         x, r = (distribute_tensor(data[k], mesh, pl) for k in ("x", "r"))
         torch.manual_seed(123)
         out[name] = add_norm(x, r, None, dropout_p=0.5).full_tensor()
+        if name != "Shard(-1)":  # the connection's own LayerNorm weight is a plain (replicated) one
+            torch.manual_seed(5)
+            out[f"AddNorm {name}"] = conn(r, lambda h: 2 * h).full_tensor()
     out["no dropout"] = add_norm(data["x"], data["r"], None)
     return out
 
@@ -414,6 +421,14 @@ def test_unseeded_dropout_drops_the_whole_tensors_elements(results):
     torch.testing.assert_close(got["Shard(1)"], got["Replicate"], atol=0, rtol=0)
     torch.testing.assert_close(got["Shard(-1)"], got["Replicate"], **TOL)
     assert (got["Replicate"] - got["no dropout"]).abs().max() > 0.1  # it dropped something
+    torch.testing.assert_close(got["AddNorm Shard(1)"], got["AddNorm Replicate"], atol=0, rtol=0)
+
+
+def test_a_dtensor_stream_always_takes_the_op():
+    from addnorm.ops import fused_op_preferred
+
+    assert not fused_op_preferred("cpu", dropout=True)  # nn.Dropout is faster on plain CPU tensors
+    assert fused_op_preferred("cpu", dropout=True, sharded=True)
 
 
 def test_compiled_calls_on_dtensors_equal_the_eager_op(results):
