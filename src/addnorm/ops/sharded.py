@@ -343,18 +343,22 @@ def _stats_torch(call: TPCall, x, residual, gate, seed, rows) -> tuple[Tensor, T
     keep = _keep(call, seed, rows, x.shape[0], x.device)
     s_out, s = _stream(x, residual, gate, keep, call.alpha, call.p, call.cdt, call.s_dtype)
     if call.rms:
-        return s_out, s.square().sum(-1)
-    mean = s.sum(-1) / max(s.shape[-1], 1)
-    return s_out, torch.stack([mean, (s - mean[:, None]).square().sum(-1)], -1)
+        return s_out, torch.linalg.vecdot(s, s)
+    if not call.n:  # no columns here: nothing to merge
+        return s_out, s.new_zeros(s.shape[0], 2)
+    var, mean = torch.var_mean(s, -1, correction=0)  # one pass, centred
+    return s_out, torch.stack([mean, var * call.n], -1)
 
 
 def _normalise_torch(call: TPCall, s_out, mean, rstd, weight, bias) -> Tensor:
     s = s_out.to(call.cdt)
-    y = (s if mean is None else s - mean[:, None]) * rstd[:, None]
-    if weight is not None:
-        y = y * weight.to(call.cdt)
-    if bias is not None:
-        y = y + bias.to(call.cdt)
+    y = s * rstd[:, None] if mean is None else (s - mean[:, None]).mul_(rstd[:, None])  # never s itself
+    w = None if weight is None else weight.to(call.cdt)
+    b = None if bias is None else bias.to(call.cdt)
+    if w is not None:
+        y = y.mul_(w) if b is None else torch.addcmul(b, y, w)
+    elif b is not None:
+        y = y.add_(b)
     return y.to(call.y_dtype)
 
 
@@ -368,7 +372,7 @@ def _xhat_wdy(call: TPCall, dy, s_out, mean, rstd, weight) -> tuple[Tensor, Tens
 def _sums_torch(call: TPCall, dy, s_out, mean, rstd, weight) -> Tensor:
     """This rank's per-row sums of x_hat * w dy (RMSNorm), and of w dy (LayerNorm: (rows, 2))."""
     xhat, _, wdy = _xhat_wdy(call, dy, s_out, mean, rstd, weight)
-    c1 = (xhat * wdy).sum(-1)
+    c1 = torch.linalg.vecdot(xhat, wdy)
     return c1 if call.rms else torch.stack([c1, wdy.sum(-1)], -1)
 
 
@@ -376,12 +380,12 @@ def _grads_torch(call: TPCall, dy, ds, s_out, x, weight, bias, gate, seed, rows,
     """(dx or empty, dresidual, dweight, dbias, dgate) from the whole rows' sums."""
     xhat, dyf, wdy = _xhat_wdy(call, dy, s_out, mean, rstd, weight)
     c1 = (sums if call.rms else sums[:, 0]) / call.hidden
-    dsum = wdy - xhat * c1[:, None]
+    dsum = torch.addcmul(wdy, xhat, c1[:, None], value=-1.0)
     if not call.rms:
-        dsum = dsum - (sums[:, 1] / call.hidden)[:, None]
-    dsum = dsum * rstd[:, None]
+        dsum.sub_((sums[:, 1] / call.hidden)[:, None])
+    dsum.mul_(rstd[:, None])
     if ds is not None:
-        dsum = dsum + ds.to(call.cdt)
+        dsum.add_(ds.to(call.cdt))
     keep = _keep(call, seed, rows, dy.shape[0], dy.device)
     dx, dres, dg = branch_grads(
         dsum, x, gate, keep, call.alpha, call.p, call.x_dtype, call.res_dtype, need_dx
