@@ -53,7 +53,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-from .args import XHAT_FROM_S
+from .args import BwdArgs, FwdArgs
 from .library import add_norm_bwd, add_norm_fwd
 from .reference import dropout_keep_mask
 from .torch_path import _stream, branch_grads, compute_dtype
@@ -69,38 +69,36 @@ def _placeholder(spec) -> bool:
     return tuple(spec.shape) == (0,)
 
 
-def _fwd_rules(x, residual, weight, bias, gate, seed, rows, xhat_from, norm, *_options):
+def _fwd_rules(*args, **kwargs):
     """``add_norm_fwd``'s placements per mesh dimension: all Replicate, or rows sharded on a leading
     dimension d (x, residual, rows, and the outputs y, s, mean, rstd Shard(d); weight, bias, gate and
     seed Replicate). The hidden dimension is never sharded here (that needs communication: TP)."""
-    *_, prenorm, _backend = _options
-    store_s = prenorm or xhat_from == XHAT_FROM_S
-    rules = []
-    for p in [Replicate(), *(Shard(d) for d in range(len(x.shape) - 1))]:
-        rep = Replicate()
-        outputs = [p, p if store_s else rep, p if norm == "layernorm" else rep, p]
-        inputs = [p, p, *(None if t is None else rep for t in (weight, bias, gate, seed))]
-        rules.append((outputs, [*inputs, None if rows is None else p]))
+    a = FwdArgs(*args, **kwargs)  # DTensorSpecs where the op has tensors
+    rep, rules = Replicate(), []
+    for p in [rep, *(Shard(d) for d in range(len(a.x.shape) - 1))]:
+        outputs = [p, p if a.store_s else rep, p if a.norm == "layernorm" else rep, p]
+        inputs = [p, p, *(None if t is None else rep for t in (a.weight, a.bias, a.gate, a.seed))]
+        rules.append((outputs, [*inputs, None if a.rows is None else p]))
     return rules
 
 
-def _bwd_rules(dy, ds, saved, x, residual, weight, bias, gate, seed, rows, mean, rstd, *options):
+def _bwd_rules(*args, **kwargs):
     """``add_norm_bwd``'s placements per mesh dimension: all Replicate, or rows sharded on a leading
     dimension d: every per-row tensor Shard(d), and the weight/bias/gate gradients Partial() (each
     rank's sum over its rows)."""
-    need_dx = options[-2]
-    rules = []
-    for p in [Replicate(), *(Shard(d) for d in range(len(dy.shape) - 1))]:
-        rep = Replicate()
+    a = BwdArgs(*args, **kwargs)
+    rep, rules = Replicate(), []
+    for p in [rep, *(Shard(d) for d in range(len(a.dy.shape) - 1))]:
         part = rep if p == rep else Partial()
 
-        def like(spec, p=p, rep=rep):
+        def like(spec, p=p):
             return None if spec is None else (rep if _placeholder(spec) else p)
 
-        outputs = [p if need_dx else rep, p, *(rep if t is None else part for t in (weight, bias, gate))]
-        inputs = [p, like(ds), like(saved), like(x), like(residual)]
-        inputs += [None if t is None else rep for t in (weight, bias, gate, seed)]
-        rules.append((outputs, [*inputs, like(rows), like(mean), p]))
+        grads = (rep if t is None else part for t in (a.weight, a.bias, a.gate))
+        outputs = [p if a.need_dx else rep, p, *grads]
+        inputs = [p, like(a.ds), like(a.saved), like(a.x), like(a.residual)]
+        inputs += [None if t is None else rep for t in (a.weight, a.bias, a.gate, a.seed)]
+        rules.append((outputs, [*inputs, like(a.rows), like(a.mean), p]))
     return rules
 
 
