@@ -26,6 +26,7 @@ WORLD, STEPS, VOCAB, BATCH, SEQ, TOL = 2, 3, 50, 4, 9, 1e-5
 PLACEMENTS = ["pre", "post", "sandwich", "deepnorm", "resi_dual", "ngpt", "b2t", "mix", "hybridnorm"]
 PLACEMENTS += ["layerscale", "rezero"]
 HF_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt2", "bert"]
+HF_TYPES += ["olmo2", "phi3", "mixtral", "qwen2_moe"]  # every supported family (addnorm.hf.ARCHITECTURES)
 
 
 def _has_transformers() -> bool:
@@ -141,7 +142,6 @@ CASES["ddp+ac-b2t"] = (
 CASES["meta+to_empty+fsdp2-sandwich"] = (lambda: addnorm_lm("sandwich"), lambda: meta_built("sandwich"))
 if _has_transformers():
     CASES["hf-llama-unfused-fsdp2"] = (lambda: hf_lm("llama"), lambda: shard(hf_lm("llama")))
-    CASES["hf-llama-shard-then-fuse"] = (lambda: hf_lm("llama"), lambda: fused(shard(hf_lm("llama"))))
     CASES["hf-llama-fuse-keep-unsharded"] = (
         lambda: hf_lm("llama"),
         lambda: shard(fused(hf_lm("llama")), False),
@@ -156,6 +156,7 @@ if _has_transformers():
     )
     for _t in HF_TYPES:
         CASES[f"hf-{_t}-fuse-then-shard"] = (lambda t=_t: hf_lm(t), lambda t=_t: shard(fused(hf_lm(t))))
+        CASES[f"hf-{_t}-shard-then-fuse"] = (lambda t=_t: hf_lm(t), lambda t=_t: fused(shard(hf_lm(t))))
 
 
 # --- one training run -------------------------------------------------------------------------------
