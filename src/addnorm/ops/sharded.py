@@ -58,6 +58,10 @@ from .library import add_norm_bwd, add_norm_fwd
 from .reference import dropout_keep_mask
 from .torch_path import _stream, branch_grads, compute_dtype
 
+# the all-gather into one tensor (torch 2.13 renames it all_gather_single; earlier releases have only
+# all_gather_into_tensor)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 __all__ = ["TPCall", "TensorParallelAddNorm", "add_norm_dtensor", "chunk_sizes", "register_rules"]
 
 
@@ -322,7 +326,7 @@ def _combine(call: TPCall, stats: Tensor) -> tuple[Tensor | None, Tensor]:
         return None, torch.rsqrt(stats / call.hidden + call.eps)
     k, rows = len(call.counts), stats.shape[0]
     out = stats.new_empty(k * rows, 2)
-    dist.all_gather_into_tensor(out, stats, group=call.group)
+    _all_gather(out, stats, group=call.group)
     every = out.view(k, rows, 2)
     n = torch.tensor(call.counts, dtype=stats.dtype, device=stats.device).view(k, 1)
     mean = (n * every[..., 0]).sum(0) / call.hidden
