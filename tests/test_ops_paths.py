@@ -128,7 +128,8 @@ def _check_triton_vs_oracle(rows, hidden, dtype, norm, prenorm, dropout, gate, x
         seed = torch.tensor(11, device=DEVICE) if dropout else None
 
         def ours(x, r, w, b, g):
-            args = (seed, None, xhat_from, norm, 1e-5, 0.9, kw["dropout_p"], r.dtype, x.dtype, prenorm, "triton")
+            args = (seed, None, xhat_from, norm, 1e-5, 0.9, kw["dropout_p"], r.dtype, x.dtype, prenorm)
+            args += ("triton",)
             y, s = lib.add_norm_fwd(x, r, w, b, g, *args)[:2]
             return (y, s) if prenorm else y
 
@@ -215,7 +216,8 @@ def _post_ln_dweight_errors(rows, hidden, seed):
         paths += [("triton", XHAT_FROM_Y), ("triton", XHAT_FROM_XR)]
     for backend, xhat_from in paths:
         wt = w.clone().requires_grad_(True)
-        args = (None, None, xhat_from, "layernorm", 1e-5, 1.0, 0.0, torch.bfloat16, torch.bfloat16, False, backend)
+        args = (None, None, xhat_from, "layernorm", 1e-5, 1.0, 0.0, torch.bfloat16, torch.bfloat16, False)
+        args += (backend,)
         y = lib.add_norm_fwd(x, r, wt, b, None, *args)[0]
         errors[(backend, xhat_from)] = err(torch.autograd.grad(y, wt, dy)[0])
     wt = w.clone().requires_grad_(True)

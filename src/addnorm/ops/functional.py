@@ -264,6 +264,12 @@ def add_norm(
     use the torch path. Works under ``torch.compile`` (see :mod:`addnorm.ops.policy`) and
     ``torch.func`` transforms (grad, vmap, ...: the composite of torch ops; under vmap every example
     gets the same mask, drawn from the per-example shape).
+
+    DTensors (tensor, sequence and context parallel): x and residual placed alike on one mesh, any
+    mix of Shard and Replicate; returns DTensors placed like x, the one-process op's values without
+    gathering, the dropout mask the whole tensor's (hashed, also with ``seed=None``: seed every rank
+    alike). Weight, bias and gate Replicate, or Shard(0) where x's hidden dimension is sharded; their
+    gradients come out ``Partial()`` where x's rows are sharded. See :mod:`addnorm.ops.sharded`.
     """
     compiling, plan, key = is_compiling(), None, None
     if not compiling:
