@@ -12,6 +12,7 @@ Triton kernels run through the interpreter where ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import socket
@@ -73,6 +74,15 @@ def _cases() -> dict[str, dict]:
                 for config in configs:
                     cases[f"{backend}-{layout}-{norm}-{config}"] = {
                         "backend": backend, "layout": layout, "norm": norm, "config": config,
+                    }  # fmt: skip
+    # the kernels' column-chunk loops on these small rows (chunks of 2 columns)
+    if "triton" in BACKENDS:
+        for layout in ("Shard(1)", "Shard(-1)"):
+            for norm in ("layernorm", "rmsnorm"):
+                for config in ("pre-dropout-rezero", "post-dropout-layerscale"):
+                    cases[f"triton-{layout}-{norm}-{config}-small-chunks"] = {
+                        "backend": "triton", "layout": layout, "norm": norm, "config": config,
+                        "small_chunks": True,
                     }  # fmt: skip
     # a replicated weight with the hidden dimension sharded (each rank reads its columns), and plain
     # tensors for weight, bias and gate (taken as replicated: their gradients come back whole)
@@ -146,9 +156,37 @@ def _param_placements(x_placements, case: dict):
     return [Shard(0) if shard and p.is_shard(len(SHAPE) - 1) else Replicate() for p in x_placements]
 
 
+@contextlib.contextmanager
+def small_chunks():
+    """Launch configurations that split every row into chunks of 2 columns (forward and backward,
+    register-heavy variants too), so the chunk loops run on small shapes in the interpreter."""
+    from addnorm.ops import policy
+    from addnorm.ops import triton_add_norm as k
+
+    names = ("FWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS_HEAVY", "FWD_CHUNK", "BWD_CHUNK")
+    saved = {n: getattr(k, n) for n in names}
+    small = (1, 1, 1, k.Launch(2, 2, True, 1), k.Launch(1, 2, True, 1))
+    try:
+        for n, v in zip(names, small, strict=True):
+            setattr(k, n, v)
+        k.clear_caches()
+        policy.invalidate()  # cached call plans hold launch specs
+        yield
+    finally:
+        for n, v in saved.items():
+            setattr(k, n, v)
+        k.clear_caches()
+        policy.invalidate()
+
+
 def run_case(case: dict) -> dict:
     """One case on this rank: the gathered outputs and gradients, the gradients' placements, and the
     collectives (count, payload bytes) of forward and backward."""
+    with small_chunks() if case.get("small_chunks") else contextlib.nullcontext():
+        return _run_case(case)
+
+
+def _run_case(case: dict) -> dict:
     from bench_sharded import CommBytes
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor

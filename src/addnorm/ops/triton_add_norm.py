@@ -406,6 +406,36 @@ def _dsum(
 
 
 @triton.jit
+def _add_partial_sums(
+    DW_PART,
+    DB_PART,
+    DG_PART,
+    part,
+    cols1,
+    N,
+    dy,
+    xhat,
+    gterm,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    GATE: tl.constexpr,
+):
+    # a chunk's column sums of dy * x_hat, dy and the gate's term added into this program's row
+    # (``part``) of the partial-sum buffers
+    ok1 = cols1 < N
+    tl.debug_barrier()  # the previous tile's read-modify-write of these columns is done
+    if HAS_W:
+        p = DW_PART + part + cols1
+        tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy * xhat, axis=0), mask=ok1)
+    if HAS_B:
+        p = DB_PART + part + cols1
+        tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy, axis=0), mask=ok1)
+    if GATE != 0:
+        p = DG_PART + part + cols1
+        tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(gterm, axis=0), mask=ok1)
+
+
+@triton.jit
 def _store_dx(
     dsum,
     X,
@@ -657,18 +687,10 @@ def _add_norm_bwd_kernel(
                             DROPOUT,
                             WRITE_DX,
                         )
-                        cols1 = c * BLOCK_N + lane1
-                        ok1 = cols1 < N
-                        tl.debug_barrier()  # the previous tile's read-modify-write of these columns is done
-                        if HAS_W:
-                            p = DW_PART + part + cols1
-                            tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy * xhat, axis=0), mask=ok1)
-                        if HAS_B:
-                            p = DB_PART + part + cols1
-                            tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy, axis=0), mask=ok1)
-                        if GATE != 0:
-                            p = DG_PART + part + cols1
-                            tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(gterm, axis=0), mask=ok1)
+                        _add_partial_sums(
+                            DW_PART, DB_PART, DG_PART, part, c * BLOCK_N + lane1, N, dy, xhat, gterm, HAS_W,
+                            HAS_B, GATE,
+                        )  # fmt: skip
 
 
 # --- launch configuration ------------------------------------------------------------------------

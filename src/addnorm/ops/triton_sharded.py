@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .triton_add_norm import (
     S_CODES,
+    _add_partial_sums,
     _dropout_args,
     _dsum,
     _gate_code,
@@ -261,18 +262,9 @@ def _tp_bwd_kernel(
                 dsum, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_x, alpha, drop_scale, GATE,
                 DROPOUT, WRITE_DX,
             )  # fmt: skip
-            cols1 = c * BLOCK_N + lane1
-            ok1 = cols1 < N
-            tl.debug_barrier()  # the previous tile's read-modify-write of these columns is done
-            if HAS_W:
-                p = DW_PART + part + cols1
-                tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy * xhat, axis=0), mask=ok1)
-            if HAS_B:
-                p = DB_PART + part + cols1
-                tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy, axis=0), mask=ok1)
-            if GATE != 0:
-                p = DG_PART + part + cols1
-                tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(gterm, axis=0), mask=ok1)
+            _add_partial_sums(
+                DW_PART, DB_PART, DG_PART, part, c * BLOCK_N + lane1, N, dy, xhat, gterm, HAS_W, HAS_B, GATE
+            )
 
 
 # --- launchers (2-D (rows, n) local tensors; ``call``: a :class:`addnorm.ops.sharded.TPCall`) ----------
