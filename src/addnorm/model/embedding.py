@@ -36,8 +36,8 @@ class PositionalEncoding(nn.Module):
         pe = torch.zeros(max_len, d_model, dtype=torch.float64)
         pe[:, 0::2] = torch.sin(pos * freq)
         pe[:, 1::2] = torch.cos(pos * freq)[:, : d_model // 2]
-        with torch.no_grad():
-            self.pe.copy_(pe)
+        with torch.no_grad():  # a replicated DTensor table (addnorm.parallelize): its local copy
+            (self.pe.to_local() if hasattr(self.pe, "to_local") else self.pe).copy_(pe)
 
     def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
         """x (B, T, d) plus the encoding of positions 0..T-1, or of ``positions`` ((T,) or (B, T)

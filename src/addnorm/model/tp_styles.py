@@ -1,0 +1,116 @@
+"""The two ``ParallelStyle``\\ s that :func:`addnorm.model.parallel.parallelize` adds to PyTorch's own, and
+the replication of the parameters no style owns.
+
+Imported only by ``parallelize`` (``torch.distributed.tensor`` is not loaded by ``import addnorm``).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+__all__ = ["PackedColwiseParallel", "ReplicatedParallel", "reduce_partial_gradients", "replicate_parameters"]
+
+
+def _replicated(tensor: Tensor, mesh: DeviceMesh) -> DTensor:
+    """``tensor`` as a Replicate DTensor holding rank 0's values (a broadcast; none on the meta device)."""
+    return distribute_tensor(tensor.detach(), mesh, [Replicate()], src_data_rank=0)
+
+
+class PackedColwiseParallel(ColwiseParallel):
+    """Column-wise parallel for a Linear whose output packs ``parts`` equal blocks side by side:
+    attention's (q; k; v) projection (``parts=3``) or SwiGLU's (gate; value) (``parts=2``).
+
+    Plain ``ColwiseParallel`` cuts the weight's rows into contiguous shards, which would give the
+    first rank all of q and part of k. Here the weight and bias are distributed as
+    ``_StridedShard(0, split_factor=parts)``: each block is cut into shards, and each rank holds its
+    shard of every block ([q_r; k_r; v_r]: the projections of its own heads), so the local output
+    splits into ``parts`` blocks as the unsharded one does. The DTensor still stands for the whole
+    weight (``full_tensor()``, state dicts and distributed checkpoints see the model's own layout),
+    and ``F.linear`` propagates the placement with no communication. The local output is returned
+    (``use_local_output`` True), like ``ColwiseParallel``'s default.
+    """
+
+    def __init__(self, parts: int, *, input_layouts: Placement | None = None) -> None:
+        super().__init__(input_layouts=input_layouts)
+        self.parts = parts
+        self.output_layouts = (_StridedShard(-1, split_factor=parts),)
+
+    def _partition_linear_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, param in module.named_parameters(recurse=False):
+            placement = _StridedShard(0, split_factor=self.parts)
+            sharded = distribute_tensor(param, device_mesh, [placement], src_data_rank=self.src_data_rank)
+            module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+    @staticmethod
+    def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+        return outputs.to_local()  # already laid out as the blocks' shards: no redistribution
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"PackedColwiseParallel: expected an nn.Linear, got {type(module).__name__}")
+        if module.out_features % (self.parts * device_mesh.size()):
+            raise ValueError(
+                f"PackedColwiseParallel: {module.out_features} output features do not split into "
+                f"{self.parts} blocks of {device_mesh.size()} equal shards"
+            )
+        return super()._apply(module, device_mesh)
+
+    def __repr__(self) -> str:
+        return f"PackedColwiseParallel(parts={self.parts}, input_layouts={self.input_layouts})"
+
+
+class ReplicatedParallel(SequenceParallel):
+    """``SequenceParallel`` whose parameters hold rank 0's values on every rank.
+
+    PyTorch's ``SequenceParallel`` makes each rank's own parameter a Replicate DTensor as it is
+    (``from_local``), which assumes every rank built the same values; a norm whose gains were set
+    or loaded on rank 0 only would then silently differ between ranks. Here they are broadcast from
+    rank 0, as ``ColwiseParallel`` and ``RowwiseParallel`` take their shards from rank 0.
+    """
+
+    def _replicate_module_fn(self, name: str, module: nn.Module, device_mesh: DeviceMesh) -> None:
+        for param_name, param in module.named_parameters(recurse=False):
+            if not isinstance(param, DTensor):
+                replicated = _replicated(param, device_mesh)
+                module.register_parameter(param_name, nn.Parameter(replicated, param.requires_grad))
+
+
+def replicate_parameters(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Every parameter and buffer of ``module`` that is not yet a DTensor becomes a Replicate DTensor
+    with rank 0's values. A parameter shared by several modules (ReZero's one gate per layer, tied
+    weights) stays one parameter: it is distributed once and given to each owner."""
+    done: dict[int, Tensor] = {}
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is None or isinstance(param, DTensor):
+                continue
+            if id(param) not in done:
+                done[id(param)] = nn.Parameter(_replicated(param, mesh), param.requires_grad)
+            sub._parameters[name] = done[id(param)]
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is None or isinstance(buffer, DTensor):
+                continue
+            if id(buffer) not in done:
+                done[id(buffer)] = _replicated(buffer, mesh)
+            sub._buffers[name] = done[id(buffer)]
+
+
+def _sum_partial_gradient(param: DTensor) -> None:
+    grad = param.grad
+    if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        param.grad = grad.redistribute(placements=param.placements)
+
+
+def reduce_partial_gradients(module: nn.Module) -> None:
+    """Have each replicated parameter's gradient summed over the ranks once, as it is accumulated.
+
+    A parameter used on sequence (or head) shards gets a ``Partial`` gradient, each rank's sum over
+    its rows; DTensor would reduce it at each later use (AdamW: three all-reduces per parameter per
+    step). After this, backward leaves a Replicate gradient (one all-reduce), which the optimizer,
+    clipping and probes read like one process's."""
+    for param in module.parameters():
+        if isinstance(param, DTensor) and all(p.is_replicate() for p in param.placements):
+            param.register_post_accumulate_grad_hook(_sum_partial_gradient)
