@@ -156,6 +156,7 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "DW_PART": "fp32" if v.weight else None,
         "DB_PART": "fp32" if v.bias else None,
         "DG_PART": "fp32" if v.gate else None,
+        "ROWS": None,  # given row indices (dropout on a DTensor shard): one int64 load per row, not compiled
     }
     if not fwd and not (recompute or v.gate):
         ptr["X"] = None
@@ -176,6 +177,7 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "XHAT_FROM": {"from_s": 0, "from_y": 1, "from_xr": 2}.get(v.path, 0),
         "RECOMPUTE": v.path == "from_y" and (v.weight or v.bias),
         "WRITE_DX": True,
+        "ROW_IDS": False,
     }
     floats = {"eps", "alpha", "drop_scale"}
     signature, constexprs, attrs = {}, {}, {}

@@ -128,7 +128,7 @@ def _check_triton_vs_oracle(rows, hidden, dtype, norm, prenorm, dropout, gate, x
         seed = torch.tensor(11, device=DEVICE) if dropout else None
 
         def ours(x, r, w, b, g):
-            args = (seed, norm, 1e-5, 0.9, kw["dropout_p"], r.dtype, x.dtype, prenorm, xhat_from, "triton")
+            args = (seed, None, xhat_from, norm, 1e-5, 0.9, kw["dropout_p"], r.dtype, x.dtype, prenorm, "triton")
             y, s = lib.add_norm_fwd(x, r, w, b, g, *args)[:2]
             return (y, s) if prenorm else y
 
@@ -215,7 +215,7 @@ def _post_ln_dweight_errors(rows, hidden, seed):
         paths += [("triton", XHAT_FROM_Y), ("triton", XHAT_FROM_XR)]
     for backend, xhat_from in paths:
         wt = w.clone().requires_grad_(True)
-        args = (None, "layernorm", 1e-5, 1.0, 0.0, torch.bfloat16, torch.bfloat16, False, xhat_from, backend)
+        args = (None, None, xhat_from, "layernorm", 1e-5, 1.0, 0.0, torch.bfloat16, torch.bfloat16, False, backend)
         y = lib.add_norm_fwd(x, r, wt, b, None, *args)[0]
         errors[(backend, xhat_from)] = err(torch.autograd.grad(y, wt, dy)[0])
     wt = w.clone().requires_grad_(True)
@@ -355,8 +355,8 @@ assert lib.TRITON_OP
 names = [k.fn.__name__ for op in ('fwd', 'bwd') for k in get_triton_kernels_for_op(f'addnorm::add_norm_{op}')]
 assert names == ['_add_norm_fwd_kernel', '_add_norm_bwd_kernel'], names
 x, r, w = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16), torch.ones(16, requires_grad=True)
-args = (x, r, w, None, None, torch.tensor(3), 'layernorm', 1e-5, 1.0, 0.1)
-args += (torch.float32, torch.float32, True, 0, 'torch')
+args = (x, r, w, None, None, torch.tensor(3), None, 0, 'layernorm', 1e-5, 1.0, 0.1)
+args += (torch.float32, torch.float32, True, 'torch')
 torch.library.opcheck(lib.add_norm_fwd, args)
 set_compile_path('kernel')
 f = torch.compile(lambda x, r, w: add_norm(x, r, w, prenorm=True, dropout_p=0.1, seed=3), fullgraph=True)

@@ -15,13 +15,16 @@ same plan (shapes, the gate, the seed). How it runs:
 - under ``torch.compile``: the composite (Inductor fuses it with its neighbours) or the registered op
   (the Triton kernels, launched by Inductor), as :func:`addnorm.ops.policy.compile_path` says;
 - under ``torch.func`` transforms: the composite (every transform differentiates or batches it);
-- traced by a dispatch mode (make_fx, fake tensors) or called with a tensor subclass: the registered op.
+- traced by a dispatch mode (make_fx, fake tensors) or called with a tensor subclass: the registered op;
+- x a DTensor: :func:`addnorm.ops.sharded.add_norm_dtensor` (the registered op under its sharding
+  rules, or the tensor-parallel path where the hidden dimension is sharded).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import sys
 
 import numpy as np
 import torch
@@ -34,6 +37,11 @@ from .library import add_norm_fwd
 from .policy import BACKENDS, resolve_backend
 from .reference import _canonical_norm, dropout_keep_mask_numpy
 from .torch_path import Composite, dropout_multiplier
+
+if "torch.distributed.tensor" in sys.modules:  # DTensor already in use: its rules for the op now
+    from . import sharded
+
+    sharded.register_rules()
 
 __all__ = ["Plan", "add_norm", "clear_plans"]
 
@@ -126,8 +134,28 @@ def _check_gate(gate: Tensor, hidden: int, device: torch.device) -> None:
         raise ValueError(f"gate: expected a tensor on {device} like x, got one on {gate.device}")
 
 
+def _is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a DTensor (without importing ``torch.distributed.tensor``: if it is not
+    imported, there is none)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _check_dtensors(x, residual, weight, bias, gate) -> None:
+    """A DTensor argument beside a plain x: the DTensor path needs x and residual as DTensors."""
+    if _is_dtensor(x):
+        return
+    for name, t in (("residual", residual), ("weight", weight), ("bias", bias), ("gate", gate)):
+        if _is_dtensor(t):
+            raise ValueError(
+                f"{name}: a DTensor while x is a plain tensor: pass x and residual as DTensors on its mesh "
+                "(or every argument as a plain tensor)"
+            )
+
+
 def _check_tensors(x, residual, weight, bias, gate) -> int:
     """Every tensor argument's type, dtype, shape and device against x's; returns the hidden size."""
+    _check_dtensors(x, residual, weight, bias, gate)
     x = _check_float_tensor("x", x)
     residual = _check_float_tensor("residual", residual)
     if x.ndim == 0 or x.shape[-1] == 0:
@@ -286,6 +314,8 @@ def add_norm(
         return (y, s) if plan.prenorm else y
     if gate is not None:
         _check_gate(gate, plan.hidden, x.device)
+    if traced and type(x) is not Tensor and _is_dtensor(x):
+        return _dtensor_call(plan, x, residual, weight, bias, gate, seed)
     if plan.triton:
         dev = x.device
         if weight is not None and (weight.shape != plan.shape or weight.device != dev):
@@ -342,12 +372,21 @@ def _composite(plan: Plan, x, residual, weight, bias, gate, seed_t) -> Tensor | 
     return (y, s) if plan.prenorm else y
 
 
-def _via_op(plan: Plan, x, residual, weight, bias, gate, seed_t) -> Tensor | tuple[Tensor, Tensor]:
-    """The call through the registered op ``addnorm::add_norm_fwd`` on (rows, hidden) views."""
-    shape, hidden = x.shape, plan.hidden
+def _dtensor_call(plan: Plan, x, residual, weight, bias, gate, seed) -> Tensor | tuple[Tensor, Tensor]:
+    """The call on DTensors (:mod:`addnorm.ops.sharded`); without a seed, the dropout's seed is drawn
+    from torch's generator on every rank (seeded alike, they draw the same)."""
+    from . import sharded
+
+    seed_t = _seed_value(seed, x.device, False) if plan.p else None
+    return sharded.add_norm_dtensor(plan, x, residual, weight, bias, gate, seed_t, _via_op)
+
+
+def _via_op(plan: Plan, x, residual, weight, bias, gate, seed_t, rows=None) -> Tensor | tuple[Tensor, Tensor]:
+    """The call through the registered op ``addnorm::add_norm_fwd`` (on x's own shape, so a DTensor
+    sharded on a leading dimension stays sharded; ``rows``: the dropout's row indices of a shard)."""
     a = FwdArgs(
-        x.reshape(-1, hidden), residual.reshape(-1, hidden), weight, bias, gate, seed_t, plan.norm, plan.eps,
-        plan.alpha, plan.p, plan.s_dtype, plan.y_dtype, plan.prenorm, plan.xhat_from, plan.backend,
+        x, residual, weight, bias, gate, seed_t, rows, plan.xhat_from, plan.norm, plan.eps, plan.alpha,
+        plan.p, plan.s_dtype, plan.y_dtype, plan.prenorm, plan.backend,
     )  # fmt: skip
     y, s = add_norm_fwd(*a)[:2]
-    return (y.reshape(shape), s.reshape(shape)) if plan.prenorm else y.reshape(shape)
+    return (y, s) if plan.prenorm else y

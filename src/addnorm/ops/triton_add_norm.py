@@ -82,6 +82,16 @@ def _keep(SEED, rows64, cols, m, drop_thr, DROPOUT: tl.constexpr):
 
 
 @triton.jit
+def _row_ids(ROWS, rows, row_ok, rows64, ROW_IDS: tl.constexpr):
+    # the rows' indices for the dropout hash: their own, or given (x is a shard of a bigger tensor)
+    if ROW_IDS:
+        ids = tl.load(ROWS + rows, mask=row_ok, other=0)
+    else:
+        ids = rows64
+    return ids
+
+
+@triton.jit
 def _round_to(v, S_CODE: tl.constexpr):
     if S_CODE == 1:
         v = v.to(tl.float16).to(tl.float32)
@@ -133,6 +143,20 @@ def _vec(P, cols, col_ok, other, HAS: tl.constexpr):
 
 
 @triton.jit
+def _merge_chunk(mean, m2, s, m, c, N, BLOCK_N: tl.constexpr):
+    # the rows' running mean and centred sum of squares merged with chunk c's (Chan et al. 1979: no
+    # E[s^2] - mean^2); s is 0 where m is False
+    done = c * BLOCK_N * 1.0
+    cnt = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
+    mean_c = tl.sum(s, axis=1) / cnt
+    d = tl.where(m, s - mean_c[:, None], 0.0)
+    delta = mean_c - mean
+    mean += delta * (cnt / (done + cnt))
+    m2 += tl.sum(d * d, axis=1) + delta * delta * (done * cnt / (done + cnt))
+    return mean, m2
+
+
+@triton.jit
 def _add_norm_fwd_kernel(
     X,
     R,
@@ -163,15 +187,18 @@ def _add_norm_fwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNKED: tl.constexpr,  # rows wider than BLOCK_N: n_chunks column chunks, two passes
+    ROWS=None,  # the rows' indices for the dropout hash (int64, one per row) where ROW_IDS
+    ROW_IDS: tl.constexpr = False,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
     row_ok = rows < n_rows
     rows64 = rows.to(tl.int64)
+    ids = _row_ids(ROWS, rows, row_ok, rows64, ROW_IDS)
     lane = tl.arange(0, BLOCK_N)[None, :]  # [1, BLOCK_N]
     if not CHUNKED:
         col_ok = lane < N
         m = row_ok & col_ok
-        keep = _keep(SEED, rows64, lane, m, drop_thr, DROPOUT)
+        keep = _keep(SEED, ids, lane, m, drop_thr, DROPOUT)
         s = _stream(
             X,
             R,
@@ -209,7 +236,7 @@ def _add_norm_fwd_kernel(
             cols = c * BLOCK_N + lane
             col_ok = cols < N
             m = row_ok & col_ok
-            keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
+            keep = _keep(SEED, ids, cols, m, drop_thr, DROPOUT)
             s = _stream(
                 X,
                 R,
@@ -232,13 +259,7 @@ def _add_norm_fwd_kernel(
             if IS_RMS:
                 m2 += tl.sum(s * s, axis=1)
             else:
-                done = c * BLOCK_N * 1.0
-                cnt = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
-                mean_c = tl.sum(s, axis=1) / cnt
-                d = tl.where(m, s - mean_c[:, None], 0.0)
-                delta = mean_c - mean
-                mean += delta * (cnt / (done + cnt))
-                m2 += tl.sum(d * d, axis=1) + delta * delta * (done * cnt / (done + cnt))
+                mean, m2 = _merge_chunk(mean, m2, s, m, c, N, BLOCK_N)
         rstd = 1.0 / tl.sqrt(m2 / N + eps)
         if STORE_S:
             tl.debug_barrier()  # pass 2 reads s written by other threads of this program
@@ -250,7 +271,7 @@ def _add_norm_fwd_kernel(
             if STORE_S:
                 s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
             else:
-                keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
+                keep = _keep(SEED, ids, cols, m, drop_thr, DROPOUT)
                 s = _stream(
                     X,
                     R,
@@ -466,6 +487,8 @@ def _add_norm_bwd_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CHUNKED: tl.constexpr,  # rows wider than BLOCK_N: n_chunks column chunks, two passes per tile
+    ROWS=None,  # the rows' indices for the dropout hash (int64, one per row) where ROW_IDS
+    ROW_IDS: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     lane = tl.arange(0, BLOCK_N)[None, :]
@@ -483,7 +506,8 @@ def _add_norm_bwd_kernel(
             row_ok = rows < n_rows
             rows64 = rows.to(tl.int64)
             m = row_ok & col_ok
-            keep = _keep(SEED, rows64, lane, m, drop_thr, DROPOUT)
+            ids = _row_ids(ROWS, rows, row_ok, rows64, ROW_IDS)
+            keep = _keep(SEED, ids, lane, m, drop_thr, DROPOUT)
             rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
             mean = rstd * 0.0
             if not IS_RMS:
@@ -558,6 +582,7 @@ def _add_norm_bwd_kernel(
             rows = (pid * tiles_per_program + t) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
             row_ok = rows < n_rows
             rows64 = rows.to(tl.int64)
+            ids = _row_ids(ROWS, rows, row_ok, rows64, ROW_IDS)
             rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
             mean = rstd * 0.0
             if not IS_RMS:
@@ -574,7 +599,7 @@ def _add_norm_bwd_kernel(
                     cols = c * BLOCK_N + lane
                     col_ok = cols < N
                     m = row_ok & col_ok
-                    keep = _keep(SEED, rows64, cols, m, drop_thr, DROPOUT)
+                    keep = _keep(SEED, ids, cols, m, drop_thr, DROPOUT)
                     w = _vec(W, cols, col_ok, 1.0, HAS_W)
                     b = _vec(B, cols, col_ok, 0.0, HAS_B)
                     xhat = _xhat(
@@ -867,10 +892,16 @@ def _empty_like(t: Tensor, contiguous: bool, dtype: torch.dtype) -> Tensor:
     return torch.empty(t.shape, dtype=dtype, device=t.device)
 
 
-def launch_fwd(sp: FwdSpec, x, residual, weight, bias, gate, seed, kernel=None):
+def _row_ids_kw(row_ids: Tensor | None) -> dict:
+    """The kernels' keywords for given row indices (dropout on a shard, :mod:`addnorm.ops.sharded`)."""
+    return _NO_KW if row_ids is None else {"ROWS": row_ids.reshape(-1), "ROW_IDS": True}
+
+
+def launch_fwd(sp: FwdSpec, x, residual, weight, bias, gate, seed, kernel=None, row_ids=None):
     """The forward on x and residual of any shape (..., n): (y, s or None, mean or None, rstd), y and
     s contiguous of x's shape, the statistics one per row. ``kernel``: the kernel to launch (default
-    the module's: ``wrap_triton``'s where the call is traced)."""
+    the module's: ``wrap_triton``'s where the call is traced); ``row_ids``: the rows' indices for the
+    dropout hash (int64, one per row) where x is a shard of a bigger tensor."""
     n = sp.n
     rows = x.numel() // n
     xc = x.is_contiguous()
@@ -884,14 +915,17 @@ def launch_fwd(sp: FwdSpec, x, residual, weight, bias, gate, seed, kernel=None):
         residual, stride_r = _rows(residual, n)
         (_add_norm_fwd_kernel if kernel is None else kernel)[(-(-rows // sp.block_m),)](
             x, residual, weight, bias, gate, seed, y, s, mean, rstd, stride_x, stride_r, rows, n,
-            sp.n_chunks, *sp.scalars, **sp.meta,
+            sp.n_chunks, *sp.scalars, **sp.meta, **_row_ids_kw(row_ids),
         )  # fmt: skip
     return y, s, mean, rstd
 
 
-def launch_bwd(sp: BwdSpec, dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None):
+def launch_bwd(
+    sp: BwdSpec, dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None, row_ids=None
+):
     """The backward (``dy`` of any shape (..., n), ``saved`` s or y contiguous of that shape, None for
-    XR): (dx or None, dresidual, dweight or None, dbias or None, dgate or None)."""
+    XR): (dx or None, dresidual, dweight or None, dbias or None, dgate or None). ``row_ids`` as for
+    :func:`launch_fwd`."""
     n = sp.n
     rows = dy.numel() // n
     dyc = dy.is_contiguous()
@@ -916,7 +950,7 @@ def launch_bwd(sp: BwdSpec, dy, ds, saved, x, residual, weight, bias, gate, seed
         (_add_norm_bwd_kernel if kernel is None else kernel)[(programs,)](
             dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part, db_part,
             dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, sp.n_chunks, per_program,
-            *sp.scalars, **sp.meta,
+            *sp.scalars, **sp.meta, **_row_ids_kw(row_ids),
         )  # fmt: skip
     dw = db = dg = None
     if dw_part is not None:
@@ -931,12 +965,12 @@ def launch_bwd(sp: BwdSpec, dy, ds, saved, x, residual, weight, bias, gate, seed
     return dx, dres, dw, db, dg
 
 
-# --- the registered op's launchers (FwdArgs / BwdArgs on 2-D tensors) ------------------------------
+# --- the registered op's launchers (FwdArgs / BwdArgs on (..., hidden) tensors) -----------------------
 
 
 def add_norm_fwd_triton(a: FwdArgs, *, traceable: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Forward on 2-D (rows, hidden) inputs; same contract as ``torch_path.add_norm_fwd_torch``."""
-    rows, n = a.x.shape
+    """Forward on (..., hidden) inputs; same contract as ``torch_path.add_norm_fwd_torch``."""
+    n = a.x.shape[-1]
     dropout = a.dropout
     sp = fwd_spec(
         n, a.norm, a.eps, a.alpha, a.dropout_p if dropout else 0.0, a.weight is not None,
@@ -945,22 +979,22 @@ def add_norm_fwd_triton(a: FwdArgs, *, traceable: bool = False) -> tuple[Tensor,
     # through wrap_triton where the call may be traced (the registered op's body: torch.compile then
     # launches the kernel itself; named here, where triton_op's analysis of the body finds it)
     kernel = wrap_triton(_add_norm_fwd_kernel) if traceable and not interpreting() else None
-    seed = a.seed if dropout else None
-    y, s, mean, rstd = launch_fwd(sp, a.x, a.residual, a.weight, a.bias, a.gate, seed, kernel)
-    dev = a.x.device
+    seed, row_ids = (a.seed, a.rows) if dropout else (None, None)
+    y, s, mean, rstd = launch_fwd(sp, a.x, a.residual, a.weight, a.bias, a.gate, seed, kernel, row_ids)
+    dev, lead = a.x.device, a.x.shape[:-1]
     return (
         y,
         a.x.new_empty((0,), dtype=a.s_dtype, device=dev) if s is None else s,
-        a.x.new_empty((0,), dtype=_F32, device=dev) if mean is None else mean,
-        rstd,
+        a.x.new_empty((0,), dtype=_F32, device=dev) if mean is None else mean.reshape(lead),
+        rstd.reshape(lead),
     )
 
 
 def add_norm_bwd_triton(
     a: BwdArgs, *, traceable: bool = False
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward on 2-D inputs; same contract as ``torch_path.add_norm_bwd_torch``."""
-    rows, n = a.dy.shape
+    """Backward on (..., hidden) inputs; same contract as ``torch_path.add_norm_bwd_torch``."""
+    n = a.dy.shape[-1]
     dropout = a.dropout
     sp = bwd_spec(
         n, a.norm, a.alpha, a.dropout_p if dropout else 0.0, a.weight is not None, a.bias is not None,
@@ -970,7 +1004,7 @@ def add_norm_bwd_triton(
     dx, dres, dw, db, dg = launch_bwd(
         sp, a.dy, a.ds, a.saved if a.xhat_from != XHAT_FROM_XR else None, a.x, a.residual, a.weight,
         a.bias, a.gate, a.seed if dropout else None, a.mean if a.norm != "rmsnorm" else None, a.rstd,
-        kernel,
+        kernel, a.rows if dropout else None,
     )  # fmt: skip
     # the op returns every slot, an empty tensor of its own where there is no gradient (outputs of a
     # custom op may not alias each other)
