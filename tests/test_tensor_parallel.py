@@ -190,14 +190,14 @@ def _comm_counts(placement: str) -> dict:
         name.removeprefix("LanguageModel").lstrip("."): {str(k): v for k, v in counts["forward"].items()}
         for name, counts in fwd.comm_module_counts.items()
     }
-    ops = [
-        str(op["name"]) for ops in fwd.comm_module_operation_counts.values() for op in ops["operations_list"]
-    ]
+    ops = [op for ops in fwd.comm_module_operation_counts.values() for op in ops["operations_list"]]
     return {
         "forward": {str(k): v for k, v in fwd.get_comm_counts().items()},
         "backward": {str(k): v for k, v in bwd.get_comm_counts().items()},
         "per_module": per_module,
-        "add_norm_calls": sum("add_norm_fwd" in op for op in ops),
+        "add_norm_calls": [
+            [str(p) for p in op["input_sharding"]] for op in ops if "add_norm_fwd" in str(op["name"])
+        ],
         "norm_parameters": sum(
             "_block.norm" in name or name.startswith("stack.norm.") for name, _ in model.named_parameters()
         ),
@@ -307,7 +307,7 @@ def _worker(rank: int, port: int, names: list[str], out: str, hf_path: str | Non
     for placement in ("pre", "post"):
         run(f"comm-{placement}", lambda p=placement: _comm_counts(p))
     run("errors", _errors)
-    run("dcp", lambda: _dcp_save(out + ".dcp"))
+    run("full-state-dict", lambda: _save_full(out + ".state"))
     run("context-parallel", _context_parallel)
     if hf_path is not None:
         run("hf-llama-tp", lambda: _hf_tp(hf_path))
@@ -316,15 +316,16 @@ def _worker(rank: int, port: int, names: list[str], out: str, hf_path: str | Non
     dist.destroy_process_group()
 
 
-def _dcp_save(path: str) -> torch.Tensor:
-    """A TP+SP model trains, then saves with ``torch.distributed.checkpoint``; a plain model loads it
-    (below, in the test): its logits must be the parallel model's."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+def _save_full(path: str) -> torch.Tensor:
+    """A TP+SP model trains, then rank 0 saves its full state dict (each DTensor gathered); a plain
+    model loads it (below, in the test): its logits must be the parallel model's."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     model = parallel(lm("pre", activation="swiglu"))
     _, logits = train(model, batch())
-    dcp.save(get_model_state_dict(model), checkpoint_id=path)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    if torch.distributed.get_rank() == 0:
+        torch.save(state, path)
     return logits
 
 
@@ -356,7 +357,7 @@ def results():
                     p.kill()
                 pytest.fail(f"the {WORLD}-process run did not finish in {deadline:.0f} s")
         got = torch.load(out, weights_only=False)
-        got["dcp-reloaded"] = _reload_plain(out + ".dcp")
+        got["reloaded"] = _reload_plain(out + ".state")
         yield got
 
 
@@ -373,12 +374,8 @@ def _hf_reference() -> nn.Module:
 
 
 def _reload_plain(path: str) -> torch.Tensor:
-    import torch.distributed.checkpoint as dcp
-
     model = lm("pre", activation="swiglu")
-    state = model.state_dict()
-    dcp.load(state, checkpoint_id=path)  # no process group: one process reads every shard
-    model.load_state_dict(state)
+    model.load_state_dict(torch.load(path))
     with torch.no_grad():
         return model(batch()[:, :-1])
 
@@ -404,7 +401,7 @@ def test_tensor_parallel_trains_like_one_process(results, name):
 
 
 @pytest.mark.parametrize("placement", ["pre", "post"])
-def test_sequence_parallel_add_and_norm_communicates_nothing(results, placement):
+def test_sequence_parallel_add_and_norm_runs_fused_and_communicates_nothing(results, placement):
     """Forward: each layer's collectives are its attention's and FFN's own, one all-gather of the
     stream before each and one reduce-scatter after it (plus the embedding's reduce-scatter and the
     head's two all-gathers); nothing for any Add & Norm. Backward: the mirror image, plus one all-reduce
@@ -422,6 +419,12 @@ def test_sequence_parallel_add_and_norm_communicates_nothing(results, placement)
     assert per_module["embed.tokens"] == {scatter: 1}
     assert per_module["head"] == {gather: 2}
     assert counts["forward"] == {gather: 2 * LAYERS + 2, scatter: 2 * LAYERS + 1}
+    # and every add ran fused on the sequence shards: 2 add_norm calls per layer (Pre-LN: 2L - 1 held
+    # adds with the next norm and the last with the final norm; Post-LN: each add with its own norm),
+    # x and the residual Shard(1), the norm's weight and bias Replicate (each DTensor-level call is
+    # followed by its local one, listed without placements)
+    calls = [shardings for shardings in counts["add_norm_calls"] if shardings]
+    assert calls == [["(Shard(dim=1),)"] * 2 + ["(Replicate(),)"] * 2] * (2 * LAYERS)
     assert counts["backward"] == {
         gather: 2 * LAYERS + 1,
         scatter: 2 * LAYERS + 1,
@@ -448,11 +451,12 @@ def test_refusals_are_one_line_errors_naming_the_argument(results):
         assert re.search(pattern, got[name]), f"{name}: {got[name]}"
 
 
-def test_a_distributed_checkpoint_of_a_tp_model_loads_into_a_plain_one(results):
-    """The packed q/k/v and SwiGLU projections are sharded by blocks, yet saved in the model's own
-    layout: a one-process model loading the checkpoint gives the parallel model's logits."""
-    sharded = _each_rank(results, "dcp")[0]
-    torch.testing.assert_close(results["dcp-reloaded"], sharded, atol=TOL, rtol=0)
+def test_the_full_state_dict_of_a_tp_model_loads_into_a_plain_one(results):
+    """The packed q/k/v and SwiGLU projections are sharded by blocks, yet their DTensors stand for the
+    model's own layout: a one-process model loading the gathered state dict gives the parallel model's
+    logits."""
+    sharded = _each_rank(results, "full-state-dict")[0]
+    torch.testing.assert_close(results["reloaded"], sharded, atol=TOL, rtol=0)
 
 
 @pytest.mark.skipif(not _has_transformers(), reason="transformers")

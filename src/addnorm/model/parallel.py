@@ -49,7 +49,7 @@ def _unsupported(p: Placement) -> str | None:
 def parallelizable_placements() -> list[str]:
     """The registered placements :func:`parallelize` takes (every layer of theirs is supported)."""
     names = []
-    for name in PLACEMENTS.names():
+    for name in PLACEMENTS:
         if all(_unsupported(p) is None for p in PLACEMENTS[name].layer_placements(4)):
             names.append(name)
     return names
