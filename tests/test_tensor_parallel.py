@@ -14,17 +14,15 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawned import run_spawned
 from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
@@ -56,12 +54,16 @@ def lm(
     sizes = {"d_model": 16, "n_heads": 2, "d_ff": 32, "n_layers": LAYERS, "max_len": 16, "dropout": 0.0}
     cfg = TransformerConfig(placement=placement, norm=norm, **(sizes | options))
     model = LanguageModel(cfg, VOCAB, tie_embeddings=tie, device=device)
-    if device != "meta":
-        gen = torch.Generator().manual_seed(1)
-        with torch.no_grad():
-            for p in model.parameters():
-                if p.ndim == 1:
-                    p.add_(0.3 * torch.randn(p.shape, generator=gen))
+    return model if device == "meta" else perturbed(model)
+
+
+def perturbed(model: nn.Module) -> nn.Module:
+    """Noise on every 1-D parameter (norm gains and biases, gates), in place."""
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.add_(0.3 * torch.randn(p.shape, generator=gen))
     return model
 
 
@@ -329,12 +331,6 @@ def _save_full(path: str) -> torch.Tensor:
     return logits
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as tmp:
@@ -343,19 +339,7 @@ def results():
         if _has_transformers():
             hf_path = os.path.join(tmp, "llama")
             _hf_reference().save_pretrained(hf_path)
-        ctx = mp.start_processes(
-            _worker,
-            args=(_free_port(), list(CASES), out, hf_path),
-            nprocs=WORLD,
-            join=False,
-            start_method="spawn",
-        )
-        deadline, start = 150.0, time.monotonic()
-        while not ctx.join(timeout=5):
-            if time.monotonic() - start > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail(f"the {WORLD}-process run did not finish in {deadline:.0f} s")
+        run_spawned(_worker, list(CASES), out, hf_path, nprocs=WORLD)
         got = torch.load(out, weights_only=False)
         got["reloaded"] = _reload_plain(out + ".state")
         yield got
@@ -364,13 +348,7 @@ def results():
 def _hf_reference() -> nn.Module:
     from addnorm.hf import tiny_model
 
-    model = tiny_model("llama", vocab=VOCAB, layers=2, heads=4, dropout=0.0, causal=True)
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return model
+    return perturbed(tiny_model("llama", vocab=VOCAB, layers=2, heads=4, dropout=0.0, causal=True))
 
 
 def _reload_plain(path: str) -> torch.Tensor:
