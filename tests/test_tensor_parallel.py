@@ -67,6 +67,15 @@ def perturbed(model: nn.Module) -> nn.Module:
     return model
 
 
+def off_on_rank_1(model: nn.Module) -> nn.Module:
+    """On rank 1, every parameter and buffer changed (a model built differently there)."""
+    if torch.distributed.get_rank() == 1:
+        with torch.no_grad():
+            for t in (*model.parameters(), *model.buffers()):
+                t.add_(0.5)
+    return model
+
+
 def tp_mesh():
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -127,6 +136,11 @@ for _p in ["pre", "post"]:
 for _p in ["pre", "post", "sandwich", "deepnorm"]:
     CASES[f"fsdp2xtp-{_p}"] = (lambda p=_p: lm(p), lambda p=_p: fsdp_over_tp(lm(p)))
 CASES["meta+tp+sp-sandwich"] = (lambda: lm("sandwich"), lambda: meta_built("sandwich"))
+for _sp in (True, False):  # rank 1 builds other weights: parallelize keeps rank 0's
+    CASES[f"{'tp+sp' if _sp else 'tp'}-rank-0-weights"] = (
+        lambda: lm("rezero"),
+        lambda sp=_sp: parallel(off_on_rank_1(lm("rezero")), sp=sp),
+    )
 
 
 # --- one training run ----------------------------------------------------------------------------------

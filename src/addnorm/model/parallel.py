@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from ..addnorm import AddNorm
 from ..norms import BatchNorm
 from ..placements import PLACEMENTS, Placement
 from .models import LanguageModel
@@ -130,10 +131,17 @@ def _layer_plan(layer: nn.Module, sp: bool) -> dict:
             plan[f"self_attn.{name}"] = ReplicatedParallel(sequence_dim=1, use_local_output=True)
     if sp:  # the connections' norms run on the stream's sequence shards
         for block_name, block in layer.named_children():
+            if not isinstance(block, AddNorm):
+                continue
+            slots = (block.input_norm, block.branch_norm, block.output_norm)
             for norm_name, norm in block.named_children():
-                if norm_name.startswith("norm") and any(True for _ in norm.parameters()):
+                if any(norm is slot for slot in slots) and _has_weights(norm):
                     plan[f"{block_name}.{norm_name}"] = ReplicatedParallel()
     return plan
+
+
+def _has_weights(module: nn.Module | None) -> bool:
+    return module is not None and any(True for _ in module.parameters())
 
 
 def parallelize(
@@ -164,7 +172,7 @@ def parallelize(
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from .tp_styles import ReplicatedParallel, reduce_partial_gradients, replicate_parameters
+    from .tp_styles import ReplicatedParallel, broadcast_plain, reduce_partial_gradients, replicate_parameters
 
     mesh = _tp_mesh(mesh)
     _check(model, mesh.size(), tp)
@@ -180,7 +188,7 @@ def parallelize(
             use_local_output=not loss_parallel,
         ),
     }
-    if sp and model.norm is not None and any(True for _ in model.norm.parameters()):
+    if sp and _has_weights(model.norm):
         plan["stack.norm"] = ReplicatedParallel()
     for i, layer in enumerate(model.layers):
         plan.update({f"stack.layers.{i}.{k}": v for k, v in _layer_plan(layer, sp).items()})
@@ -189,5 +197,7 @@ def parallelize(
         model.head.weight = model.embed.tokens.weight
     if sp:  # gates, Admin's omega, position tables: Replicate DTensors on the stream
         replicate_parameters(model, mesh)
+    else:  # the stream's parameters stay plain, replicated: rank 0's values
+        broadcast_plain(model, mesh)
     reduce_partial_gradients(model)
     return model

@@ -6,12 +6,20 @@ Imported only by ``parallelize`` (``torch.distributed.tensor`` is not loaded by 
 
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, SequenceParallel
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-__all__ = ["PackedColwiseParallel", "ReplicatedParallel", "reduce_partial_gradients", "replicate_parameters"]
+__all__ = [
+    "PackedColwiseParallel",
+    "ReplicatedParallel",
+    "broadcast_plain",
+    "reduce_partial_gradients",
+    "replicate_parameters",
+]
 
 
 def _replicated(tensor: Tensor, mesh: DeviceMesh) -> DTensor:
@@ -114,3 +122,14 @@ def reduce_partial_gradients(module: nn.Module) -> None:
     for param in module.parameters():
         if isinstance(param, DTensor) and all(p.is_replicate() for p in param.placements):
             param.register_post_accumulate_grad_hook(_sum_partial_gradient)
+
+
+def broadcast_plain(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Every parameter and buffer of ``module`` that is not a DTensor gets rank 0's values, in place
+    (without sequence parallel they stay plain tensors, replicated on every rank)."""
+    group = mesh.get_group()
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for tensor in (*module.parameters(), *module.buffers()):
+            if not isinstance(tensor, DTensor) and not tensor.is_meta:
+                dist.broadcast(tensor, source, group=group)
