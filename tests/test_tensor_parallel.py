@@ -2,11 +2,12 @@
 
 Oracle: one process training the same model on the same batch. Under tensor parallelism every rank
 feeds the whole batch; after 3 SGD steps each rank's losses and its logits on the batch must equal the
-one-process run's within 1e-5. Also: a Hugging Face Llama made tensor-parallel by transformers' own
-``tp_plan`` and then fused trains like the unfused TP model; the collectives of a TP+SP step are exactly
-those of the tensor-parallel sublayers (CommDebugMode), none for any Add & Norm; a distributed
-checkpoint of a TP model loads into a plain one; context parallel where torch can run it. All cases run
-in one spawn of 2 processes (1 thread each, a free loopback port, a bounded wait).
+one-process run's within 1e-5. Also: Hugging Face models (Llama, Qwen3, Gemma 2) made tensor-parallel
+by transformers' own ``tp_plan`` and then fused train like the unfused TP model; the collectives of a
+TP+SP step are exactly those of the tensor-parallel sublayers and every add runs fused on the sequence
+shards (CommDebugMode); a gathered state dict of a TP model loads into a plain one; context parallel
+where torch can run it. All cases run in one spawn of 2 processes (1 thread each, a free loopback
+port, a bounded wait).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 WORLD, STEPS, VOCAB, BATCH, SEQ, TOL = 2, 3, 50, 4, 9, 1e-5
 LAYERS = 3
+HF_TYPES = ["llama", "qwen3", "gemma2"]  # Qwen3: per-head q/k norms; Gemma 2: sandwich norms
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -253,7 +255,7 @@ def _encoder_decoder() -> nn.Module:
 
 
 def _hf_tp(path: str) -> dict:
-    """transformers' own TP (``DistributedConfig(tp_plan="auto")``) on a saved tiny Llama, unfused and
+    """transformers' own TP (``DistributedConfig(tp_plan="auto")``) on a saved tiny model, unfused and
     fused (``addnorm.hf.fuse``): 3 steps each."""
     from transformers import AutoModelForCausalLM
     from transformers.distributed import DistributedConfig
@@ -303,7 +305,7 @@ def _context_parallel() -> list[float]:
 # --- the spawn -------------------------------------------------------------------------------------------
 
 
-def _worker(rank: int, port: int, names: list[str], out: str, hf_path: str | None) -> None:
+def _worker(rank: int, port: int, names: list[str], out: str, hf_dir: str | None) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     import torch.distributed as dist
@@ -325,8 +327,9 @@ def _worker(rank: int, port: int, names: list[str], out: str, hf_path: str | Non
     run("errors", _errors)
     run("full-state-dict", lambda: _save_full(out + ".state"))
     run("context-parallel", _context_parallel)
-    if hf_path is not None:
-        run("hf-llama-tp", lambda: _hf_tp(hf_path))
+    if hf_dir is not None:
+        for model_type in HF_TYPES:
+            run(f"hf-{model_type}-tp", lambda t=model_type: _hf_tp(os.path.join(hf_dir, t)))
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
@@ -349,20 +352,19 @@ def _save_full(path: str) -> torch.Tensor:
 def results():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pt")
-        hf_path = None
-        if _has_transformers():
-            hf_path = os.path.join(tmp, "llama")
-            _hf_reference().save_pretrained(hf_path)
-        run_spawned(_worker, list(CASES), out, hf_path, nprocs=WORLD)
+        hf_dir = tmp if _has_transformers() else None
+        for model_type in HF_TYPES if hf_dir else ():
+            _hf_reference(model_type).save_pretrained(os.path.join(hf_dir, model_type))
+        run_spawned(_worker, list(CASES), out, hf_dir, nprocs=WORLD)
         got = torch.load(out, weights_only=False)
         got["reloaded"] = _reload_plain(out + ".state")
         yield got
 
 
-def _hf_reference() -> nn.Module:
+def _hf_reference(model_type: str) -> nn.Module:
     from addnorm.hf import tiny_model
 
-    return perturbed(tiny_model("llama", vocab=VOCAB, layers=2, heads=4, dropout=0.0, causal=True))
+    return perturbed(tiny_model(model_type, vocab=VOCAB, layers=2, heads=4, dropout=0.0, causal=True))
 
 
 def _reload_plain(path: str) -> torch.Tensor:
@@ -452,12 +454,13 @@ def test_the_full_state_dict_of_a_tp_model_loads_into_a_plain_one(results):
 
 
 @pytest.mark.skipif(not _has_transformers(), reason="transformers")
-def test_hf_llama_with_transformers_tp_plan_fused_trains_like_unfused(results):
+@pytest.mark.parametrize("model_type", HF_TYPES)
+def test_hf_model_with_transformers_tp_plan_fused_trains_like_unfused(results, model_type):
     """transformers' own tensor parallelism (``from_pretrained(..., distributed_config=
-    DistributedConfig(tp_plan="auto"))``, gloo on the CPU) and then ``addnorm.hf.fuse``: the unfused TP
-    model's losses and logits, and both the one-process model's."""
-    got = _each_rank(results, "hf-llama-tp")
-    reference = train(_hf_reference(), batch(), hf=True)
+    DistributedConfig(tp_plan="auto"))``, its ``base_model_tp_plan``; gloo on the CPU) and then
+    ``addnorm.hf.fuse``: the unfused TP model's losses and logits, and both the one-process model's."""
+    got = _each_rank(results, f"hf-{model_type}-tp")
+    reference = train(_hf_reference(model_type), batch(), hf=True)
     for rank in got:
         assert rank["sharded"] == "DTensor"  # transformers really sharded the projections
         torch.testing.assert_close(
