@@ -34,7 +34,7 @@ from torch.compiler import is_compiling
 from . import policy
 from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y, FwdArgs
 from .library import add_norm_fwd
-from .policy import BACKENDS, resolve_backend
+from .policy import BACKENDS, is_dtensor, resolve_backend
 from .reference import _canonical_norm, dropout_keep_mask_numpy
 from .torch_path import Composite, dropout_multiplier
 
@@ -134,19 +134,12 @@ def _check_gate(gate: Tensor, hidden: int, device: torch.device) -> None:
         raise ValueError(f"gate: expected a tensor on {device} like x, got one on {gate.device}")
 
 
-def _is_dtensor(t: object) -> bool:
-    """Whether ``t`` is a DTensor (without importing ``torch.distributed.tensor``: if it is not
-    imported, there is none)."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
-
-
 def _check_dtensors(x, residual, weight, bias, gate) -> None:
     """A DTensor argument beside a plain x: the DTensor path needs x and residual as DTensors."""
-    if _is_dtensor(x):
+    if is_dtensor(x):
         return
     for name, t in (("residual", residual), ("weight", weight), ("bias", bias), ("gate", gate)):
-        if _is_dtensor(t):
+        if is_dtensor(t):
             raise ValueError(
                 f"{name}: a DTensor while x is a plain tensor: pass x and residual as DTensors on its mesh "
                 "(or every argument as a plain tensor)"
@@ -292,6 +285,8 @@ def add_norm(
         if key is not None:
             _PLANS[key] = plan
     if compiling:
+        if type(x) is not Tensor and is_dtensor(x):
+            return _dtensor_call(plan, x, residual, weight, bias, gate, seed)
         seed_t = _seed_value(seed, x.device, False) if plan.p else None
         if policy.compile_path() == "composite":
             return _composite(plan, x, residual, weight, bias, gate, seed_t)
@@ -314,7 +309,7 @@ def add_norm(
         return (y, s) if plan.prenorm else y
     if gate is not None:
         _check_gate(gate, plan.hidden, x.device)
-    if traced and type(x) is not Tensor and _is_dtensor(x):
+    if traced and type(x) is not Tensor and is_dtensor(x):
         return _dtensor_call(plan, x, residual, weight, bias, gate, seed)
     if plan.triton:
         dev = x.device

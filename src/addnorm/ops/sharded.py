@@ -44,7 +44,6 @@ DTensor arrives (or is already imported), so plain-tensor users never pay for th
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
@@ -105,14 +104,19 @@ def _bwd_rules(dy, ds, saved, x, residual, weight, bias, gate, seed, rows, mean,
     return rules
 
 
-@functools.cache
+_registered = False
+
+
 def register_rules() -> None:
     """Register the sharding rules of ``addnorm::add_norm_fwd`` / ``add_norm_bwd`` with DTensor (once
     per process; :func:`addnorm.ops.add_norm` calls it before the first DTensor call, and at import
     when ``torch.distributed.tensor`` is already imported). Call it yourself before calling the
     registered ops directly on DTensors."""
-    register_sharding(add_norm_fwd._opoverload)(_fwd_rules)
-    register_sharding(add_norm_bwd._opoverload)(_bwd_rules)
+    global _registered
+    if not _registered:
+        register_sharding(add_norm_fwd._opoverload)(_fwd_rules)
+        register_sharding(add_norm_bwd._opoverload)(_bwd_rules)
+        _registered = True
 
 
 # --- the call's layout ----------------------------------------------------------------------------
@@ -149,7 +153,7 @@ def _check_layout(x: DTensor, residual) -> tuple[int | None, list[int]]:
             continue
         if type(p) is not Shard:
             raise ValueError(
-                f"x: placement {p} on mesh dim {i}: expected Shard(d) or Replicate() (a Partial x holds "
+                f"x: placement {p!r} on mesh dim {i}: expected Shard(d) or Replicate() (a Partial x holds "
                 "no rows to normalise: redistribute it first)"
             )
         if p.dim == last:
@@ -158,7 +162,7 @@ def _check_layout(x: DTensor, residual) -> tuple[int | None, list[int]]:
         if x.shape[p.dim] < mesh.size(i):
             raise ValueError(
                 f"x: dim {p.dim} of size {x.shape[p.dim]} is sharded over the {mesh.size(i)} ranks of mesh "
-                "dim {i}: some rank would hold nothing and DTensor would gather; shard a longer dimension"
+                f"dim {i}: some rank would hold nothing and DTensor would gather; shard a longer dimension"
             )
         lead.append(i)
     if len(tp) > 1:
@@ -186,7 +190,7 @@ def _as_dtensor(name: str, t: Tensor | None, x: DTensor, tp: int | None) -> DTen
             continue
         expected = "Replicate() or Shard(0)" if vector and i == tp else "Replicate()"
         raise ValueError(
-            f"{name}: placement {p} on mesh dim {i}, where x is {x.placements[i]}: expected {expected} "
+            f"{name}: placement {p!r} on mesh dim {i}, where x is {x.placements[i]!r}: expected {expected} "
             "(a norm parameter is sharded only along the mesh dimension that shards x's hidden dimension)"
         )
     return t
