@@ -222,6 +222,26 @@ def _comm_counts(placement: str) -> dict:
     }
 
 
+def _dropout_masks(sp: bool) -> dict[str, torch.Tensor]:
+    """The elements this rank's dropouts keep in one training forward (every rate 0.5): the embedding's
+    (on the stream) and the first feed-forward's (on this rank's hidden units; GELU, so that no input
+    is 0 and the zeros of the output are the dropped elements)."""
+    torch.manual_seed(3)  # every rank alike, as replicated dropout needs
+    model = parallel(lm("pre", dropout=0.5, activation="gelu"), sp=sp)
+    masks = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            masks[name] = (out.to_local() if hasattr(out, "to_local") else out) != 0
+
+        return hook
+
+    model.embed.dropout.register_forward_hook(keep("embed"))
+    model.layers[0].ff.dropout.register_forward_hook(keep("ff"))
+    model.train()(batch()[:, :-1])
+    return masks
+
+
 def _errors() -> dict[str, str]:
     """The one-line errors of what parallelize refuses."""
     from addnorm import parallelize
@@ -325,6 +345,8 @@ def _worker(rank: int, port: int, names: list[str], out: str, hf_dir: str | None
     for placement in ("pre", "post"):
         run(f"comm-{placement}", lambda p=placement: _comm_counts(p))
     run("errors", _errors)
+    for sp in (True, False):
+        run(f"dropout-sp={sp}", lambda sp=sp: _dropout_masks(sp))
     run("full-state-dict", lambda: _save_full(out + ".state"))
     run("context-parallel", _context_parallel)
     if hf_dir is not None:
@@ -424,6 +446,19 @@ def test_sequence_parallel_add_and_norm_runs_fused_and_communicates_nothing(resu
         scatter: 2 * LAYERS + 1,
         reduce: counts["norm_parameters"],
     }
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_each_shard_draws_its_own_dropout_mask_and_replicas_the_same(results, sp):
+    """Ranks seeded alike: a dropout on a shard (the feed-forward's hidden units; with sequence
+    parallel the stream's rows) must not repeat the other rank's mask on its own elements (correlated
+    units or positions), while the replicated stream without sequence parallel needs one mask."""
+    rank0, rank1 = _each_rank(results, f"dropout-sp={sp}")
+    for masks in (rank0, rank1):
+        for mask in masks.values():
+            assert 0.4 < mask.float().mean().item() < 0.6
+    assert not torch.equal(rank0["ff"], rank1["ff"])
+    assert torch.equal(rank0["embed"], rank1["embed"]) is (not sp)
 
 
 def test_refusals_are_one_line_errors_naming_the_argument(results):

@@ -140,6 +140,22 @@ def _layer_plan(layer: nn.Module, sp: bool) -> dict:
     return plan
 
 
+def _sharded_dropouts(model: LanguageModel, sp: bool) -> list[nn.Module]:
+    """The modules whose dropout acts on a rank's shard, so each rank must draw its own mask:
+    attention (its heads) and the feed-forward (its hidden units), and with ``sp`` the stream's
+    dropouts (its rows: the embedding's, and each connection's where its add runs unfused; the fused
+    op hashes global coordinates itself). Without ``sp`` the stream is replicated: one mask for all."""
+    cfg = model.cfg
+    modules = []
+    for layer in model.layers:
+        modules += [layer.self_attn] if cfg.attn_dropout > 0 else []
+        modules += [layer.ff] if cfg.act_dropout > 0 else []
+    if sp and cfg.dropout > 0:
+        modules.append(model.embed.dropout)
+        modules += [m.dropout for m in model.modules() if isinstance(m, AddNorm)]
+    return modules
+
+
 def _has_weights(module: nn.Module | None) -> bool:
     return module is not None and any(True for _ in module.parameters())
 
@@ -172,7 +188,13 @@ def parallelize(
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    from .tp_styles import ReplicatedParallel, broadcast_plain, reduce_partial_gradients, replicate_parameters
+    from .tp_styles import (
+        RankDropoutStream,
+        ReplicatedParallel,
+        broadcast_plain,
+        reduce_partial_gradients,
+        replicate_parameters,
+    )
 
     mesh = _tp_mesh(mesh)
     _check(model, mesh.size(), tp)
@@ -200,4 +222,6 @@ def parallelize(
     else:  # the stream's parameters stay plain, replicated: rank 0's values
         broadcast_plain(model, mesh)
     reduce_partial_gradients(model)
+    for module in _sharded_dropouts(model, sp):
+        RankDropoutStream(mesh).attach(module)
     return model

@@ -133,3 +133,42 @@ def broadcast_plain(module: nn.Module, mesh: DeviceMesh) -> None:
         for tensor in (*module.parameters(), *module.buffers()):
             if not isinstance(tensor, DTensor) and not tensor.is_meta:
                 dist.broadcast(tensor, source, group=group)
+
+
+class RankDropoutStream:
+    """Forward hooks that give a module's dropout this rank's own random stream.
+
+    Where a rank holds a shard (its heads, its hidden units, its sequence rows), each rank must drop
+    its own elements; with every rank seeded alike (which the replicated parts need), torch's generator
+    would draw the same local mask on every shard (correlated heads or positions). On entry the module
+    draws one number from the global generator (the same on every rank, so the global stream stays in
+    step) and runs under a generator seeded with it plus the rank; on exit the global state is back as
+    after that draw. A recomputation under activation checkpointing, which restores the global state
+    first, draws the same masks. On CUDA, DTensor's own random ops keep their tracker's state.
+    """
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.rank = mesh.get_local_rank()
+        self.cuda = mesh.device_type == "cuda"
+        self._forks: list = []
+
+    def attach(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self._enter)
+        module.register_forward_hook(self._exit, always_call=True)
+
+    def _enter(self, module: nn.Module, args) -> None:
+        if not module.training:
+            self._forks.append(None)
+            return
+        seed = int(torch.randint(0, 2**62, (1,)))
+        fork = torch.random.fork_rng(devices=[torch.cuda.current_device()] if self.cuda else [])
+        fork.__enter__()
+        torch.default_generator.manual_seed(seed + self.rank)
+        if self.cuda:
+            torch.cuda.manual_seed(seed + self.rank)
+        self._forks.append(fork)
+
+    def _exit(self, module: nn.Module, args, output) -> None:
+        fork = self._forks.pop()
+        if fork is not None:
+            fork.__exit__(None, None, None)
