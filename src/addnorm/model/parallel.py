@@ -182,8 +182,9 @@ def parallelize(
     Refused with a one-line error: another model than ``LanguageModel``; ``n_heads``, ``d_ff`` or the
     vocabulary not divisible by the TP size; a placement whose layers TP cannot compute exactly
     (:func:`parallelizable_placements`: not Sub-LN, not nGPT); BatchNorm; ``tp=False``; a model already
-    distributed. Dropout is allowed but is not one process's mask (each rank draws its own; seed
-    every rank the same so that replicated values get the same mask).
+    distributed. Dropout trains with other masks than one process's: seed every rank the same (the
+    replicated stream without ``sp`` needs one mask); dropouts on a rank's shard (heads, hidden units,
+    with ``sp`` the stream's rows) draw from a per-rank generator (:class:`~.tp_styles.RankDropoutStream`).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
