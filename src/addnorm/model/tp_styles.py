@@ -1,5 +1,6 @@
-"""The two ``ParallelStyle``\\ s that :func:`addnorm.model.parallel.parallelize` adds to PyTorch's own, and
-the replication of the parameters no style owns.
+"""What :func:`addnorm.model.parallel.parallelize` adds to PyTorch's tensor parallelism: two
+``ParallelStyle``\\ s, the replication of the parameters no style owns, the reduction of their partial
+gradients, and per-rank dropout streams on shards.
 
 Imported only by ``parallelize`` (``torch.distributed.tensor`` is not loaded by ``import addnorm``).
 """
@@ -15,6 +16,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 __all__ = [
     "PackedColwiseParallel",
+    "RankDropoutStream",
     "ReplicatedParallel",
     "broadcast_plain",
     "reduce_partial_gradients",
@@ -36,8 +38,9 @@ class PackedColwiseParallel(ColwiseParallel):
     ``_StridedShard(0, split_factor=parts)``: each block is cut into shards, and each rank holds its
     shard of every block ([q_r; k_r; v_r]: the projections of its own heads), so the local output
     splits into ``parts`` blocks as the unsharded one does. The DTensor still stands for the whole
-    weight (``full_tensor()``, state dicts and distributed checkpoints see the model's own layout),
-    and ``F.linear`` propagates the placement with no communication. The local output is returned
+    weight in the model's own layout (``full_tensor()``, full state dicts), and ``F.linear``
+    propagates the placement with no communication. ``torch.distributed.checkpoint`` (torch 2.13)
+    cannot save it sharded: it records one contiguous chunk per rank. The local output is returned
     (``use_local_output`` True), like ``ColwiseParallel``'s default.
     """
 
