@@ -499,3 +499,32 @@ def test_the_ops_take_leading_dimensions_and_the_rows_of_a_shard(backend, norm):
     if backend == "torch":
         leaves = [t.clone().requires_grad_(True) for t in (x, r, w)]
         torch.library.opcheck(lib.add_norm_fwd, (*leaves, *args[3:]))
+
+
+def test_the_communication_benchmark_runs_and_counts_bytes(bench_module, tmp_path):
+    """bench_sharded.py on a tiny shape: every (norm, strategy) row, the SP path silent, the TP path 8
+    (LayerNorm) or 4 (RMSNorm) bytes a row each way, the gather baselines whole shards of x and r."""
+    bench = bench_module("bench_sharded")
+    b, t, h = 2, 4, 8
+    report = bench.main(["--shapes", f"{b}x{t}x{h}", "--reps", "1", "--out", str(tmp_path)])
+    rows = {(r["norm"], r["strategy"]): r for r in report["rows"]}
+    assert set(rows) == {(n, s) for n in ("layernorm", "rmsnorm") for s in bench.STRATEGIES}
+    local_rows, shard_bytes = b * t, b * t * h * 4 // WORLD
+    for (norm, strategy), r in rows.items():
+        if strategy == "SP":
+            assert (r["fwd_collectives"], r["fwd_bytes"], r["bwd_collectives"], r["bwd_bytes"]) == (
+                0,
+                0,
+                0,
+                0,
+            )
+        elif strategy == "TP":
+            per_row = 8 if norm == "layernorm" else 4
+            assert (r["fwd_collectives"], r["fwd_bytes"]) == (1, local_rows * per_row)
+            assert (r["bwd_collectives"], r["bwd_bytes"]) == (1, local_rows * per_row)
+        else:  # x and residual gathered forward, the gradients of y and s backward
+            assert (r["fwd_collectives"], r["fwd_bytes"]) == (2, 2 * shard_bytes)
+            assert (r["bwd_collectives"], r["bwd_bytes"]) == (2, 2 * shard_bytes)
+        assert r["fwd_ms"] > 0 and r["fwd+bwd_ms"] > 0
+    md = (tmp_path / "sharded_cpu.md").read_text()
+    assert "| shape (B, T, H) |" in md and "gather from Shard(-1)" in md

@@ -53,7 +53,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-from .args import XHAT_FROM_S
+from .args import BwdArgs, FwdArgs
 from .library import add_norm_bwd, add_norm_fwd
 from .reference import dropout_keep_mask
 from .torch_path import _stream, branch_grads, compute_dtype
@@ -69,38 +69,36 @@ def _placeholder(spec) -> bool:
     return tuple(spec.shape) == (0,)
 
 
-def _fwd_rules(x, residual, weight, bias, gate, seed, rows, xhat_from, norm, *_options):
+def _fwd_rules(*args, **kwargs):
     """``add_norm_fwd``'s placements per mesh dimension: all Replicate, or rows sharded on a leading
     dimension d (x, residual, rows, and the outputs y, s, mean, rstd Shard(d); weight, bias, gate and
     seed Replicate). The hidden dimension is never sharded here (that needs communication: TP)."""
-    *_, prenorm, _backend = _options
-    store_s = prenorm or xhat_from == XHAT_FROM_S
-    rules = []
-    for p in [Replicate(), *(Shard(d) for d in range(len(x.shape) - 1))]:
-        rep = Replicate()
-        outputs = [p, p if store_s else rep, p if norm == "layernorm" else rep, p]
-        inputs = [p, p, *(None if t is None else rep for t in (weight, bias, gate, seed))]
-        rules.append((outputs, [*inputs, None if rows is None else p]))
+    a = FwdArgs(*args, **kwargs)  # DTensorSpecs where the op has tensors
+    rep, rules = Replicate(), []
+    for p in [rep, *(Shard(d) for d in range(len(a.x.shape) - 1))]:
+        outputs = [p, p if a.store_s else rep, p if a.norm == "layernorm" else rep, p]
+        inputs = [p, p, *(None if t is None else rep for t in (a.weight, a.bias, a.gate, a.seed))]
+        rules.append((outputs, [*inputs, None if a.rows is None else p]))
     return rules
 
 
-def _bwd_rules(dy, ds, saved, x, residual, weight, bias, gate, seed, rows, mean, rstd, *options):
+def _bwd_rules(*args, **kwargs):
     """``add_norm_bwd``'s placements per mesh dimension: all Replicate, or rows sharded on a leading
     dimension d: every per-row tensor Shard(d), and the weight/bias/gate gradients Partial() (each
     rank's sum over its rows)."""
-    need_dx = options[-2]
-    rules = []
-    for p in [Replicate(), *(Shard(d) for d in range(len(dy.shape) - 1))]:
-        rep = Replicate()
+    a = BwdArgs(*args, **kwargs)
+    rep, rules = Replicate(), []
+    for p in [rep, *(Shard(d) for d in range(len(a.dy.shape) - 1))]:
         part = rep if p == rep else Partial()
 
-        def like(spec, p=p, rep=rep):
+        def like(spec, p=p):
             return None if spec is None else (rep if _placeholder(spec) else p)
 
-        outputs = [p if need_dx else rep, p, *(rep if t is None else part for t in (weight, bias, gate))]
-        inputs = [p, like(ds), like(saved), like(x), like(residual)]
-        inputs += [None if t is None else rep for t in (weight, bias, gate, seed)]
-        rules.append((outputs, [*inputs, like(rows), like(mean), p]))
+        grads = (rep if t is None else part for t in (a.weight, a.bias, a.gate))
+        outputs = [p if a.need_dx else rep, p, *grads]
+        inputs = [p, like(a.ds), like(a.saved), like(a.x), like(a.residual)]
+        inputs += [None if t is None else rep for t in (a.weight, a.bias, a.gate, a.seed)]
+        rules.append((outputs, [*inputs, like(a.rows), like(a.mean), p]))
     return rules
 
 
@@ -343,18 +341,22 @@ def _stats_torch(call: TPCall, x, residual, gate, seed, rows) -> tuple[Tensor, T
     keep = _keep(call, seed, rows, x.shape[0], x.device)
     s_out, s = _stream(x, residual, gate, keep, call.alpha, call.p, call.cdt, call.s_dtype)
     if call.rms:
-        return s_out, s.square().sum(-1)
-    mean = s.sum(-1) / max(s.shape[-1], 1)
-    return s_out, torch.stack([mean, (s - mean[:, None]).square().sum(-1)], -1)
+        return s_out, torch.linalg.vecdot(s, s)
+    if not call.n:  # no columns here: nothing to merge
+        return s_out, s.new_zeros(s.shape[0], 2)
+    var, mean = torch.var_mean(s, -1, correction=0)  # one pass, centred
+    return s_out, torch.stack([mean, var * call.n], -1)
 
 
 def _normalise_torch(call: TPCall, s_out, mean, rstd, weight, bias) -> Tensor:
     s = s_out.to(call.cdt)
-    y = (s if mean is None else s - mean[:, None]) * rstd[:, None]
-    if weight is not None:
-        y = y * weight.to(call.cdt)
-    if bias is not None:
-        y = y + bias.to(call.cdt)
+    y = s * rstd[:, None] if mean is None else (s - mean[:, None]).mul_(rstd[:, None])  # never s itself
+    w = None if weight is None else weight.to(call.cdt)
+    b = None if bias is None else bias.to(call.cdt)
+    if w is not None:
+        y = y.mul_(w) if b is None else torch.addcmul(b, y, w)
+    elif b is not None:
+        y = y.add_(b)
     return y.to(call.y_dtype)
 
 
@@ -368,7 +370,7 @@ def _xhat_wdy(call: TPCall, dy, s_out, mean, rstd, weight) -> tuple[Tensor, Tens
 def _sums_torch(call: TPCall, dy, s_out, mean, rstd, weight) -> Tensor:
     """This rank's per-row sums of x_hat * w dy (RMSNorm), and of w dy (LayerNorm: (rows, 2))."""
     xhat, _, wdy = _xhat_wdy(call, dy, s_out, mean, rstd, weight)
-    c1 = (xhat * wdy).sum(-1)
+    c1 = torch.linalg.vecdot(xhat, wdy)
     return c1 if call.rms else torch.stack([c1, wdy.sum(-1)], -1)
 
 
@@ -376,12 +378,12 @@ def _grads_torch(call: TPCall, dy, ds, s_out, x, weight, bias, gate, seed, rows,
     """(dx or empty, dresidual, dweight, dbias, dgate) from the whole rows' sums."""
     xhat, dyf, wdy = _xhat_wdy(call, dy, s_out, mean, rstd, weight)
     c1 = (sums if call.rms else sums[:, 0]) / call.hidden
-    dsum = wdy - xhat * c1[:, None]
+    dsum = torch.addcmul(wdy, xhat, c1[:, None], value=-1.0)
     if not call.rms:
-        dsum = dsum - (sums[:, 1] / call.hidden)[:, None]
-    dsum = dsum * rstd[:, None]
+        dsum.sub_((sums[:, 1] / call.hidden)[:, None])
+    dsum.mul_(rstd[:, None])
     if ds is not None:
-        dsum = dsum + ds.to(call.cdt)
+        dsum.add_(ds.to(call.cdt))
     keep = _keep(call, seed, rows, dy.shape[0], dy.device)
     dx, dres, dg = branch_grads(
         dsum, x, gate, keep, call.alpha, call.p, call.x_dtype, call.res_dtype, need_dx

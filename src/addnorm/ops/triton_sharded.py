@@ -85,34 +85,30 @@ def _tp_stats_kernel(
         m = row_ok & col_ok
         keep = _keep(SEED, ids, cols + col0, m, drop_thr, DROPOUT)
         s = _stream(
-            X,
-            R,
-            G,
-            keep,
-            rows64,
-            cols,
-            col_ok,
-            m,
-            stride_x,
-            stride_r,
-            alpha,
-            drop_scale,
-            GATE,
-            DROPOUT,
+            X, R, G, keep, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_scale, GATE, DROPOUT,
             S_CODE,
-        )
+        )  # fmt: skip
         tl.store(S + rows64 * N + cols, s.to(S.dtype.element_ty), mask=m)
         if IS_RMS:
             m2 += tl.sum(s * s, axis=1)
         else:
             mean, m2 = _merge_chunk(mean, m2, s, m, c, N, BLOCK_N)
+    if IS_RMS:
+        _store_per_row(STATS, m2, m2, n_rows, False, BLOCK_M)
+    else:
+        _store_per_row(STATS, mean, m2, n_rows, True, BLOCK_M)
+
+
+@triton.jit
+def _store_per_row(P, a, b, n_rows, PAIR: tl.constexpr, BLOCK_M: tl.constexpr):
+    # this program's rows' a (one number a row), or (a, b) interleaved (PAIR)
     out = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     ok = out < n_rows
-    if IS_RMS:
-        tl.store(STATS + out, m2, mask=ok)
+    if PAIR:
+        tl.store(P + 2 * out, a, mask=ok)
+        tl.store(P + 2 * out + 1, b, mask=ok)
     else:
-        tl.store(STATS + 2 * out, mean, mask=ok)
-        tl.store(STATS + 2 * out + 1, m2, mask=ok)
+        tl.store(P + out, a, mask=ok)
 
 
 @triton.jit
@@ -190,13 +186,7 @@ def _tp_sums_kernel(
         wdy = wdy * _vec(W, cols, col_ok, 1.0, HAS_W)
         c1 += tl.sum(xhat * wdy, axis=1)
         c2 += tl.sum(wdy, axis=1)
-    out = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    ok = out < n_rows
-    if IS_RMS:
-        tl.store(SUMS + out, c1, mask=ok)
-    else:
-        tl.store(SUMS + 2 * out, c1, mask=ok)
-        tl.store(SUMS + 2 * out + 1, c2, mask=ok)
+    _store_per_row(SUMS, c1, c2, n_rows, not IS_RMS, BLOCK_M)
 
 
 @triton.jit
