@@ -126,7 +126,7 @@ for _p in ["rezero", "layerscale", "resi_dual", "b2t", "mix", "hybridnorm", "hyb
     CASES[f"tp+sp-{_p}"] = (lambda p=_p: lm(p), lambda p=_p: parallel(lm(p)))
 for _p in ["normed_residual", "pre_post", "res_post"]:
     CASES[f"tp+sp-{_p}"] = (lambda p=_p: lm(p), lambda p=_p: parallel(lm(p)))
-for _n in ["dyt", "scalenorm"]:
+for _n in ["dyt", "scalenorm", "l2", "none"]:
     CASES[f"tp+sp-pre-{_n}"] = (lambda n=_n: lm("pre", n), lambda n=_n: parallel(lm("pre", n)))
 _SWIGLU = {"activation": "swiglu", "qk_norm": True}
 CASES["tp+sp-swiglu-qk_norm"] = (lambda: lm(**_SWIGLU), lambda: parallel(lm(**_SWIGLU)))
