@@ -15,6 +15,10 @@ register-heavy variants, with dropout or a gate, narrower one-pass rows: the
 configurations only the lighter ones launch are compiled with the heaviest of those); ``full=True``
 adds RMSNorm, bf16 and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and without-affine
 variants, and hidden sizes that are not multiples of 16 (no aligned-vector specialisation).
+The widest configuration also compiles with dropout on given row indices (a DTensor's row shard), and
+the tensor-parallel kernels (``ops/triton_sharded.py``: statistics, normalise, row sums, gradients of
+a column shard) join with every option and row indices, at the widest tile and the column-chunk
+configuration (``full``: every configuration).
 
 This module does not import triton at import time.
 """
@@ -40,7 +44,7 @@ HIDDEN_SIZES += (6144, 8192, 10000, 12288, 16384, 24576, 32768, 50000, 65536)
 class Variant(NamedTuple):
     """One compiled specialisation of a kernel: its launch configuration, options and dtypes."""
 
-    kernel: str  # "fwd" | "bwd"
+    kernel: str  # "fwd" | "bwd" | one of TP_KERNELS
     block_m: int
     block_n: int
     chunked: bool
@@ -54,6 +58,7 @@ class Variant(NamedTuple):
     dropout: bool
     aligned: bool  # hidden size (and so row strides) a multiple of 16
     hidden: tuple[int, ...]  # the hidden sizes (of HIDDEN_SIZES) that launch this configuration
+    row_ids: bool = False  # dropout hashes given row indices (a DTensor shard: ``ops/sharded.py``)
 
     @property
     def maxnreg(self) -> int:
@@ -73,6 +78,7 @@ class Variant(NamedTuple):
             n for n, on in (("weight", self.weight), ("bias", self.bias), ("dropout", self.dropout)) if on
         ]
         parts += [("", "scalar gate", "vector gate")[self.gate]] if self.gate else []
+        parts += ["row ids"] if self.row_ids else []
         return ", ".join(parts + ([] if self.aligned else ["unaligned"]))
 
 
@@ -106,7 +112,7 @@ def variants(full: bool = False) -> list[Variant]:
                 )
                 out.append(base)
                 if full or cfg == widest:
-                    out.append(base._replace(aligned=False))
+                    out += [base._replace(aligned=False), base._replace(row_ids=True)]
                 if full:
                     out += [base._replace(norm="rmsnorm", bias=False), base._replace(dtypes="mixed")]
                     out += [base._replace(dtypes="bf16"), base._replace(dtypes="fp16", gate=1)]
@@ -121,6 +127,27 @@ def variants(full: bool = False) -> list[Variant]:
                         kind, *cfg, "layernorm", path, "fp32", True, True, 2, True, True, tuple(hidden)
                     )
                     out += [v._replace(aligned=a) for v in _light(base) for a in aligned]
+    out += _tensor_parallel_variants(full)
+    return out
+
+
+# the tensor-parallel kernels (``ops/triton_sharded.py``) and the configurations they launch with
+TP_KERNELS = {"tp_stats": "fwd", "tp_norm": "fwd", "tp_sums": "fwd", "tp_bwd": "bwd"}
+
+
+def _tensor_parallel_variants(full: bool) -> list[Variant]:
+    """The TP kernels (always a loop over column chunks) with every option, dropout on row ids: at
+    the widest tile and the column-chunk configuration, or (``full``) at every configuration."""
+    out = []
+    for kernel, kind in TP_KERNELS.items():
+        configs = _configs(kind)
+        widest = max(configs, key=lambda c: (c.block_n * c.block_m, c.block_n))
+        path = "store_s" if kernel == "tp_stats" else "from_s"  # the stats pass stores s, the others read it
+        for cfg, hidden in configs.items():
+            if full or cfg == widest or cfg.chunked:
+                out.append(
+                    Variant(kernel, *cfg, "layernorm", path, "fp32", True, True, 2, True, True, tuple(hidden))
+                )
     return out
 
 
@@ -133,9 +160,10 @@ def _dtypes(v: Variant) -> dict:
 def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) of the ASTSource for ``v``, as a launch would specialise it."""
     d = _dtypes(v)
-    fwd = v.kernel == "fwd"
+    fwd = v.kernel in ("fwd", "tp_stats")  # reads x and residual
+    tp = v.kernel in TP_KERNELS
     ln = v.norm == "layernorm"
-    store_s = v.path == "store_s"
+    store_s = v.path == "store_s" or tp  # the TP kernels write or read s
     recompute = v.path in ("from_y", "from_xr")
     ptr = {
         "X": d["x"],
@@ -156,7 +184,9 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "DW_PART": "fp32" if v.weight else None,
         "DB_PART": "fp32" if v.bias else None,
         "DG_PART": "fp32" if v.gate else None,
-        "ROWS": None,  # given row indices (dropout on a DTensor shard): one int64 load per row, not compiled
+        "ROWS": "i64" if v.row_ids and v.dropout else None,  # the rows' global indices (dropout on a shard)
+        "STATS": "fp32",
+        "SUMS": "fp32",
     }
     if not fwd and not (recompute or v.gate):
         ptr["X"] = None
@@ -177,9 +207,9 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "XHAT_FROM": {"from_s": 0, "from_y": 1, "from_xr": 2}.get(v.path, 0),
         "RECOMPUTE": v.path == "from_y" and (v.weight or v.bias),
         "WRITE_DX": True,
-        "ROW_IDS": False,
+        "ROW_IDS": v.row_ids and v.dropout,
     }
-    floats = {"eps", "alpha", "drop_scale"}
+    floats = {"eps", "alpha", "drop_scale", "inv_hidden"}
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(arg_names):
         if name in const:
@@ -251,8 +281,12 @@ def compile_variant(v: Variant, arch: int) -> dict:
     from triton.compiler import ASTSource
 
     from addnorm.ops import triton_add_norm as k
+    from addnorm.ops import triton_sharded as ts
 
-    fn = k._add_norm_fwd_kernel if v.kernel == "fwd" else k._add_norm_bwd_kernel
+    fn = {
+        "fwd": k._add_norm_fwd_kernel, "bwd": k._add_norm_bwd_kernel, "tp_stats": ts._tp_stats_kernel,
+        "tp_norm": ts._tp_norm_kernel, "tp_sums": ts._tp_sums_kernel, "tp_bwd": ts._tp_bwd_kernel,
+    }[v.kernel]  # fmt: skip
     if not hasattr(fn, "arg_names"):
         raise RuntimeError("compile_variant: the kernels were built for the interpreter (TRITON_INTERPRET=1)")
     signature, constexprs, attrs = _signature(v, fn.arg_names)

@@ -284,9 +284,9 @@ def add_norm(
         )  # fmt: skip
         if key is not None:
             _PLANS[key] = plan
+    if type(x) is not Tensor and is_dtensor(x):  # eager or compiled: the sharded paths
+        return _dtensor_call(plan, x, residual, weight, bias, gate, seed)
     if compiling:
-        if type(x) is not Tensor and is_dtensor(x):
-            return _dtensor_call(plan, x, residual, weight, bias, gate, seed)
         seed_t = _seed_value(seed, x.device, False) if plan.p else None
         if policy.compile_path() == "composite":
             return _composite(plan, x, residual, weight, bias, gate, seed_t)
@@ -309,8 +309,6 @@ def add_norm(
         return (y, s) if plan.prenorm else y
     if gate is not None:
         _check_gate(gate, plan.hidden, x.device)
-    if traced and type(x) is not Tensor and is_dtensor(x):
-        return _dtensor_call(plan, x, residual, weight, bias, gate, seed)
     if plan.triton:
         dev = x.device
         if weight is not None and (weight.shape != plan.shape or weight.device != dev):
@@ -372,6 +370,10 @@ def _dtensor_call(plan: Plan, x, residual, weight, bias, gate, seed) -> Tensor |
     from torch's generator on every rank (seeded alike, they draw the same)."""
     from . import sharded
 
+    if residual.shape != x.shape:
+        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if gate is not None:
+        _check_gate(gate, plan.hidden, x.device)
     seed_t = _seed_value(seed, x.device, False) if plan.p else None
     return sharded.add_norm_dtensor(plan, x, residual, weight, bias, gate, seed_t, _via_op)
 

@@ -92,6 +92,20 @@ def _row_ids(ROWS, rows, row_ok, rows64, ROW_IDS: tl.constexpr):
 
 
 @triton.jit
+def _merge_chunk(mean, m2, s, m, c, N, BLOCK_N: tl.constexpr):
+    # the rows' running mean and centred sum of squares merged with chunk c's (Chan et al. 1979: no
+    # E[s^2] - mean^2); s is 0 where m is False
+    done = c * BLOCK_N * 1.0
+    cnt = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
+    mean_c = tl.sum(s, axis=1) / cnt
+    d = tl.where(m, s - mean_c[:, None], 0.0)
+    delta = mean_c - mean
+    mean += delta * (cnt / (done + cnt))
+    m2 += tl.sum(d * d, axis=1) + delta * delta * (done * cnt / (done + cnt))
+    return mean, m2
+
+
+@triton.jit
 def _round_to(v, S_CODE: tl.constexpr):
     if S_CODE == 1:
         v = v.to(tl.float16).to(tl.float32)
@@ -140,20 +154,6 @@ def _vec(P, cols, col_ok, other, HAS: tl.constexpr):
     else:
         v = tl.full(cols.shape, other, tl.float32)
     return v
-
-
-@triton.jit
-def _merge_chunk(mean, m2, s, m, c, N, BLOCK_N: tl.constexpr):
-    # the rows' running mean and centred sum of squares merged with chunk c's (Chan et al. 1979: no
-    # E[s^2] - mean^2); s is 0 where m is False
-    done = c * BLOCK_N * 1.0
-    cnt = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
-    mean_c = tl.sum(s, axis=1) / cnt
-    d = tl.where(m, s - mean_c[:, None], 0.0)
-    delta = mean_c - mean
-    mean += delta * (cnt / (done + cnt))
-    m2 += tl.sum(d * d, axis=1) + delta * delta * (done * cnt / (done + cnt))
-    return mean, m2
 
 
 @triton.jit

@@ -306,7 +306,7 @@ def stats(call, x: Tensor, residual: Tensor, gate, seed, rows) -> tuple[Tensor, 
             x, residual, gate, seed, ids, s, st, stride_x, stride_r, nrows, n, triton.cdiv(n, cfg.block_n),
             call.col0, call.alpha, thr, scale, IS_RMS=call.rms, GATE=_gate_code(gate),
             DROPOUT=seed is not None, ROW_IDS=ids is not None, S_CODE=S_CODES[call.s_dtype],
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
         )  # fmt: skip
     return s, st
 
@@ -320,7 +320,7 @@ def normalise(call, s: Tensor, mean: Tensor | None, rstd: Tensor, weight, bias) 
         _tp_norm_kernel[(triton.cdiv(nrows, cfg.block_m),)](
             s, weight, bias, mean, rstd, y, nrows, n, triton.cdiv(n, cfg.block_n), IS_RMS=call.rms,
             HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps,
+            num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
         )  # fmt: skip
     return y
 
@@ -337,6 +337,7 @@ def sums(call, dy: Tensor, s: Tensor, mean, rstd, weight) -> Tensor:
         _tp_sums_kernel[(triton.cdiv(nrows, cfg.block_m),)](
             dy, s, weight, mean, rstd, out, stride_dy, nrows, n, triton.cdiv(n, cfg.block_n), IS_RMS=call.rms,
             HAS_W=weight is not None, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            maxnreg=cfg.maxnreg,
         )  # fmt: skip
     return out
 
@@ -364,7 +365,7 @@ def grads(call, dy, ds, s, x, weight, bias, gate, seed, rows, mean, rstd, row_su
             1.0 / call.hidden, call.alpha, thr, scale, IS_RMS=call.rms, HAS_W=weight is not None,
             HAS_B=bias is not None, GATE=gate_code, DROPOUT=seed is not None, HAS_DS=ds is not None,
             ROW_IDS=ids is not None, WRITE_DX=need_dx, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps,
+            num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
         )  # fmt: skip
     dw, db, dg = (None if p is None else p.sum(0) for p in parts)
     dw = None if dw is None else dw.to(weight.dtype)
