@@ -11,13 +11,12 @@ loopback port, a bounded wait), so the module stays within its time budget.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawned import run_spawned
 from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
@@ -223,28 +222,11 @@ def _dcp_round_trip(rank: int, out: str):
         return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def distributed_results():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pt")
-        ctx = mp.start_processes(
-            _worker, args=(_free_port(), list(CASES), out), nprocs=WORLD, join=False, start_method="spawn"
-        )
-        deadline = 150.0
-        import time
-
-        start = time.monotonic()
-        while not ctx.join(timeout=5):
-            if time.monotonic() - start > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail(f"the {WORLD}-process run did not finish in {deadline:.0f} s")
+        run_spawned(_worker, list(CASES), out, nprocs=WORLD)
         results = torch.load(out, weights_only=False)
         if "dcp" in results and not isinstance(results["dcp"], str):
             results["dcp-reloaded"] = _reload_unfused(out + ".dcp")
