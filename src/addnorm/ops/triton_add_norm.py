@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -899,8 +900,9 @@ _F32 = torch.float32
 
 class FwdSpec(NamedTuple):
     """The forward's launch for one set of options: grid rows per program, column chunks, the
-    kernel's trailing arguments (``tail``: the scalars, then the constexprs, positional) and the launch
-    options (``options``: warps, register budget)."""
+    kernel's trailing arguments (``tail``: the scalars, then the constexprs, positional), the launch
+    options (``options``: warps, register budget) and ``launch``, the launcher made for the spec
+    (:func:`_fwd_launcher`)."""
 
     n: int
     block_m: int
@@ -912,6 +914,7 @@ class FwdSpec(NamedTuple):
     s_dtype: torch.dtype
     tail: tuple  # eps, alpha, dropout threshold, dropout scale, then the constexprs
     options: dict
+    launch: Callable | None = None  # the launcher for this spec (:func:`launch_fwd`'s body)
 
 
 class BwdSpec(NamedTuple):
@@ -930,6 +933,7 @@ class BwdSpec(NamedTuple):
     block: tuple[int, int]  # a tile's rows and columns (the grid's unit)
     tail: tuple  # eps, alpha, dropout threshold, dropout scale, then the constexprs
     options: dict
+    launch: Callable | None = None  # the launcher for this spec (:func:`launch_bwd`'s body)
 
 
 def _dropout_args(p: float, dropout: bool) -> tuple[int, float]:
@@ -978,9 +982,8 @@ def fwd_spec(
     n_chunks = -(-n // cfg.block_n)
     mean_apart = not is_rms and stats == "apart"
     per_row = 0 if stats == "none" else (2 if stats == "packed" and not is_rms else 1)
-    return FwdSpec(
-        n, cfg.block_m, n_chunks, mean_apart, per_row, store_s, y_dtype, s_dtype, tail, cfg.options
-    )
+    sp = FwdSpec(n, cfg.block_m, n_chunks, mean_apart, per_row, store_s, y_dtype, s_dtype, tail, cfg.options)
+    return sp._replace(launch=_fwd_launcher(sp))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -999,11 +1002,12 @@ def bwd_spec(
         "S_CODE": S_CODES[s_dtype], "WRITE_DX": need_dx, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
         "CHUNKED": cfg.chunked,
     }  # fmt: skip
-    return BwdSpec(
+    sp = BwdSpec(
         n, -(-n // cfg.block_n), cfg.chunked, norm == "rmsnorm", xhat_from, recompute,
         recompute or gate_code != 0, need_dx, x_dtype, res_dtype, (cfg.block_m, cfg.block_n),
         _tail(_BWD_PARAMS, (eps, alpha, *_dropout_args(p, p > 0)), constexprs), cfg.options,
     )  # fmt: skip
+    return sp._replace(launch=_bwd_launcher(sp))
 
 
 # --- launchers -----------------------------------------------------------------------------------
@@ -1017,10 +1021,10 @@ def _empty_like(t: Tensor, contiguous: bool, dtype: torch.dtype) -> Tensor:
     return torch.empty(t.shape, dtype=dtype, device=t.device)
 
 
-def _with_row_ids(options: dict, row_ids: Tensor | None) -> dict:
-    """A launch's keywords, with the row indices for the dropout hash where given (a shard,
-    :mod:`addnorm.ops.sharded`): the common call passes the spec's own dict, no new one."""
-    return options if row_ids is None else {**options, "ROWS": row_ids.reshape(-1), "ROW_IDS": True}
+def _with_row_ids(options: dict, row_ids: Tensor) -> dict:
+    """A launch's keywords with the row indices for the dropout hash (a shard,
+    :mod:`addnorm.ops.sharded`); without them a call passes the spec's own dict, no new one."""
+    return {**options, "ROWS": row_ids.reshape(-1), "ROW_IDS": True}
 
 
 def launch_fwd(sp: FwdSpec, x, residual, weight, bias, gate, seed, kernel=None, row_ids=None):
@@ -1029,31 +1033,9 @@ def launch_fwd(sp: FwdSpec, x, residual, weight, bias, gate, seed, kernel=None, 
     ``sp.stats_per_row`` 2, after the rstds in ``rstd``; none, rstd None, for ``stats_per_row`` 0).
     ``kernel``: the kernel to launch (default the module's: ``wrap_triton``'s where the call is
     traced); ``row_ids``: the rows' indices for the dropout hash (int64, one per row) where x is a
-    shard of a bigger tensor."""
-    # the common case inline (contiguous x, no casts): every frame and keyword is host time per call
-    n, x_dtype = sp.n, x.dtype
-    rows = x.numel() // n
-    xc = x.is_contiguous()
-    y = torch.empty_like(x) if xc and x_dtype is sp.y_dtype else _empty_like(x, xc, sp.y_dtype)
-    if sp.store_s:
-        s = torch.empty_like(y) if sp.s_dtype is sp.y_dtype else _empty_like(y, True, sp.s_dtype)
-    else:
-        s = None
-    per_row = sp.stats_per_row
-    if x_dtype is _F32:  # no keywords: a third less host time
-        mean = x.new_empty(rows) if sp.mean_apart else None
-        rstd = x.new_empty(per_row * rows) if per_row else None
-    else:
-        mean = x.new_empty(rows, dtype=_F32) if sp.mean_apart else None
-        rstd = x.new_empty(per_row * rows, dtype=_F32) if per_row else None
-    if rows:
-        x, stride_x = (x, n) if xc else _rows(x, n)
-        residual, stride_r = (residual, n) if residual.is_contiguous() else _rows(residual, n)
-        (_add_norm_fwd_kernel if kernel is None else kernel)[(-(-rows // sp.block_m),)](
-            x, residual, weight, bias, gate, seed, y, s, mean, rstd, stride_x, stride_r, rows, n,
-            sp.n_chunks, *sp.tail, **_with_row_ids(sp.options, row_ids),
-        )  # fmt: skip
-    return y, s, mean, rstd
+    shard of a bigger tensor. The spec's own launcher (``sp.launch``, which the eager path calls
+    directly) does it."""
+    return sp.launch(x, residual, weight, bias, gate, seed, kernel, row_ids)
 
 
 def launch_bwd(
@@ -1061,59 +1043,113 @@ def launch_bwd(
 ):
     """The backward (``dy`` of any shape (..., n), ``saved`` s or y contiguous of that shape, None for
     XR): (dx or None, dresidual, dweight or None, dbias or None, dgate or None). ``row_ids`` as for
+    :func:`launch_fwd`. The spec's own launcher (``sp.launch``) does it."""
+    return sp.launch(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel, row_ids)
+
+
+# The launchers, one made per spec: the spec's fields bound as closure constants, so that a call reads
+# no attribute (a NamedTuple field costs ~25 ns, a global ~20: a small call's launch had ~40 such reads
+# and three frames, ~1 us of host time). The kernels are looked up at each call (a benchmark may replace
+# them).
+
+
+def _fwd_launcher(sp: FwdSpec) -> Callable:
+    """``launch(x, residual, weight, bias, gate, seed, kernel=None, row_ids=None)`` for ``sp``: see
     :func:`launch_fwd`."""
-    n = sp.n
-    rows = dy.numel() // n
-    dyc = dy.is_contiguous()
-    dres = torch.empty_like(dy) if dyc and dy.dtype is sp.res_dtype else _empty_like(dy, dyc, sp.res_dtype)
-    dx = _empty_like(dres, True, sp.x_dtype) if sp.need_dx else None
-    programs, per_program = bwd_grid(rows, n, dy.device, sp.block)
-    # per-program partial sums of dweight / dbias / dgate in fp32, summed below; one program (few
-    # rows) writes the sums themselves; chunked rows add into them (zeros)
-    part = n if programs == 1 else (programs, n)
-    alloc = dy.new_zeros if sp.chunked else dy.new_empty
-    if dy.dtype is _F32:  # no keywords: a third less host time
-        dw_part = None if weight is None else alloc(part)
-        db_part = None if bias is None else alloc(part)
-        dg_part = None if gate is None else alloc(part)
-    else:
-        dw_part = None if weight is None else alloc(part, dtype=_F32)
-        db_part = None if bias is None else alloc(part, dtype=_F32)
-        dg_part = None if gate is None else alloc(part, dtype=_F32)
-    if sp.recompute and (x is None or residual is None):
-        raise ValueError("add_norm_bwd: recomputing s needs x and residual")
-    if rows:
-        dy, stride_dy = (dy, n) if dyc else _rows(dy, n)
-        if ds is None:
-            stride_ds = 0
+    n, block_m, n_chunks, tail, options = sp.n, sp.block_m, sp.n_chunks, sp.tail, sp.options
+    mean_apart, per_row, y_dtype, s_dtype = sp.mean_apart, sp.stats_per_row, sp.y_dtype, sp.s_dtype
+    # s: none, one like y, or one in its own dtype
+    s_kind = 0 if not sp.store_s else (1 if s_dtype is y_dtype else 2)
+
+    def launch(x, residual, weight, bias, gate, seed, kernel=None, row_ids=None):
+        rows = x.numel() // n
+        x_dtype = x.dtype
+        xc = x.is_contiguous()
+        y = torch.empty_like(x) if xc and x_dtype is y_dtype else _empty_like(x, xc, y_dtype)
+        s = None if not s_kind else (torch.empty_like(y) if s_kind == 1 else _empty_like(y, True, s_dtype))
+        if x_dtype is _F32:  # no keywords: a third less host time
+            mean = x.new_empty(rows) if mean_apart else None
+            rstd = x.new_empty(per_row * rows) if per_row else None
         else:
-            ds, stride_ds = (ds, n) if ds.is_contiguous() else _rows(ds, n)
-        if sp.need_x:
-            x, stride_x = (x, n) if x.is_contiguous() else _rows(x, n)
-        else:
-            x, stride_x = None, 0
-        if sp.recompute:
+            mean = x.new_empty(rows, dtype=_F32) if mean_apart else None
+            rstd = x.new_empty(per_row * rows, dtype=_F32) if per_row else None
+        if rows:
+            x, stride_x = (x, n) if xc else _rows(x, n)
             residual, stride_r = (residual, n) if residual.is_contiguous() else _rows(residual, n)
+            (_add_norm_fwd_kernel if kernel is None else kernel)[(-(-rows // block_m),)](
+                x, residual, weight, bias, gate, seed, y, s, mean, rstd, stride_x, stride_r, rows, n,
+                n_chunks, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
+            )  # fmt: skip
+        return y, s, mean, rstd
+
+    return launch
+
+
+def _bwd_launcher(sp: BwdSpec) -> Callable:
+    """``launch(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None,
+    row_ids=None)`` for ``sp``: see :func:`launch_bwd`."""
+    n, n_chunks, need_dx, recompute, need_x = sp.n, sp.n_chunks, sp.need_dx, sp.recompute, sp.need_x
+    x_dtype, res_dtype, block, tail, options = sp.x_dtype, sp.res_dtype, sp.block, sp.tail, sp.options
+    chunked, block_m = sp.chunked, sp.block[0]
+    one_program_rows = BWD_ONE_PROGRAM_TILES * block_m  # bwd_grid's one program, without its frame
+
+    def launch(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None, row_ids=None):
+        rows = dy.numel() // n
+        dyc, dy_dtype = dy.is_contiguous(), dy.dtype
+        dres = torch.empty_like(dy) if dyc and dy_dtype is res_dtype else _empty_like(dy, dyc, res_dtype)
+        dx = _empty_like(dres, True, x_dtype) if need_dx else None
+        if 0 < rows <= one_program_rows:
+            programs, per_program, part = 1, -(-rows // block_m), n
         else:
-            residual, stride_r = None, 0
-        (_add_norm_bwd_kernel if kernel is None else kernel)[(programs,)](
-            dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part, db_part,
-            dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, sp.n_chunks, per_program,
-            *sp.tail, **_with_row_ids(sp.options, row_ids),
-        )  # fmt: skip
-    if programs == 1:  # the kernel wrote the sums
-        dw, db, dg = dw_part, db_part, dg_part
-    else:
-        dw = None if dw_part is None else dw_part.sum(0)
-        db = None if db_part is None else db_part.sum(0)
-        dg = None if dg_part is None else dg_part.sum(0)
-    if dw is not None and weight.dtype is not _F32:
-        dw = dw.to(weight.dtype)
-    if db is not None and bias.dtype is not _F32:
-        db = db.to(bias.dtype)
-    if dg is not None:
-        dg = (dg.sum() if gate.numel() == 1 else dg).reshape(gate.shape).to(gate.dtype)
-    return dx, dres, dw, db, dg
+            programs, per_program = bwd_grid(rows, n, dy.device, block)
+            part = (programs, n)
+        # per-program partial sums of dweight / dbias / dgate in fp32, summed below; one program (few
+        # rows) writes the sums themselves; chunked rows add into them (zeros)
+        alloc = dy.new_zeros if chunked else dy.new_empty
+        if dy_dtype is _F32:  # no keywords: a third less host time
+            dw_part = None if weight is None else alloc(part)
+            db_part = None if bias is None else alloc(part)
+            dg_part = None if gate is None else alloc(part)
+        else:
+            dw_part = None if weight is None else alloc(part, dtype=_F32)
+            db_part = None if bias is None else alloc(part, dtype=_F32)
+            dg_part = None if gate is None else alloc(part, dtype=_F32)
+        if recompute and (x is None or residual is None):
+            raise ValueError("add_norm_bwd: recomputing s needs x and residual")
+        if rows:
+            dy, stride_dy = (dy, n) if dyc else _rows(dy, n)
+            if ds is None:
+                stride_ds = 0
+            else:
+                ds, stride_ds = (ds, n) if ds.is_contiguous() else _rows(ds, n)
+            if need_x:
+                x, stride_x = (x, n) if x.is_contiguous() else _rows(x, n)
+            else:
+                x, stride_x = None, 0
+            if recompute:
+                residual, stride_r = (residual, n) if residual.is_contiguous() else _rows(residual, n)
+            else:
+                residual, stride_r = None, 0
+            (_add_norm_bwd_kernel if kernel is None else kernel)[(programs,)](
+                dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part,
+                db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_chunks, per_program,
+                *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
+            )  # fmt: skip
+        if programs == 1:  # the kernel wrote the sums
+            dw, db, dg = dw_part, db_part, dg_part
+        else:
+            dw = None if dw_part is None else dw_part.sum(0)
+            db = None if db_part is None else db_part.sum(0)
+            dg = None if dg_part is None else dg_part.sum(0)
+        if dw is not None and weight.dtype is not _F32:
+            dw = dw.to(weight.dtype)
+        if db is not None and bias.dtype is not _F32:
+            db = db.to(bias.dtype)
+        if dg is not None:
+            dg = (dg.sum() if gate.numel() == 1 else dg).reshape(gate.shape).to(gate.dtype)
+        return dx, dres, dw, db, dg
+
+    return launch
 
 
 # --- the registered op's launchers (FwdArgs / BwdArgs on (..., hidden) tensors) -----------------------

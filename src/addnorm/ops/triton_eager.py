@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y
-from .triton_add_norm import bwd_spec, fwd_spec, launch_bwd, launch_fwd
+from .triton_add_norm import bwd_spec, fwd_spec
 
 __all__ = ["EagerLaunch", "TritonAddNorm"]
 
@@ -68,12 +68,13 @@ def _function_for(launch: EagerLaunch):
     bias[, gate[, seed]])``, ``Function.apply`` without its per-call extras (the signature binding,
     only with setup_context, and the functorch dead-wrapper unwrapping over every argument:
     ``add_norm`` sends calls under functorch transforms to the composite, so none arrive here)."""
-    fwd, bwd, bwd_ds, prenorm = launch.fwd, launch.bwd, launch.bwd_ds, launch.prenorm
+    # the specs' launchers themselves (launch_fwd / launch_bwd without their frames)
+    fwd, bwd, bwd_ds, prenorm = launch.fwd.launch, launch.bwd.launch, launch.bwd_ds.launch, launch.prenorm
     keep_x, keep_r, save_y = launch.keep_x, launch.keep_r, launch.save_y
 
     def forward(ctx, x, residual, weight, bias, gate=None, seed=None):
         # the statistics in one buffer or none (see EagerLaunch): mean is None
-        y, s, _, stats = launch_fwd(fwd, x, residual, weight, bias, gate, seed)
+        y, s, _, stats = fwd(x, residual, weight, bias, gate, seed)
         # what ``save_for_backward`` sets, without its frame; the statistics too (created here, they
         # are kept as they are: no reference cycle), so that ctx needs no attribute dict
         ctx.to_save = (
@@ -97,10 +98,9 @@ def _function_for(launch: EagerLaunch):
         x, residual, weight, bias, gate, seed, saved, stats = ctx.saved_tensors
         if dy is None:  # only s was used (Pre-LN: saved is s)
             dy = torch.zeros_like(saved)
-        dx, dres, dw, db, dg = launch_bwd(
-            bwd if ds is None else bwd_ds, dy, ds, saved, x, residual, weight, bias, gate, seed, None,
-            stats,
-        )  # fmt: skip
+        dx, dres, dw, db, dg = (bwd if ds is None else bwd_ds)(
+            dy, ds, saved, x, residual, weight, bias, gate, seed, None, stats
+        )
         # gradients beyond the inputs given must be None (autograd drops them)
         return dres if dx is None else dx, dres, dw, db, dg, None
 
