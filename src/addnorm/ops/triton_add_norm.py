@@ -1058,15 +1058,22 @@ def _fwd_launcher(sp: FwdSpec) -> Callable:
     :func:`launch_fwd`."""
     n, block_m, n_chunks, tail, options = sp.n, sp.block_m, sp.n_chunks, sp.tail, sp.options
     mean_apart, per_row, y_dtype, s_dtype = sp.mean_apart, sp.stats_per_row, sp.y_dtype, sp.s_dtype
-    # s: none, one like y, or one in its own dtype
-    s_kind = 0 if not sp.store_s else (1 if s_dtype is y_dtype else 2)
+    s_kind = 0 if not sp.store_s else (1 if s_dtype is y_dtype else 2)  # s: none, like y, in its dtype
+    empty_like = torch.empty_like
 
     def launch(x, residual, weight, bias, gate, seed, kernel=None, row_ids=None):
-        rows = x.numel() // n
         x_dtype = x.dtype
-        xc = x.is_contiguous()
-        y = torch.empty_like(x) if xc and x_dtype is y_dtype else _empty_like(x, xc, y_dtype)
-        s = None if not s_kind else (torch.empty_like(y) if s_kind == 1 else _empty_like(y, True, s_dtype))
+        rows = x.numel() // n
+        if x.is_contiguous():  # read as rows without a view
+            stride_x = n
+            y = empty_like(x) if x_dtype is y_dtype else _empty_like(x, True, y_dtype)
+        else:
+            y = _empty_like(x, False, y_dtype)
+            x, stride_x = _rows(x, n)
+        if s_kind:
+            s = empty_like(y) if s_kind == 1 else _empty_like(y, True, s_dtype)
+        else:
+            s = None
         if x_dtype is _F32:  # no keywords: a third less host time
             mean = x.new_empty(rows) if mean_apart else None
             rstd = x.new_empty(per_row * rows) if per_row else None
@@ -1074,8 +1081,10 @@ def _fwd_launcher(sp: FwdSpec) -> Callable:
             mean = x.new_empty(rows, dtype=_F32) if mean_apart else None
             rstd = x.new_empty(per_row * rows, dtype=_F32) if per_row else None
         if rows:
-            x, stride_x = (x, n) if xc else _rows(x, n)
-            residual, stride_r = (residual, n) if residual.is_contiguous() else _rows(residual, n)
+            if residual.is_contiguous():
+                stride_r = n
+            else:
+                residual, stride_r = _rows(residual, n)
             (_add_norm_fwd_kernel if kernel is None else kernel)[(-(-rows // block_m),)](
                 x, residual, weight, bias, gate, seed, y, s, mean, rstd, stride_x, stride_r, rows, n,
                 n_chunks, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
@@ -1092,11 +1101,17 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
     x_dtype, res_dtype, block, tail, options = sp.x_dtype, sp.res_dtype, sp.block, sp.tail, sp.options
     chunked, block_m = sp.chunked, sp.block[0]
     one_program_rows = BWD_ONE_PROGRAM_TILES * block_m  # bwd_grid's one program, without its frame
+    empty_like = torch.empty_like
 
     def launch(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None, row_ids=None):
+        dy_dtype = dy.dtype
         rows = dy.numel() // n
-        dyc, dy_dtype = dy.is_contiguous(), dy.dtype
-        dres = torch.empty_like(dy) if dyc and dy_dtype is res_dtype else _empty_like(dy, dyc, res_dtype)
+        if dy.is_contiguous():
+            stride_dy = n
+            dres = empty_like(dy) if dy_dtype is res_dtype else _empty_like(dy, True, res_dtype)
+        else:
+            dres = _empty_like(dy, False, res_dtype)
+            dy, stride_dy = _rows(dy, n)
         dx = _empty_like(dres, True, x_dtype) if need_dx else None
         if 0 < rows <= one_program_rows:
             programs, per_program, part = 1, -(-rows // block_m), n
@@ -1117,19 +1132,24 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
         if recompute and (x is None or residual is None):
             raise ValueError("add_norm_bwd: recomputing s needs x and residual")
         if rows:
-            dy, stride_dy = (dy, n) if dyc else _rows(dy, n)
             if ds is None:
                 stride_ds = 0
+            elif ds.is_contiguous():
+                stride_ds = n
             else:
-                ds, stride_ds = (ds, n) if ds.is_contiguous() else _rows(ds, n)
-            if need_x:
-                x, stride_x = (x, n) if x.is_contiguous() else _rows(x, n)
-            else:
+                ds, stride_ds = _rows(ds, n)
+            if not need_x:
                 x, stride_x = None, 0
-            if recompute:
-                residual, stride_r = (residual, n) if residual.is_contiguous() else _rows(residual, n)
+            elif x.is_contiguous():
+                stride_x = n
             else:
+                x, stride_x = _rows(x, n)
+            if not recompute:
                 residual, stride_r = None, 0
+            elif residual.is_contiguous():
+                stride_r = n
+            else:
+                residual, stride_r = _rows(residual, n)
             (_add_norm_bwd_kernel if kernel is None else kernel)[(programs,)](
                 dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part,
                 db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_chunks, per_program,
