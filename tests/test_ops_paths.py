@@ -467,6 +467,56 @@ def test_a_call_signature_is_planned_once_and_bad_tensors_still_get_clear_errors
         add_norm(x, r[:2], w, b)
 
 
+def test_alternating_call_signatures_and_a_policy_change_each_get_their_own_plan():
+    """The last call's plan is reused only for the same signature (the key compared, not hashed): calls
+    alternating between two signatures get each its own result, and a change of policy plans anew."""
+    from addnorm.ops import policy
+
+    fn.clear_plans()
+    x, r, w, b, _ = _inputs(4, 16, device="cpu")
+    s = x + r
+    for _ in range(2):
+        y = add_norm(x, r, w, b)
+        torch.testing.assert_close(y, F.layer_norm(s, (16,), w, b, 1e-5))
+        y, s2 = add_norm(x, r, w, None, norm="rmsnorm", prenorm=True)
+        torch.testing.assert_close(y, F.rms_norm(s, (16,), w, 1e-5))
+        assert torch.equal(s2, s)
+    assert len(fn._PLANS) == 2
+    policy.invalidate()  # a new policy version: the same call is planned again, not served stale
+    add_norm(x, r, w, None, norm="rmsnorm", prenorm=True)
+    assert len(fn._PLANS) == 3
+
+
+@needs_triton
+def test_a_cached_triton_plan_still_names_a_tensor_on_another_device_or_of_another_shape(monkeypatch):
+    """After the plan is cached, the Triton path's per-call checks name a residual, weight or bias on
+    another device than x or of another shape, before any kernel is launched."""
+    from addnorm.ops import triton_add_norm as k
+
+    fn.clear_plans()
+    x, r, w, b, _ = _inputs(4, 16)
+    add_norm(x, r, w, b, backend="triton")
+
+    class NoKernel:
+        def __getitem__(self, grid):
+            raise AssertionError("a kernel was launched")
+
+    monkeypatch.setattr(k, "_add_norm_fwd_kernel", NoKernel())
+    bad = [
+        ({"residual": r.to("meta")}, r"residual: expected a tensor on"),
+        ({"weight": w.to("meta")}, r"weight: expected a tensor on"),
+        ({"bias": b.to("meta")}, r"bias: expected a tensor on"),
+        ({"residual": r[:2]}, r"residual: expected the shape of x"),
+        ({"weight": w[:8]}, r"weight: expected shape \(16,\)"),
+        ({"bias": b.reshape(1, 16)}, r"bias: expected shape \(16,\)"),
+    ]
+    for change, match in bad:
+        args = {"residual": r, "weight": w, "bias": b, **change}
+        with pytest.raises(ValueError, match=match):
+            add_norm(x, args["residual"], args["weight"], args["bias"], backend="triton")
+    assert len(fn._PLANS) == 1  # every call above had the cached plan's key
+
+
 def test_no_environment_lookup_per_call(monkeypatch):
     x, r, w, b, _ = _inputs(4, 16, device="cpu")
     add_norm(x, r, w, b, dropout_p=0.1)

@@ -57,8 +57,9 @@ class Plan:
     """What a call signature fixes, decided once: the backend (``triton``), the composite (torch
     backend), the effective dropout rate ``p`` (0 in eval), the op's dtypes and ``xhat_from``."""
 
-    __slots__ = ("alpha", "backend", "composite", "eps", "hidden", "launches", "norm", "np_dtype", "p")
-    __slots__ += ("prenorm", "rms", "s_dtype", "scale", "shape", "simple", "triton", "xhat_from", "y_dtype")
+    __slots__ = ("alpha", "apply", "backend", "composite", "eps", "hidden", "launches", "norm", "np_dtype")
+    __slots__ += ("p", "prenorm", "rms", "s_dtype", "scale", "shape", "simple", "triton", "xhat_from")
+    __slots__ += ("y_dtype",)
 
     def __init__(self, x, residual, weight, bias, norm, eps, prenorm, alpha, p, s_dtype, y_dtype, backend):
         hidden = x.shape[-1]
@@ -87,7 +88,7 @@ class Plan:
         else:
             self.xhat_from = XHAT_FROM_Y if y_dtype == torch.float32 else XHAT_FROM_XR
         # the eager Triton path's launch specs, per gate kind (none, one element, a vector)
-        self.launches = [None, None, None]
+        self.launches, self.apply = [None, None, None], None
         if self.triton:
             from .triton_eager import EagerLaunch
 
@@ -95,15 +96,20 @@ class Plan:
                 EagerLaunch(self, x.dtype, residual.dtype, weight is not None, bias is not None, code)
                 for code in (0, 1, 2)
             ]
+            self.apply = self.launches[0].apply  # no gate: the common call
 
 
-# call plans, keyed on the policy's version and the call signature
+# call plans, keyed on the policy's version and the call signature; and the last call's (key, plan):
+# a model calls with one signature many times in a row, and a tuple comparison costs half a lookup
 _PLANS: dict[tuple, Plan] = {}
+_last: tuple = (None, None)
 
 
 def clear_plans() -> None:
     """Forget the cached plans (a change of policy needs no call: plans are keyed on its version)."""
+    global _last
     _PLANS.clear()
+    _last = None, None
 
 
 def _check_float_tensor(name: str, t: object) -> Tensor:
@@ -274,6 +280,7 @@ def add_norm(
     alike). Weight, bias and gate Replicate, or Shard(0) where x's hidden dimension is sharded; their
     gradients come out ``Partial()`` where x's rows are sharded. See :mod:`addnorm.ops.sharded`.
     """
+    global _last
     compiling, plan, key = is_compiling(), None, None
     if not compiling:
         try:
@@ -283,7 +290,11 @@ def add_norm(
                 bias is None or bias.dtype, norm, eps, prenorm, alpha, dropout_p if training else 0.0,
                 residual_in_fp32, out_dtype, backend,
             )  # fmt: skip
-            plan = _PLANS.get(key)
+            last_key, plan = _last
+            if key != last_key:  # another signature than the last call's (equal: compared, not hashed)
+                plan = _PLANS.get(key)
+                if plan is not None:
+                    _last = key, plan
         except Exception:  # arguments that cannot be keyed: the checks below name the bad one
             key = None
     if plan is None:  # a new call signature (or under torch.compile: once per trace): checked in full
@@ -293,6 +304,7 @@ def add_norm(
         )  # fmt: skip
         if key is not None:
             _PLANS[key] = plan
+            _last = key, plan
     if type(x) is not Tensor and is_dtensor(x):  # eager or compiled: the sharded paths
         return _dtensor_call(plan, x, residual, weight, bias, gate, seed)
     if compiling:
@@ -303,22 +315,27 @@ def add_norm(
     if residual.shape != xs:
         raise ValueError(f"residual: expected the shape of x {tuple(xs)}, got {tuple(residual.shape)}")
     if plan.triton:  # the GPU's path first, its per-call checks inline (each costs host time)
-        if weight is not None and (weight.shape != plan.shape or weight.device != dev):
-            _check_vector("weight", weight, plan.hidden, dev)
-        if bias is not None and (bias.shape != plan.shape or bias.device != dev):
-            _check_vector("bias", bias, plan.hidden, dev)
+        shape = plan.shape
+        if (
+            residual.device != dev
+            or (weight is not None and (weight.shape != shape or weight.device != dev))
+            or (bias is not None and (bias.shape != shape or bias.device != dev))
+        ):
+            _check_tensors(x, residual, weight, bias, gate)  # raises, naming the tensor
+        # no dispatch mode, tensor subclass or torch.func transform
+        plain = type(x) is Tensor and not (_dispatch_depth() or _functorch_active())
+        if plain and gate is None and not plan.p:
+            return plan.apply(x, residual, weight, bias)  # the common call: nothing else to check
         if gate is not None:
             _check_gate(gate, plan.hidden, dev)
         seed_t = _seed_value(seed, dev, False) if plan.p else None
+        if plain:
+            if gate is None:
+                return plan.apply(x, residual, weight, bias, None, seed_t)
+            return plan.launches[1 if gate.numel() == 1 else 2].apply(x, residual, weight, bias, gate, seed_t)
         if _functorch_active():
             return _composite(plan, x, residual, weight, bias, gate, seed_t)
-        if _dispatch_depth() or type(x) is not Tensor:  # a dispatch mode or a subclass
-            return _via_op(plan, x, residual, weight, bias, gate, seed_t)
-        if gate is None:
-            if seed_t is None:
-                return plan.launches[0].apply(x, residual, weight, bias)
-            return plan.launches[0].apply(x, residual, weight, bias, None, seed_t)
-        return plan.launches[1 if gate.numel() == 1 else 2].apply(x, residual, weight, bias, gate, seed_t)
+        return _via_op(plan, x, residual, weight, bias, gate, seed_t)  # a dispatch mode or a subclass
     traced = _dispatch_depth() > 0 or type(x) is not Tensor  # a dispatch mode or a subclass
     if plan.simple and gate is None and not traced:  # s = x + r, then the norm: eager's own ops
         try:
