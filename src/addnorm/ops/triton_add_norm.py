@@ -902,7 +902,7 @@ class FwdSpec(NamedTuple):
     """The forward's launch for one set of options: grid rows per program, column chunks, the
     kernel's trailing arguments (``tail``: the scalars, then the constexprs, positional), the launch
     options (``options``: warps, register budget) and ``launch``, the launcher made for the spec
-    (:func:`_fwd_launcher`)."""
+    (:func:`fwd_launcher`)."""
 
     n: int
     block_m: int
@@ -983,7 +983,7 @@ def fwd_spec(
     mean_apart = not is_rms and stats == "apart"
     per_row = 0 if stats == "none" else (2 if stats == "packed" and not is_rms else 1)
     sp = FwdSpec(n, cfg.block_m, n_chunks, mean_apart, per_row, store_s, y_dtype, s_dtype, tail, cfg.options)
-    return sp._replace(launch=_fwd_launcher(sp))
+    return sp._replace(launch=fwd_launcher(sp))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -1035,7 +1035,7 @@ def launch_fwd(sp: FwdSpec, x, residual, weight, bias, gate, seed, kernel=None, 
     traced); ``row_ids``: the rows' indices for the dropout hash (int64, one per row) where x is a
     shard of a bigger tensor. The spec's own launcher (``sp.launch``, which the eager path calls
     directly) does it."""
-    return sp.launch(x, residual, weight, bias, gate, seed, kernel, row_ids)
+    return sp.launch(None, x, residual, weight, bias, gate, seed, kernel, row_ids)
 
 
 def launch_bwd(
@@ -1053,16 +1053,22 @@ def launch_bwd(
 # them).
 
 
-def _fwd_launcher(sp: FwdSpec) -> Callable:
-    """``launch(x, residual, weight, bias, gate, seed, kernel=None, row_ids=None)`` for ``sp``: see
-    :func:`launch_fwd`."""
+def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None) -> Callable:
+    """The forward's launcher for ``sp``: ``launch(ctx, x, residual, weight, bias, gate=None, seed=None,
+    kernel=None, row_ids=None)``. With ``ctx`` None (:func:`launch_fwd`, the spec's own ``launch``):
+    (y, s or None, mean or None, rstd or None). With an autograd context it is the eager path's
+    ``autograd.Function.forward`` itself (:mod:`addnorm.ops.triton_eager` makes one per launch, one frame
+    fewer per call), ``keep`` saying what the backward needs: (x, residual, y (else s), prenorm). It sets
+    ``ctx.to_save`` to (x or None, residual or None, weight, bias, gate, seed, y or s, the statistics)
+    and returns y, or with ``prenorm`` (y, s) and no zero-filled gradient for an unused output."""
     n, block_m, n_chunks, tail, options = sp.n, sp.block_m, sp.n_chunks, sp.tail, sp.options
     mean_apart, per_row, y_dtype, s_dtype = sp.mean_apart, sp.stats_per_row, sp.y_dtype, sp.s_dtype
     s_kind = 0 if not sp.store_s else (1 if s_dtype is y_dtype else 2)  # s: none, like y, in its dtype
+    keep_x, keep_r, save_y, prenorm = keep or (False, False, False, False)
     empty_like = torch.empty_like
 
-    def launch(x, residual, weight, bias, gate, seed, kernel=None, row_ids=None):
-        x_dtype = x.dtype
+    def launch(ctx, x, residual, weight, bias, gate=None, seed=None, kernel=None, row_ids=None):
+        x_in, r_in, x_dtype = x, residual, x.dtype
         rows = x.numel() // n
         if x.is_contiguous():  # read as rows without a view
             stride_x = n
@@ -1089,7 +1095,18 @@ def _fwd_launcher(sp: FwdSpec) -> Callable:
                 x, residual, weight, bias, gate, seed, y, s, mean, rstd, stride_x, stride_r, rows, n,
                 n_chunks, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
             )  # fmt: skip
-        return y, s, mean, rstd
+        if ctx is None:
+            return y, s, mean, rstd
+        # what ``save_for_backward`` sets, without its frame; the statistics too (created here, they
+        # are kept as they are: no reference cycle), so that ctx needs no attribute dict
+        ctx.to_save = (
+            x_in if keep_x else None, r_in if keep_r else None, weight, bias, gate, seed,
+            y if save_y else s, rstd,
+        )  # fmt: skip
+        if prenorm:
+            ctx.materialize_grads = False  # ``set_materialize_grads(False)`` without its frame
+            return y, s
+        return y
 
     return launch
 
@@ -1248,6 +1265,7 @@ __all__ = [
     "bwd_spec",
     "clear_caches",
     "fwd_config",
+    "fwd_launcher",
     "fwd_spec",
     "kernels_are_interpreted",
     "launch_bwd",

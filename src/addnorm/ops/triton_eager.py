@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y
-from .triton_add_norm import bwd_spec, fwd_spec
+from .triton_add_norm import bwd_spec, fwd_launcher, fwd_spec
 
 __all__ = ["EagerLaunch", "TritonAddNorm"]
 
@@ -68,31 +68,10 @@ def _function_for(launch: EagerLaunch):
     bias[, gate[, seed]])``, ``Function.apply`` without its per-call extras (the signature binding,
     only with setup_context, and the functorch dead-wrapper unwrapping over every argument:
     ``add_norm`` sends calls under functorch transforms to the composite, so none arrive here)."""
-    # the specs' launchers themselves (launch_fwd / launch_bwd without their frames)
-    fwd, bwd, bwd_ds, prenorm = launch.fwd.launch, launch.bwd.launch, launch.bwd_ds.launch, launch.prenorm
-    keep_x, keep_r, save_y = launch.keep_x, launch.keep_r, launch.save_y
-
-    def forward(ctx, x, residual, weight, bias, gate=None, seed=None):
-        # the statistics in one buffer or none (see EagerLaunch): mean is None
-        y, s, _, stats = fwd(x, residual, weight, bias, gate, seed)
-        # what ``save_for_backward`` sets, without its frame; the statistics too (created here, they
-        # are kept as they are: no reference cycle), so that ctx needs no attribute dict
-        ctx.to_save = (
-            x if keep_x else None,
-            residual if keep_r else None,
-            weight,
-            bias,
-            gate,
-            seed,
-            y if save_y else s,
-            stats,
-        )
-        if prenorm:
-            # ``set_materialize_grads(False)`` without its frame: no zero-filled gradient for an
-            # output that goes unused (one output: backward runs only with its gradient)
-            ctx.materialize_grads = False
-            return y, s
-        return y
+    # the forward is the launcher itself (it saves what the backward reads: ``fwd_launcher``); the
+    # backward calls its specs' launchers directly (launch_bwd without its frame)
+    forward = fwd_launcher(launch.fwd, (launch.keep_x, launch.keep_r, launch.save_y, launch.prenorm))
+    bwd, bwd_ds = launch.bwd.launch, launch.bwd_ds.launch
 
     def backward(ctx, dy, ds=None):
         x, residual, weight, bias, gate, seed, saved, stats = ctx.saved_tensors
