@@ -59,8 +59,11 @@ class TritonAddNorm(torch.autograd.Function):
     """The Triton launchers under autograd (eager calls). Each :class:`EagerLaunch` gets a subclass of
     its own (:func:`_function_for`) whose ``forward``/``backward`` hold the launch's specs and choices
     as constants: ``apply`` then takes only the tensors (each argument costs ``apply`` time) and the
-    call looks nothing up. The old-style ``forward(ctx, ...)``: a ``setup_context`` method would make
-    ``apply`` inspect the signature on every call."""
+    call looks nothing up. The ``forward`` is the forward spec's launcher itself
+    (:func:`~addnorm.ops.triton_add_norm.fwd_launcher`, told what the backward keeps: it saves
+    (x, residual, weight, bias, gate, seed, y or s, the statistics), x and residual None where not
+    kept), so a call runs one Python frame of ours inside ``apply``. The old-style ``forward(ctx,
+    ...)``: a ``setup_context`` method would make ``apply`` inspect the signature on every call."""
 
 
 def _function_for(launch: EagerLaunch):
