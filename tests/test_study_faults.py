@@ -91,10 +91,7 @@ def test_the_lock_is_reentrant_in_one_process_and_exclusive_across_open_files(tm
         assert child.returncode != 0 and FolderInUse.__name__ in child.stderr
 
 
-@pytest.mark.parametrize(
-    "fault",
-    ["garbage database", "truncated database", "read-only folder", "file in the way"],
-)
+@pytest.mark.parametrize("fault", ["garbage database", "truncated database", "file in the way"])
 def test_storage_faults_are_one_line_with_exit_code_4(tmp_path, fault):
     spec = write_spec(tmp_path / "spec.yaml")
     out = tmp_path / "out"
@@ -104,22 +101,85 @@ def test_storage_faults_are_one_line_with_exit_code_4(tmp_path, fault):
         out.mkdir()
         if fault == "garbage database":
             (out / "study.sqlite").write_bytes(os.urandom(4096))
-        elif fault == "truncated database":
+        else:
             assert cli("study", spec, "--out", out, "--quiet").exit_code == 0
             data = (out / "study.sqlite").read_bytes()
             (out / "study.sqlite").write_bytes(data[: len(data) // 3])
-        else:
-            out.chmod(0o500)
-            if os.access(out, os.W_OK):
-                pytest.skip("running as root: permissions do not stop writes")
-    try:
-        result = cli("study", spec, "--out", out, "--quiet")
-    finally:
-        if out.is_dir():
-            out.chmod(0o700)
+    result = cli("study", spec, "--out", out, "--quiet")
     assert result.exit_code == 4, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "storage fault" in errors[0] and "Traceback" not in result.output
+
+
+def _drop_file_capabilities() -> None:
+    """In a child before exec: drop the capabilities that let root ignore file permissions
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER) from the bounding set, so that after exec
+    this root process meets permissions as an unprivileged user does (and can still run an
+    interpreter that only root may read, which ``user="nobody"`` cannot)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2, 3):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # 24 = PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+
+
+# reads a file, then must be refused a write into the folder
+PROBE = """import sys
+open(sys.argv[1]).read()
+try:
+    open(sys.argv[2], "w")
+except PermissionError:
+    sys.exit(0)
+sys.exit(1)"""
+
+
+def unprivileged(folder: Path, reads: Path) -> dict:
+    """subprocess arguments that run a command unprivileged for ``folder``'s permissions: as is for a
+    user other than root; as root, without the file capabilities (see above), else as ``nobody``.
+    Skips the test when neither can read ``reads`` and is refused a write into ``folder``."""
+    if os.geteuid() != 0:
+        return {}
+    probe = [sys.executable, "-c", PROBE, str(reads), str(folder / "probe")]
+    for how in ({"preexec_fn": _drop_file_capabilities}, {"user": "nobody", "group": "nogroup"}):
+        try:
+            child = subprocess.run(probe, env=ENV, capture_output=True, text=True, timeout=60, **how)
+        except (OSError, subprocess.SubprocessError, KeyError):
+            continue
+        if child.returncode == 0:
+            return how
+    pytest.skip("no unprivileged way to run a process here (no capability drop, no usable 'nobody')")
+
+
+def test_a_read_only_folder_is_read_but_never_written(tmp_path):
+    """A finished study's folder (owned by root or the test's user) made read-only (0555), the
+    commands run as an unprivileged process: resuming the study is one storage-fault line (exit 4)
+    naming the database; --dry-run and export to another folder only read, and work."""
+    spec = write_spec(tmp_path / "spec.yaml")
+    out, elsewhere = tmp_path / "out", tmp_path / "csv"
+    assert cli("study", spec, "--out", out, "--quiet").exit_code == 0
+    before = sorted(p.name for p in out.iterdir())
+    out.chmod(0o555)
+    try:
+        how = unprivileged(out, reads=spec)
+        run = lambda *args: subprocess.run(  # noqa: E731
+            [sys.executable, "-m", "addnorm.cli", *map(str, args)],
+            env=ENV, capture_output=True, text=True, timeout=120, **how,
+        )  # fmt: skip
+        resumed = run("study", spec, "--out", out, "--quiet")
+        dry = run("study", spec, "--out", out, "--dry-run")
+        exported = run("export", out, "--to", elsewhere)
+    finally:
+        out.chmod(0o755)
+    assert resumed.returncode == 4, resumed.stderr
+    (line,) = resumed.stderr.strip().splitlines()
+    assert line.startswith("error: storage fault: ") and "study.sqlite" in line, line
+    assert dry.returncode == 0 and "1 already stored" in dry.stdout, dry.stderr
+    assert exported.returncode == 0, exported.stderr
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted(
+        ["runs.csv", "experiments.csv", "metrics.csv", "layer_metrics.csv"]
+    )
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing written, no -wal/-shm left
 
 
 def test_a_full_disk_while_writing_the_report_keeps_the_old_report(tmp_path, monkeypatch):

@@ -82,7 +82,7 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
     db = folder / "study.sqlite"
     stored: set[str] = set()
     if db.is_file():
-        with Store(db) as store:
+        with Store(db, readonly=True) as store:
             stored = store.finished_ids()
     todo = [r for r in runs if r.run_id not in stored]
     gpu = "GPU" in (where or "") or (where is None and torch.cuda.is_available())
@@ -306,7 +306,7 @@ def export(
 ) -> None:
     """Export the current spec's runs as tidy CSV: runs.csv (one column per config key and provenance
     field), experiments.csv, metrics.csv and layer_metrics.csv (long format)."""
-    with Store(_database(out)) as store:
+    with Store(_database(out), readonly=True) as store:
         for path in store.export_csv(to or out / "csv"):
             typer.echo(str(path))
 

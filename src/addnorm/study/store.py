@@ -10,12 +10,14 @@ stored runs stay until :meth:`Store.prune`. Never imports ``ops`` or ``model``.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -81,20 +83,28 @@ def write_atomic(path: str | Path, text: str) -> Path:
 
 
 class Store:
-    """A study's database at ``path`` (created with its schema; WAL journal)."""
+    """A study's database at ``path`` (created with its schema; WAL journal). ``readonly``: open an
+    existing database for reading only (``--dry-run``, ``export``), which works in a read-only folder
+    too. An SQLite error opening it names the file."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, readonly: bool = False) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path)
+        try:
+            if readonly:
+                self.db = _open_readonly(self.path)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.db = sqlite3.connect(self.path)
+                self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute("PRAGMA synchronous=NORMAL")
+                self.db.executescript(SCHEMA)
+                for table, column, kind in ADDED_COLUMNS:
+                    have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
+                    if column not in have:
+                        self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+        except sqlite3.Error as err:
+            raise type(err)(f"{self.path}: {err}") from None
         self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(SCHEMA)
-        for table, column, kind in ADDED_COLUMNS:
-            have = {row["name"] for row in self.db.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         self.db.close()
@@ -106,10 +116,19 @@ class Store:
         self.close()
 
     # --- writing (driver only) ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """One transaction; an SQLite error (full disk, read-only or locked database) names the file."""
+        try:
+            with self.db:
+                yield
+        except sqlite3.Error as err:
+            raise type(err)(f"{self.path}: {err}") from None
+
     def save_plan(self, name: str, spec: dict, base: dict, members: list[tuple[str, str, str]]) -> None:
         """The current spec (as given and its resolved base config) and its runs as (run id,
         experiment, label) rows, replacing the previous plan in one transaction."""
-        with self.db:
+        with self._writing():
             self.db.execute(
                 "INSERT OR REPLACE INTO studies (name, spec, updated, base) VALUES (?, ?, ?, ?)",
                 (name, json.dumps(spec), time.time(), json.dumps(base)),
@@ -124,7 +143,7 @@ class Store:
     ) -> None:
         """One transaction: the run row and every metric of it (replacing an earlier row of the id)."""
         final = result.final or {}
-        with self.db:
+        with self._writing():
             self.db.execute("DELETE FROM metrics WHERE run_id = ?", (run_id,))
             self.db.execute("DELETE FROM layer_metrics WHERE run_id = ?", (run_id,))
             self.db.execute(
@@ -174,7 +193,7 @@ class Store:
     def prune(self) -> int:
         """Delete every stored run that is not part of the current plan (and its metrics); how many."""
         stale = self.stale_ids()
-        with self.db:
+        with self._writing():
             for table, column in (("metrics", "run_id"), ("layer_metrics", "run_id"), ("runs", "id")):
                 self.db.executemany(f"DELETE FROM {table} WHERE {column} = ?", [(i,) for i in stale])
         return len(stale)
@@ -300,6 +319,22 @@ class Store:
             writer.writerow(header)
             writer.writerows(rows)
         return path
+
+
+def _open_readonly(path: Path) -> sqlite3.Connection:
+    """``path`` opened for reading only. A WAL database needs its ``-shm`` file, which a read-only
+    folder cannot hold: there nothing can write either, so it is opened as immutable."""
+    if not path.is_file():
+        raise sqlite3.OperationalError("no such database file")
+    uri = path.absolute().as_uri()
+    try:
+        db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
+        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return db
+    except sqlite3.OperationalError:
+        db = sqlite3.connect(f"{uri}?immutable=1", uri=True)
+        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return db
 
 
 def _utc(timestamp: float | None) -> str | None:
