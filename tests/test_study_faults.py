@@ -80,6 +80,47 @@ def test_a_second_process_on_a_folder_in_use_refuses_in_one_line(tmp_path):
         assert (tmp_path / LOCK_NAME).read_text().strip() == str(os.getpid())
 
 
+def _line(stream, timeout: float) -> str:
+    """The next line of a child's pipe, waiting at most ``timeout`` seconds (empty if none came)."""
+    import select
+
+    ready, _, _ = select.select([stream], [], [], timeout)
+    return stream.readline() if ready else ""
+
+
+def test_wait_waits_for_a_folder_in_use_with_one_line_then_runs(tmp_path):
+    """Two real processes against a holder: ``--wait 1`` exits 3 after its second; ``--wait 120`` says
+    once whom it waits for (the holder's pid), and runs the study once the holder is gone (kill -9)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD.format(str(tmp_path), "print('held', flush=True); time.sleep(600)")],
+        env=ENV, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    study = [sys.executable, "-m", "addnorm.cli", "study", str(write_spec(tmp_path / "spec.yaml"))]
+    study += ["--out", str(tmp_path), "--quiet", "--wait"]
+    waiters = []
+    try:
+        assert _line(holder.stdout, 60).strip() == "held"
+        for seconds in ("120", "1"):  # unbuffered bytes: a line read leaves the rest in the pipe
+            waiters.append(subprocess.Popen([*study, seconds], env=ENV, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, bufsize=0))  # fmt: skip
+        patient, brief = waiters
+        _, err = (x.decode() for x in brief.communicate(timeout=120))
+        assert brief.returncode == 3, err
+        (line,) = err.strip().splitlines()[-1:]
+        assert f"process {holder.pid}" in line and "after waiting 1 s" in line, err
+        first = _line(patient.stderr, 60).decode()
+        assert first.startswith(f"waiting for {tmp_path}: in use by process {holder.pid}"), first
+        assert patient.poll() is None  # still waiting
+    finally:
+        holder.kill()
+        holder.wait()
+    out, err = (x.decode() for x in patient.communicate(timeout=120))
+    assert patient.returncode == 0, err
+    assert "waiting for" not in err and "1 runs (0 already stored, 1 run now)" in out  # told once
+    with Store(tmp_path / "study.sqlite") as store:
+        assert [r["status"] for r in store.runs()] == ["done"]
+
+
 def test_the_lock_is_reentrant_in_one_process_and_exclusive_across_open_files(tmp_path):
     with folder_lock(tmp_path), folder_lock(tmp_path):
         pass

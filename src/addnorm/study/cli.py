@@ -50,6 +50,19 @@ def _database(out: Path) -> Path:
     return db
 
 
+WAIT_HELP = (
+    "if another study holds the output folder: wait up to SECONDS (inf: until it is free) for it, "
+    "saying once whom for, instead of exiting 3 at once"
+)
+
+
+def _lock(folder: Path, wait: float | None):
+    """The folder's study lock for a command with ``--wait`` (None: refuse at once if in use)."""
+    if wait is not None and not wait >= 0:
+        raise ValueError(f"--wait: expected a number of seconds >= 0 (or inf), got {wait}")
+    return folder_lock(folder, wait=wait or 0.0, notify=lambda line: typer.echo(line, err=True))
+
+
 def _workers(text: str) -> int | str:
     if text.strip().lower() == "auto":
         return "auto"
@@ -194,6 +207,7 @@ def study(
         False, "--dry-run", help="list the runs, their settings and a time estimate; run nothing"
     ),
     prune: bool = typer.Option(False, "--prune", help="delete stored runs that are not part of this spec"),
+    wait: float = typer.Option(None, "--wait", metavar="SECONDS", help=WAIT_HELP),
     list_presets: bool = typer.Option(False, "--list", help="list the shipped presets and exit"),
     show: str = typer.Option(
         None, "--show", metavar="PRESET", help="print a preset's YAML (a template) and exit"
@@ -260,7 +274,7 @@ def study(
             where = f"on {cluster} with {runner.cpus_per_run} CPU(s){gpus} per run"
         _dry_run(plan, folder, where, console, workers=n_workers, threads=threads)
         return
-    with folder_lock(folder):  # the study and the findings it prints are of one spec
+    with _lock(folder, wait):  # the study and the findings it prints are of one spec
         outcome = run_study(
             plan,
             folder,
@@ -293,10 +307,13 @@ def study(
         raise typer.Exit(code=1)
 
 
-def report(out: Path = typer.Argument(..., help="a study folder holding study.sqlite")) -> None:
+def report(
+    out: Path = typer.Argument(..., help="a study folder holding study.sqlite"),
+    wait: float = typer.Option(None, "--wait", metavar="SECONDS", help=WAIT_HELP),
+) -> None:
     """Rebuild a study's report from its database (nothing is retrained)."""
     _database(out)
-    with folder_lock(out):
+    with _lock(out, wait):
         typer.echo(f"report: {build_report(out)}")
 
 
