@@ -18,7 +18,8 @@ from rich.table import Column
 from rich.text import Text
 
 from ..train import FAILED, RunConfig, RunResult
-from .executors import Executor, make_executor, max_nproc
+from .executors import Executor, LocalExecutor, ProcessExecutor, make_executor, max_nproc
+from .limits import check_eval, check_plan
 from .lock import folder_lock
 from .report import build_report
 from .spec import PlannedRun, StudySpec
@@ -246,6 +247,32 @@ def _store_unsaved(store: Store, out: Path) -> None:
         path.unlink()
 
 
+def prepare(
+    spec: StudySpec,
+    out_dir: str | Path,
+    workers: int | str = "auto",
+    threads: int | None = None,
+    executor: Executor | None = None,
+    memory_limit: str | None = None,
+) -> Executor:
+    """The study's executor (``executor``, or one for ``workers`` x ``threads``), once the runs still to
+    train (as far as a read-only look at ``out_dir``'s database tells) are checked against what this
+    machine can run (:mod:`.limits`; a cluster's nodes are not known here: evaluation only). Raises
+    :class:`~addnorm.study.spec.SpecError` without touching the folder. :func:`run_study` calls it."""
+    db = Path(out_dir) / "study.sqlite"
+    stored = set()
+    if db.is_file():
+        with Store(db, readonly=True) as store:
+            stored = store.finished_ids()
+    todo = [r for r in spec.expand() if r.run_id not in stored]
+    executor = executor or make_executor(workers, threads, runs=len(todo), nproc=max_nproc(todo))
+    if isinstance(executor, (LocalExecutor, ProcessExecutor)):
+        check_plan(todo, executor.workers, executor.gpu, memory_limit)
+    else:
+        check_eval(todo)
+    return executor
+
+
 def run_study(
     spec: StudySpec,
     out_dir: str | Path,
@@ -258,24 +285,29 @@ def run_study(
     prune: bool = False,
     stream: TextIO | None = None,
     trackers: list[Tracker] | None = None,
+    memory_limit: str | None = None,
 ) -> StudyOutcome:
     """Run every run of ``spec`` that ``out_dir/study.sqlite`` has no result for (failed runs are tried
     again), then write ``out_dir/report.html``. The report and findings cover exactly this spec's runs;
     other stored runs are counted (``stale``) and deleted with ``prune=True``. ``trackers`` log every
     run of the plan (stored ones they lack included); they only read, and one that fails is dropped
-    with a warning while the study goes on."""
+    with a warning while the study goes on. Before anything is written, runs this machine cannot hold
+    are refused (:mod:`.limits`: ``memory_limit`` a size per run or ``off``, default by available
+    memory and workers; and evaluations beyond the held-out data)."""
     out = Path(out_dir)
     planned = spec.expand()
     members = spec.memberships()
     stream = stream or sys.stderr
-    with folder_lock(out), Store(out / "study.sqlite") as store:
-        rows = [(run_id, exp, label) for run_id, pairs in members.items() for exp, label in pairs]
-        store.save_plan(spec.name, spec.to_dict(), resolved_base(spec), rows)
+    db = out / "study.sqlite"
+    executor = prepare(spec, out, workers, threads, executor, memory_limit)
+    with folder_lock(out), Store(db) as store:
         _store_unsaved(store, out)
-        pruned = store.prune() if prune else 0
-        stale = len(store.stale_ids())
         done = store.finished_ids()
         todo = [r for r in planned if r.run_id not in done]
+        rows = [(run_id, exp, label) for run_id, pairs in members.items() for exp, label in pairs]
+        store.save_plan(spec.name, spec.to_dict(), resolved_base(spec), rows)
+        pruned = store.prune() if prune else 0
+        stale = len(store.stale_ids())
         retried = sum(1 for r in store.runs() if r["status"] == FAILED)
         if progress:
             notes = [f"{len(planned) - len(todo)} already stored", f"{len(todo)} to run"]
@@ -286,7 +318,6 @@ def run_study(
             if pruned:
                 notes.append(f"{pruned} stale runs pruned")
             stream.write(f"study {spec.name!r}: {len(planned)} runs ({', '.join(notes)}) in {out}\n")
-        executor = executor or make_executor(workers, threads, runs=len(todo), nproc=max_nproc(todo))
         tracking = TrackerGroup(trackers or [], stream)
         tracking.open(out, spec.name, store)
         bar = None
