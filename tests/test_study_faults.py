@@ -300,10 +300,24 @@ def _torch_workers(pid: int) -> list[int]:
     return out
 
 
-def test_a_dead_pool_worker_fails_no_other_run(tmp_path):
+def test_a_dead_pool_worker_fails_no_other_run(tmp_path, monkeypatch):
     """SIGKILL of one of two pool workers mid-study: the pool is replaced, the runs it took down are
     tried again, every run ends done (the one-off kill hit no run twice); an uninterrupted in-process
-    study gives the same losses."""
+    study gives the same losses. The workers' progress reaches the display: each run's first event (its
+    model being built) and its last held-out batch always arrive (the ones between at most twice a
+    second)."""
+    import io
+
+    from addnorm.study.runner import StudyProgress
+    from addnorm.train.loop import eval_batches_total
+
+    events: dict[str, list] = {}
+    shown = StudyProgress.progress
+    monkeypatch.setattr(
+        StudyProgress,
+        "progress",
+        lambda self, run, *e: (events.setdefault(run.run_id, []).append(e), shown(self, run, *e))[1],
+    )
     spec = parse_spec(
         {
             "name": "kill",
@@ -328,9 +342,14 @@ def test_a_dead_pool_worker_fails_no_other_run(tmp_path):
 
     thread = threading.Thread(target=killer)
     thread.start()
-    outcome = run_study(spec, tmp_path / "out", workers=2, threads=1, progress=False, report=False)
+    outcome = run_study(
+        spec, tmp_path / "out", workers=2, threads=1, report=False, stream=io.StringIO()
+    )  # progress on
     thread.join()
     assert killed and outcome.failed == []
+    for run in spec.expand():
+        total = eval_batches_total(run.config)
+        assert events[run.run_id][0] == ("build", 0, 1) and events[run.run_id][-1] == ("eval", total, total)
     here = run_study(spec, tmp_path / "here", workers=1, progress=False, report=False)
     assert here.failed == []
     with Store(tmp_path / "out" / "study.sqlite") as a, Store(tmp_path / "here" / "study.sqlite") as b:
@@ -437,3 +456,20 @@ def test_an_interrupted_study_exits_130_with_a_message(tmp_path, sig):
     _, err = driver.communicate(timeout=60)
     assert driver.returncode == 130, err
     assert err.strip().splitlines()[-1].startswith("interrupted: finished runs are stored"), err
+
+
+def test_observing_a_long_run_changes_nothing_and_counts_every_evaluation_batch():
+    """A run with every observer (steps and progress) stores the unobserved run's numbers; progress
+    says when the model is built and counts each held-out batch over the whole run, to its total."""
+    from addnorm.train import RunConfig, train
+    from addnorm.train.loop import eval_batches_total
+
+    cfg = RunConfig(**{**TINY, "steps": 4, "eval_every": 2, "eval_batches": 3})
+    events, steps = [], []
+    watched = train(cfg, on_step=lambda s, v: steps.append(s), on_progress=lambda *e: events.append(e))
+    plain = train(cfg)
+    assert watched.metrics == plain.metrics and watched.final == plain.final
+    total = eval_batches_total(cfg)
+    assert total == (2 + 1) * 3  # after steps 2 and 4, then the final evaluation
+    assert events == [("build", 0, 1), ("build", 1, 1)] + [("eval", i, total) for i in range(1, total + 1)]
+    assert steps == [0, 1, 2, 3]
