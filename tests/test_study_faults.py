@@ -473,3 +473,34 @@ def test_observing_a_long_run_changes_nothing_and_counts_every_evaluation_batch(
     assert total == (2 + 1) * 3  # after steps 2 and 4, then the final evaluation
     assert events == [("build", 0, 1), ("build", 1, 1)] + [("eval", i, total) for i in range(1, total + 1)]
     assert steps == [0, 1, 2, 3]
+
+
+def test_a_side_file_is_whole_or_absent_and_a_cut_one_is_retrained(tmp_path, monkeypatch):
+    """On a full disk the side file of an unsaved run is written whole or not at all (temporary file
+    and rename: here the disk fills at its fsync); a side file cut short (as an older version could
+    leave) is dropped with one warning on the next study, and its run is trained again."""
+    import io
+    import sqlite3
+
+    spec = parse_spec({"name": "full", "base": dict(TINY), "experiments": {"main": {"set": {}}}})
+
+    def full(self, *args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Store, "save_run", full)
+    monkeypatch.setattr(store_module.os, "fsync", no_space)
+    with pytest.raises(sqlite3.OperationalError):
+        run_study(spec, tmp_path, workers=1, progress=False, report=False)
+    assert list((tmp_path / "unsaved").iterdir()) == []  # neither a side file nor a temporary one
+    monkeypatch.undo()
+    (run,) = spec.expand()
+    (tmp_path / "unsaved" / f"{run.run_id}.pkl").write_bytes(b"")  # cut short
+    stream = io.StringIO()
+    outcome = run_study(spec, tmp_path, workers=1, progress=False, report=False, stream=stream)
+    assert (outcome.ran, outcome.failed) == (1, [])
+    (line,) = stream.getvalue().splitlines()
+    assert line.startswith("warning: ") and "cannot be read (EOFError); its run is trained again" in line
+    assert list((tmp_path / "unsaved").iterdir()) == []

@@ -8,6 +8,7 @@ for and takes the lock when the holder lets go (exit 3 if the time runs out firs
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import math
 import os
@@ -50,6 +51,8 @@ def folder_lock(
         return
     if not wait >= 0:
         raise ValueError(f"wait: expected a number of seconds >= 0, got {wait!r}")
+    if folder.exists() and not folder.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "not a folder (a file is in its place)", str(folder))
     folder.mkdir(parents=True, exist_ok=True)
     fh = open(folder / LOCK_NAME, "a+", encoding="utf-8")  # noqa: SIM115 - held for the block
     try:

@@ -25,7 +25,7 @@ from .limits import check_eval, check_plan
 from .lock import folder_lock
 from .report import build_report
 from .spec import PlannedRun, StudySpec
-from .store import Store
+from .store import Store, write_atomic
 from .trackers import Tracker, TrackerGroup
 
 # Seconds per run = steps x (per-layer host overhead x layers + training FLOPs / FLOP rate) plus
@@ -321,16 +321,23 @@ def _save(store: Store, out: Path, *row) -> None:
     except (OSError, sqlite3.Error):
         try:
             (out / UNSAVED).mkdir(exist_ok=True)
-            (out / UNSAVED / f"{row[1]}.pkl").write_bytes(pickle.dumps(row))
+            write_atomic(out / UNSAVED / f"{row[1]}.pkl", pickle.dumps(row))  # whole, or not there
         except OSError:
             pass  # nowhere to keep it: the run is trained again on the next resume
         raise
 
 
-def _store_unsaved(store: Store, out: Path) -> None:
-    """Store the runs a previous study kept in side files (see :func:`_save`), then drop the files."""
+def _store_unsaved(store: Store, out: Path, stream: TextIO) -> None:
+    """Store the runs a previous study kept in side files (see :func:`_save`), then drop the files. A
+    side file that cannot be read (not written whole by an older version) is dropped with a warning:
+    its run is trained again."""
     for path in sorted((out / UNSAVED).glob("*.pkl")):
-        store.save_run(*pickle.loads(path.read_bytes()))  # noqa: S301 - written by this module
+        try:
+            row = pickle.loads(path.read_bytes())  # noqa: S301 - written by this module
+        except (EOFError, pickle.UnpicklingError, ValueError, TypeError, AttributeError) as err:
+            stream.write(f"warning: {path} cannot be read ({type(err).__name__}); its run is trained again\n")
+        else:
+            store.save_run(*row)
         path.unlink()
 
 
@@ -388,7 +395,7 @@ def run_study(
     db = out / "study.sqlite"
     executor = prepare(spec, out, workers, threads, executor, memory_limit)
     with folder_lock(out), Store(db) as store:
-        _store_unsaved(store, out)
+        _store_unsaved(store, out, stream)
         done = store.finished_ids()
         todo = [r for r in planned if r.run_id not in done]
         rows = [(run_id, exp, label) for run_id, pairs in members.items() for exp, label in pairs]
