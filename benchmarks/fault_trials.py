@@ -294,7 +294,8 @@ def interrupt(ctx: Context, out: Path, phase: str, workers: int, sig: int) -> st
 
 
 def two_studies(ctx: Context, out: Path, case: str) -> str:
-    """Two real processes started together on one folder."""
+    """Two real processes started together on one folder (with ``--wait``: the second once the first
+    holds it)."""
     second_spec = ctx.other if case == "two specs" else ctx.spec
     extra = ["--wait", "600"] if case == "--wait" else []
     a = subprocess.Popen(
@@ -304,6 +305,9 @@ def two_studies(ctx: Context, out: Path, case: str) -> str:
         stderr=subprocess.PIPE,
         text=True,
     )
+    if case == "--wait":  # the one that waits starts once the other holds the folder
+        lock = out / ".addnorm.lock"
+        wait_for(lambda: lock.is_file() and lock.read_text().strip() == str(a.pid), timeout=300)
     b = subprocess.Popen(
         study_cmd(second_spec, out, "--quiet", *extra),
         env=ENV,
@@ -315,8 +319,8 @@ def two_studies(ctx: Context, out: Path, case: str) -> str:
     codes = sorted([a.returncode, b.returncode])
     if case == "--wait":
         check(codes == [0, 0], f"exit codes {a.returncode}, {b.returncode}")
-        waited = [e for e in (a_err, b_err) if "waiting for" in e]
-        check(len(waited) == 1 and waited[0].count("waiting for") == 1, "not one waiting line")
+        waiting = [ln for e in (a_err, b_err) for ln in e.splitlines() if ln.startswith("waiting for")]
+        check(len(waiting) == 1, f"not one waiting line: {a_err!r} {b_err!r}")
         runs = sorted(summary(o)[2] for o in (a_out, b_out))
         check(runs == [0, RUNS], f"runs trained: {runs} (each once expected)")
         check(signature(out / "study.sqlite") == ctx.reference, "database differs")
@@ -338,7 +342,7 @@ def two_studies(ctx: Context, out: Path, case: str) -> str:
 def nan_run(ctx: Context, out: Path) -> str:
     spec = write_spec(
         out.parent,
-        {"name": "nan", "base": TINY, "experiments": {"main": {"sweep": {"lr": [1e-3, ".inf"]}}}},
+        {"name": "nan", "base": TINY, "experiments": {"main": {"sweep": {"lr": [1e-3, float("inf")]}}}},
         "nan.yaml",
     )
     first = subprocess.run(

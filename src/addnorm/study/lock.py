@@ -88,7 +88,7 @@ def _acquire(fh, folder: Path, wait: float, notify: Callable[[str], None] | None
             ) from None
         if not told and notify is not None:
             limit = "until it is free" if math.isinf(wait) else f"for up to {_seconds(wait)}"
-            notify(f"waiting for {folder}: in use by {holder} (another study); waiting {limit}")
+            notify(f"waiting for {folder}: in use by {holder} (another study), {limit}")
             told = True
         time.sleep(min(POLL, max(deadline - time.monotonic(), 0.0)))
 
