@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import ctypes
+import functools
 import math
 import multiprocessing as mp
 import os
@@ -255,9 +256,7 @@ class LocalExecutor(Executor):
         try:
             while self._queue:
                 run = self._queue.pop(0)
-                progress = None
-                if on_progress is not None:
-                    progress = lambda phase, done, total, run=run: relay.progress(run, phase, done, total)  # noqa: E731
+                progress = functools.partial(relay.progress, run) if on_progress is not None else None
                 result = execute(
                     run.config.to_dict(),
                     lambda step, loss, run=run: relay.deliver(run, [(step, loss)]),
