@@ -126,10 +126,11 @@ class StudyProgress:
     run whose one step or evaluation takes minutes is visible too.
 
     The ETA counts a run's work as its steps and its held-out batches (:func:`run_work`), from the cost
-    model until a run has finished, then from the measured rate. It only observes: the executor's
-    callbacks (``step``, ``progress``) feed it, in the driver."""
+    model until a run has finished (or ``MEASURED_AFTER`` seconds have passed), then from the measured
+    rate. It only observes: the executor's callbacks (``step``, ``progress``) feed it, in the driver."""
 
-    PLAIN_EVERY = 5.0
+    PLAIN_EVERY = 5.0  # seconds between the plain display's lines on the runs in flight
+    MEASURED_AFTER = 30.0  # seconds of a study before the ETA trusts its in-flight runs' pace
 
     def __init__(
         self,
@@ -184,8 +185,6 @@ class StudyProgress:
             self.cost.get(run.run_id, 0.0) * min(state.work() / run_work(run.config), 1.0)
             for run, state in self.flight.values()
         )
-
-    MEASURED_AFTER = 30.0  # seconds of a study before the ETA trusts its in-flight runs' pace
 
     def eta(self) -> str:
         """Time left: the cost model's estimate shared over the workers until a run has finished (or
