@@ -504,3 +504,23 @@ def test_a_side_file_is_whole_or_absent_and_a_cut_one_is_retrained(tmp_path, mon
     (line,) = stream.getvalue().splitlines()
     assert line.startswith("warning: ") and "cannot be read (EOFError); its run is trained again" in line
     assert list((tmp_path / "unsaved").iterdir()) == []
+
+
+@pytest.mark.parametrize("state", ["an empty file", "half its tables"])
+def test_a_database_killed_before_its_schema_is_an_empty_study(tmp_path, state):
+    """A study killed (-9) between creating its database and writing the tables (the fault trials hit
+    it): --dry-run reads it as empty, and the next study runs every run (it was exit 4)."""
+    import sqlite3
+
+    spec = write_spec(tmp_path / "spec.yaml")
+    out = tmp_path / "out"
+    out.mkdir()
+    db = sqlite3.connect(out / "study.sqlite")
+    if state == "half its tables":
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("CREATE TABLE studies (name TEXT PRIMARY KEY, spec TEXT NOT NULL, updated REAL NOT NULL)")
+    db.close()
+    dry = cli("study", spec, "--out", out, "--dry-run")
+    assert dry.exit_code == 0 and "0 already stored" in dry.output, dry.output
+    result = cli("study", spec, "--out", out, "--quiet")
+    assert result.exit_code == 0 and "1 runs (0 already stored, 1 run now)" in result.output, result.output

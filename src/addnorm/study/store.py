@@ -98,11 +98,7 @@ class Store:
                 self.db = sqlite3.connect(self.path)
                 self.db.execute("PRAGMA journal_mode=WAL")
                 self.db.execute("PRAGMA synchronous=NORMAL")
-                self.db.executescript(SCHEMA)
-                for table, column, kind in ADDED_COLUMNS:
-                    have = {row[1] for row in self.db.execute(f"PRAGMA table_info({table})")}
-                    if column not in have:
-                        self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                _create_schema(self.db)
         except sqlite3.Error as err:
             raise type(err)(f"{self.path}: {err}") from None
         self.db.row_factory = sqlite3.Row
@@ -322,20 +318,46 @@ class Store:
         return path
 
 
+def _create_schema(db: sqlite3.Connection) -> None:
+    """The tables (where missing) and the columns added since the first release."""
+    db.executescript(SCHEMA)
+    for table, column, kind in ADDED_COLUMNS:
+        if column not in _columns(db, table):
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _schema_complete(db: sqlite3.Connection) -> bool:
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    wanted = {"studies", "runs", "metrics", "layer_metrics", "plan"}
+    return wanted <= tables and all(column in _columns(db, t) for t, column, _ in ADDED_COLUMNS)
+
+
 def _open_readonly(path: Path) -> sqlite3.Connection:
     """``path`` opened for reading only. A WAL database needs its ``-shm`` file, which a read-only
-    folder cannot hold: there nothing can write either, so it is opened as immutable."""
+    folder cannot hold: there nothing can write either, so it is opened as immutable. A database
+    without the study's tables (a study killed between creating the file and writing its schema)
+    reads as an empty study; one written by an older version, without the tables or columns added
+    since, is read from a copy in memory that has them."""
     if not path.is_file():
         raise sqlite3.OperationalError("no such database file")
     uri = path.absolute().as_uri()
     try:
         db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
-        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
-        return db
+        complete = _schema_complete(db)
     except sqlite3.OperationalError:
         db = sqlite3.connect(f"{uri}?immutable=1", uri=True)
-        db.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        complete = _schema_complete(db)
+    if complete:
         return db
+    copy = sqlite3.connect(":memory:")
+    db.backup(copy)
+    db.close()
+    _create_schema(copy)
+    return copy
 
 
 def _utc(timestamp: float | None) -> str | None:
