@@ -59,6 +59,7 @@ sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(HERE))
 
 from machine import machine_info, machine_line, write_results  # noqa: E402
+from procs import pool_workers, session  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=30, batch_size=4, seq_len=16, eval_every=10)
@@ -139,43 +140,6 @@ def summary(stdout: str) -> tuple[int, int, int]:
     m = re.search(r"(\d+) runs \((\d+) already stored, (\d+) run now", stdout)
     check(m is not None, f"no summary line in {stdout[-300:]!r}")
     return int(m[1]), int(m[2]), int(m[3])
-
-
-def session(sid: int) -> list[int]:
-    """Live processes of session ``sid`` (a driver started in a new session, and its children)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-                if int(fields[3]) == sid and fields[0] != "Z":
-                    found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
-
-
-def children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
-def pool_workers(pid: int) -> list[int]:
-    workers = []
-    for child in children(pid):
-        with contextlib.suppress(OSError):
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                workers.append(child)
-    return workers
 
 
 def wait_for(predicate: Callable[[], bool], timeout: float = WAIT, every: float = 0.02) -> bool:

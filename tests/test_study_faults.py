@@ -20,6 +20,9 @@ from addnorm.study import Store, parse_spec, run_study
 from addnorm.study import store as store_module
 from addnorm.study.lock import LOCK_NAME, FolderInUse, folder_lock
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from procs import pool_workers, session  # noqa: E402  (benchmarks/procs.py: processes from /proc)
+
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=3, batch_size=4, seq_len=16, eval_every=0)
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 HOLD = "import time\nfrom addnorm.study.lock import folder_lock\nwith folder_lock({!r}):\n    {}"
@@ -274,32 +277,6 @@ def test_cpus_per_run_zero_is_refused(tmp_path):
     assert result.exit_code == 2 and "--cpus-per-run: expected a whole number >= 1, got 0" in result.output
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
-
-
-def _torch_workers(pid: int) -> list[int]:
-    """The pool workers of ``pid``: its spawned children that run multiprocessing's spawn_main."""
-    out = []
-    for child in _children(pid):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as fh:
-                if b"spawn_main" in fh.read():
-                    out.append(child)
-        except OSError:
-            pass
-    return out
-
-
 def test_a_dead_pool_worker_fails_no_other_run(tmp_path, monkeypatch):
     """SIGKILL of one of two pool workers mid-study: the pool is replaced, the runs it took down are
     tried again, every run ends done (the one-off kill hit no run twice); an uninterrupted in-process
@@ -332,7 +309,7 @@ def test_a_dead_pool_worker_fails_no_other_run(tmp_path, monkeypatch):
     def killer():
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            workers = _torch_workers(os.getpid())
+            workers = pool_workers(os.getpid())
             if len(workers) == 2 and (tmp_path / "out" / "study.sqlite").exists():
                 time.sleep(1.0)  # inside a run
                 os.kill(workers[0], signal.SIGKILL)
@@ -358,21 +335,6 @@ def test_a_dead_pool_worker_fails_no_other_run(tmp_path, monkeypatch):
         }
 
 
-def _session(sid: int) -> list[int]:
-    """Live (not zombie) processes of session ``sid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-                if int(fields[3]) == sid and fields[0] != "Z":
-                    found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
-
-
 @pytest.mark.parametrize("after", [2.0, 4.0])
 def test_workers_die_with_a_killed_driver_even_while_starting(tmp_path, after):
     """kill -9 of the driver while its two workers start (or run): within 30 s no process of its
@@ -386,9 +348,9 @@ def test_workers_die_with_a_killed_driver_even_while_starting(tmp_path, after):
     driver.kill()
     driver.wait()
     deadline = time.monotonic() + 30
-    while _session(driver.pid) and time.monotonic() < deadline:
+    while session(driver.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = _session(driver.pid)
+    left = session(driver.pid)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == []

@@ -36,7 +36,7 @@ from .spec import (
     spec_keys,
     spec_keys_markdown,
 )
-from .store import Store
+from .store import Store, stored_finished
 from .trackers import TRACKERS, make_trackers
 
 DEFAULT_OUT = Path("addnorm-out")
@@ -95,10 +95,7 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
     or None for the local executor (``local``: workers, threads, memory limit)."""
     runs = plan.expand()
     db = folder / "study.sqlite"
-    stored: set[str] = set()
-    if db.is_file():
-        with Store(db, readonly=True) as store:
-            stored = store.finished_ids()
+    stored = stored_finished(db)
     todo = [r for r in runs if r.run_id not in stored]
     gpu = "GPU" in (where or "") or (where is None and torch.cuda.is_available())
     total = sum(estimate_seconds(r.config, gpu) for r in todo)

@@ -25,7 +25,7 @@ from .limits import check_eval, check_plan
 from .lock import folder_lock
 from .report import build_report
 from .spec import PlannedRun, StudySpec
-from .store import Store, write_atomic
+from .store import Store, stored_finished, write_atomic
 from .trackers import Tracker, TrackerGroup
 
 # Seconds per run = steps x (per-layer host overhead x layers + training FLOPs / FLOP rate) plus
@@ -352,11 +352,7 @@ def prepare(
     train (as far as a read-only look at ``out_dir``'s database tells) are checked against what this
     machine can run (:mod:`.limits`; a cluster's nodes are not known here: evaluation only). Raises
     :class:`~addnorm.study.spec.SpecError` without touching the folder. :func:`run_study` calls it."""
-    db = Path(out_dir) / "study.sqlite"
-    stored = set()
-    if db.is_file():
-        with Store(db, readonly=True) as store:
-            stored = store.finished_ids()
+    stored = stored_finished(Path(out_dir) / "study.sqlite")
     todo = [r for r in spec.expand() if r.run_id not in stored]
     executor = executor or make_executor(workers, threads, runs=len(todo), nproc=max_nproc(todo))
     if isinstance(executor, (LocalExecutor, ProcessExecutor)):

@@ -318,6 +318,14 @@ class Store:
         return path
 
 
+def stored_finished(db: str | Path) -> set[str]:
+    """The finished runs stored in the database ``db`` (read-only; none when there is no database)."""
+    if not Path(db).is_file():
+        return set()
+    with Store(db, readonly=True) as store:
+        return store.finished_ids()
+
+
 def _create_schema(db: sqlite3.Connection) -> None:
     """The tables (where missing) and the columns added since the first release."""
     db.executescript(SCHEMA)
