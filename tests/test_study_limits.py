@@ -176,3 +176,16 @@ def test_absurd_evaluation_is_refused_by_the_cli(tmp_path):
     assert result.exit_code == 2
     (line,) = result.output.strip().splitlines()
     assert line.startswith("error: eval_batches: experiments.main (main) evaluates 100,000,000 batches")
+
+
+def test_a_run_on_several_processes_needs_a_copy_in_each():
+    """On the CPU a run on 2 processes holds the model and a step in each: a limit between one and two
+    estimates passes the one-process run and refuses the two-process one, naming its processes."""
+    from addnorm.study.limits import check_memory
+
+    one = RunConfig(**SMALL)
+    two = RunConfig(**SMALL, distributed={"strategy": "ddp", "nproc": 2})
+    between = str(int(1.5 * estimate_memory(one).total))
+    check_memory([PlannedRun("main", "one", one)], workers=1, override=between)
+    with pytest.raises(SpecError, match="in each of its 2 processes, more than"):
+        check_memory([PlannedRun("main", "two", two)], workers=1, override=between)

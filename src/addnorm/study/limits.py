@@ -226,19 +226,26 @@ def check_memory(runs: Iterable[PlannedRun], workers: int, cuda: bool = False, o
     limit, words = memory_limit(workers, cuda, override)
     if limit is None:
         return
-    over = [(estimate_memory(r.config, cuda), r) for r in runs]
-    over = sorted(((e, r) for e, r in over if e.total > limit), key=lambda x: -x[0].total)
+    # a run on N processes (distributed): on the CPU N copies share the worker's memory; on CUDA
+    # each process has a GPU of its own
+    copies = lambda run: 1 if cuda or not run.config.distributed else run.config.distributed["nproc"]  # noqa: E731
+    need = [(estimate_memory(r.config, cuda), r) for r in runs]
+    over = sorted(
+        ((e, r) for e, r in need if e.total * copies(r) > limit), key=lambda x: -x[0].total * copies(x[1])
+    )
     if not over:
         return
     estimate, run = over[0]
     m = run.config.model
     sizes = f"d_model={m.d_model}, d_ff={m.d_ff}, n_layers={m.n_layers}, batch_size={run.config.batch_size}, "
     sizes += f"seq_len={run.config.seq_len}"
+    each = f" in each of its {copies(run)} processes" if copies(run) > 1 else ""
     more = f"; {len(over) - 1} more run(s) too" if len(over) > 1 else ""
     fewer = "fewer --workers, " if workers > 1 else ""
     raise SpecError(
-        f"memory: experiments.{run.experiment} ({run.label}; {sizes}) needs about {estimate.describe()}, "
-        f"more than {words}{more}. Make it smaller, use {fewer}or --memory-limit SIZE|off if you know better"
+        f"memory: experiments.{run.experiment} ({run.label}; {sizes}) needs about {estimate.describe()}"
+        f"{each}, more than {words}{more}. Make it smaller, use {fewer}or --memory-limit SIZE|off if you "
+        "know better"
     )
 
 
