@@ -23,6 +23,9 @@ alone (no model is built):
 
 ``benchmarks/bench_memory_estimate.py`` checks it against the measured peak resident memory of
 real runs (``benchmarks/results/memory_estimate_cpu.md``): the estimate is above every measured peak.
+On CUDA the same count is made in fp32 (bf16 autocast keeps many activations in half the bytes, so
+it errs high there), with a CUDA context instead of the host process; it has not been checked
+against a GPU's measured peak.
 
 **The limit** (:func:`memory_limit`): on the CPU the memory available now (``MemAvailable``, or the
 cgroup's limit less its use when lower) shared by the runs that train at once (the workers); on CUDA
