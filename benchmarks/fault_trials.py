@@ -59,7 +59,7 @@ sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(HERE))
 
 from machine import machine_info, machine_line, write_results  # noqa: E402
-from procs import pool_workers, session  # noqa: E402
+from procs import interruptible, pool_workers, session  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=30, batch_size=4, seq_len=16, eval_every=10)
@@ -223,14 +223,15 @@ PHASES = {
 
 
 def interrupt(ctx: Context, out: Path, phase: str, workers: int, sig: int) -> str:
-    driver = subprocess.Popen(
-        study_cmd(ctx.spec, out, "--workers", str(workers)),
-        env=ENV,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    with interruptible():  # this script may run where SIGINT is ignored (a background job)
+        driver = subprocess.Popen(
+            study_cmd(ctx.spec, out, "--workers", str(workers)),
+            env=ENV,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
     try:
         check(
             wait_for(lambda: PHASES[phase](out) or driver.poll() is not None, timeout=300),

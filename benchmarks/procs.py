@@ -1,11 +1,13 @@
-"""Processes as Linux's ``/proc`` lists them: a process's children, a session's live members and a
-driver's pool workers. For the fault trials (``fault_trials.py``) and the tests that kill drivers and
-workers (``tests/test_study_faults.py``)."""
+"""Child processes for the fault trials (``fault_trials.py``) and the tests that interrupt or kill
+drivers and workers (``tests/test_study_faults.py``, ``tests/test_ray.py``): children that take Ctrl-C
+(:func:`interruptible`), and, as Linux's ``/proc`` lists them, a process's children, a session's live
+members and a driver's pool workers."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,3 +42,20 @@ def pool_workers(pid: int) -> list[int]:
             if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
                 workers.append(child)
     return workers
+
+
+@contextlib.contextmanager
+def interruptible() -> Iterator[None]:
+    """Children started inside the block take SIGINT (Ctrl-C) as a terminal's foreground job does,
+    even when this process ignores it: a shell without job control starts a background job (``cmd
+    &`` in a script, a CI step) with SIGINT ignored, a child inherits that, and Python then installs
+    no KeyboardInterrupt, so a SIGINT sent to it does nothing. A signal this process handles is reset
+    to its default in a child, so the block handles SIGINT (this process is sent none)."""
+    ignored = signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    if ignored:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if ignored:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)

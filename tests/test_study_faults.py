@@ -21,7 +21,7 @@ from addnorm.study import store as store_module
 from addnorm.study.lock import LOCK_NAME, FolderInUse, folder_lock
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from procs import pool_workers, session  # noqa: E402  (benchmarks/procs.py: processes from /proc)
+from procs import interruptible, pool_workers, session  # noqa: E402  (benchmarks/procs.py)
 
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=3, batch_size=4, seq_len=16, eval_every=0)
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -406,10 +406,11 @@ def test_an_interrupted_study_exits_130_with_a_message(tmp_path, sig):
     spec.write_text(
         yaml.safe_dump({"name": "i", "base": {**TINY, "steps": 100000}, "experiments": {"main": {"set": {}}}})
     )
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "addnorm.cli", "study", spec, "--out", tmp_path / "o", "--workers", "1"],
-        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    with interruptible():  # SIGINT reaches it even where pytest runs as a background job
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "addnorm.cli", "study", spec, "--out", tmp_path / "o", "--workers", "1"],
+            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
     deadline = time.monotonic() + 60
     while not (tmp_path / "o" / "study.sqlite").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
