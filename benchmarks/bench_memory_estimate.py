@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 sys.path.insert(0, str(HERE))
 
+import torch  # noqa: E402
 from machine import machine_info, machine_line, write_results  # noqa: E402
 
 from addnorm.study.limits import estimate_memory, fmt_bytes  # noqa: E402
@@ -98,6 +99,7 @@ def main() -> None:
         )  # fmt: skip
         print(f"{name}: measured {fmt_bytes(got['peak'])}, estimate {fmt_bytes(est.total)} "
               f"({est.total / got['peak']:.2f}x)", flush=True)  # fmt: skip
+    torch.set_num_threads(1)  # as each measured run does (the machine line says this process's threads)
     machine = machine_info("cpu")
     lines = [
         "# Memory estimate vs measured peak (CPU)",
