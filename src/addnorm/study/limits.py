@@ -47,6 +47,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..model.feedforward import GATED_ACTIVATIONS
+from ..tasks import TASKS
+from ..tasks.algorithmic import FIRST_SYMBOL
+from ..tasks.corpus import HELD_OUT
 from ..train import RunConfig
 from .spec import PlannedRun, SpecError
 
@@ -58,7 +62,6 @@ BYTES_PER_PARAMETER = 4 * (1 + 1 + 2 + 1)  # fp32 weight, gradient, AdamW's two 
 SAFETY = 1.25  # on the activations: allocator slack and transients the coefficients leave out
 EVAL_PASSES = 10  # eval tokens per evaluation at most this many times the held-out split
 ENV = "ADDNORM_MEMORY_LIMIT"
-VAL_FRACTION = 0.1  # the lm task's held-out share of the corpus (tasks/corpus.py)
 
 
 @dataclass(frozen=True)
@@ -119,7 +122,7 @@ def parameter_count(cfg: RunConfig) -> int:
         ffn = 2 * d * f if cfg.arch == "hf-gpt2" else 3 * d * f
         layer = 2 * d * d + 2 * d * kv + ffn + small
         return m.n_layers * layer + 2 * vocab * d + max(cfg.seq_len, 16) * d + 4 * d
-    ffn = (3 if m.activation in _GATED else 2) * d * f
+    ffn = (3 if m.activation in GATED_ACTIVATIONS else 2) * d * f
     self_attn = 4 * d * d + ffn + small
     embed = vocab * d + (m.max_len * d if m.positional == "learned" else 0)
     if cfg.task == "lm":
@@ -138,7 +141,7 @@ def activation_coefficients(cfg: RunConfig, cuda: bool = False) -> tuple[float, 
     attn_dropout = m.dropout if m.attention_dropout is None else m.attention_dropout
     act_dropout = m.dropout if m.activation_dropout is None else m.activation_dropout
     a = 24.0 if _placement_names(m.placement) & {"ngpt"} else 16.0
-    b = 5.5 if hf else 4.5 if m.activation in _GATED else 1.5 if m.activation == "relu" else 2.5
+    b = 5.5 if hf else 4.5 if m.activation in GATED_ACTIVATIONS else 1.5 if m.activation == "relu" else 2.5
     b += 2.0 if act_dropout > 0 and not hf else 0.0
     c = 3.0 if attn_dropout > 0 and not cuda else 0.0  # the math path keeps the attention weights
     if cfg.arch in ("hf-gemma2", "hf-gemma3"):
@@ -259,14 +262,14 @@ def check_eval(runs: Iterable[PlannedRun]) -> None:
         cfg = run.config
         if cfg.task != "lm":
             continue
-        held_out = int(VAL_FRACTION * _corpus_size(cfg))
+        held_out = int(HELD_OUT * _corpus_size(cfg))
         tokens = max(cfg.eval_batches, 1) * cfg.batch_size * cfg.seq_len
         if tokens > EVAL_PASSES * held_out:
             most = max(1, EVAL_PASSES * held_out // (cfg.batch_size * cfg.seq_len))
             raise SpecError(
                 f"eval_batches: experiments.{run.experiment} ({run.label}) evaluates {cfg.eval_batches:,} "
                 f"batches x {cfg.batch_size} x {cfg.seq_len} = {tokens:,} tokens, {tokens / held_out:,.0f} "
-                f"times its held-out split ({held_out:,} bytes, {VAL_FRACTION:.0%} of the corpus); beyond "
+                f"times its held-out split ({held_out:,} bytes, {HELD_OUT:.0%} of the corpus); beyond "
                 f"{EVAL_PASSES} times every byte has been read, more batches only repeat it: at most {most}"
             )
 
@@ -280,11 +283,8 @@ def check_plan(
     check_memory(runs, workers, cuda, memory)
 
 
-_GATED = ("swiglu",)
-
-
 def _vocab(cfg: RunConfig) -> int:
-    return 256 if cfg.task == "lm" else cfg.symbols + 2
+    return TASKS["lm"].vocab if cfg.task == "lm" else cfg.symbols + FIRST_SYMBOL
 
 
 def _placement_names(placement) -> set[str]:
