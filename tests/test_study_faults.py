@@ -487,3 +487,17 @@ def test_a_database_killed_before_its_schema_is_an_empty_study(tmp_path, state):
     assert dry.exit_code == 0 and "0 already stored" in dry.output, dry.output
     result = cli("study", spec, "--out", out, "--quiet")
     assert result.exit_code == 0 and "1 runs (0 already stored, 1 run now)" in result.output, result.output
+
+
+def test_the_fault_trials_script_lists_every_fault_and_runs_a_trial(bench_module, tmp_path):
+    """A smoke of ``benchmarks/fault_trials.py``: its table names each fault of issue 23, and one of
+    its trials (a repeated variant label, through the real command line) holds."""
+    trials = bench_module("fault_trials")
+    table = trials.trials(repeat=1)
+    for fault in ("kill -9", "SIGINT", "SIGTERM", "two studies", "NaN", "pool worker", "truncated",
+                  "garbage", "locked", "read-only", "file in place", "full disk", "tracker", "Ray",
+                  "duplicate"):  # fmt: skip
+        assert any(fault in name for name in table), fault
+    ctx = trials.Context(tmp_path)
+    note = trials.spec_error(ctx, tmp_path / "out", "duplicate variant label")
+    assert "label 'x' is used twice" in note
