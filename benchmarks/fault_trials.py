@@ -58,6 +58,7 @@ SRC = HERE.parent / "src"
 sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(HERE))
 
+import torch  # noqa: E402
 from machine import machine_info, machine_line, write_results  # noqa: E402
 from procs import interruptible, pool_workers, session  # noqa: E402
 
@@ -677,7 +678,7 @@ def main() -> None:
     wanted = [w.strip() for w in args.only.split(",") if w.strip()]
     table = {f: r for f, r in table.items() if not wanted or any(w in f for w in wanted)}
     rows, details = [], []
-    started = time.monotonic()
+    started, loads = time.monotonic(), [os.getloadavg()[0]]
     with tempfile.TemporaryDirectory(prefix="addnorm-faults-") as tmp:
         root = Path(tmp)
         os.chmod(root, 0o755)
@@ -718,12 +719,16 @@ def main() -> None:
                 shutil.rmtree(trial, ignore_errors=True)
             shown = [x for x in notes if x]
             rows.append((fault, len(runs), held, "; ".join(dict.fromkeys(shown))[:300]))
+    loads.append(os.getloadavg()[0])
+    torch.set_num_threads(1)  # as every study here runs its workers (the machine line reads this process)
     machine = machine_info("cpu")
     tried, kept = sum(r[1] for r in rows), sum(r[2] for r in rows)
     lines = [
         "# Fault trials (issue 23)",
         "",
-        machine_line(machine) + " Shared with four other engineers' work (load average 5-9 on 2 cores).",
+        machine_line(machine)
+        + f" Shared with other engineers' work: load average {loads[0]:.1f} at the start, {loads[1]:.1f} at "
+        "the end.",
         "",
         f"`python benchmarks/fault_trials.py --repeat {args.repeat}`"
         + (f" `--only {args.only}`" if args.only else "")
