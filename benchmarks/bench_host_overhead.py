@@ -22,10 +22,11 @@ two kernel launches replaced by no-op launchers (the stub lives here, not in the
 are built for the interpreter, ``TRITON_INTERPRET=1``, and never run), against the same eager ops.
 Targets: fwd <= 1.5x and fwd+bwd <= 1.2x eager; with dropout 0.1 fwd <= 2x, fwd+bwd <= 1.5x. On a
 GPU each call then adds its two launches (Triton's launch cost) and no Python of its own; the table
-goes to ``host_overhead_stub_cpu.json`` / ``.md``.
+goes to ``host_overhead_stub_cpu.json`` / ``.md``. With ``--breakdown`` it also peels the forward
+into layers (:func:`breakdown`): where the time above eager goes.
 
     python benchmarks/bench_host_overhead.py [--label after] [--calls 200] [--samples 25]
-    python benchmarks/bench_host_overhead.py --stub-launch [--label after]
+    python benchmarks/bench_host_overhead.py --stub-launch [--breakdown] [--clock cpu] [--label after]
 """
 
 from __future__ import annotations
@@ -131,6 +132,61 @@ def stubbed_launches() -> Iterator[None]:
         yield
     finally:
         k._add_norm_fwd_kernel, k._add_norm_bwd_kernel = saved
+
+
+class _Bare(torch.autograd.Function):
+    """The autograd boundary alone: a Function taking the eager path's tensors (x, residual, weight,
+    bias) and returning ``outputs`` fresh tensors of x's shape, nothing else."""
+
+    @staticmethod
+    def forward(ctx, x, r, w, b, outputs):
+        return torch.empty_like(x) if outputs == 1 else (torch.empty_like(x), torch.empty_like(x))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return grads[0], grads[0], None, None, None
+
+
+_bare = super(torch.autograd.Function, _Bare).apply
+BREAKDOWN_CASES = ("layernorm", "layernorm prenorm")
+
+
+def breakdown(rows: int, hidden: int, calls: int, samples: int) -> list[dict]:
+    """The stubbed forward peeled into layers, per case (CPU time per call, interleaved): eager add +
+    norm; ``add_norm`` (the public call); the plan's launch ``apply`` (no plan lookup, no argument
+    checks); the launcher alone under no_grad (allocations, launch arguments, the stubbed launch; no
+    autograd); a bare autograd.Function returning the path's outputs (the boundary's own cost). Needs
+    :func:`stubbed_launches`."""
+    from addnorm.ops import functional
+    from addnorm.ops.triton_add_norm import launch_fwd
+
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(rows, hidden, generator=g).requires_grad_(True) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).requires_grad_(True)
+    b = (0.02 * torch.randn(hidden, generator=g)).requires_grad_(True)
+    xd, rd, wd, bd = (t.detach() for t in (x, r, w, b))
+    out = []
+    for name in BREAKDOWN_CASES:
+        fused, eager = op_cases(hidden, "triton")[name]
+        functional.clear_plans()
+        fused(x, r, w, b)
+        (plan,) = functional._PLANS.values()  # this call's plan (the benchmark's view of the library)
+        launch = plan.launches[0]
+        outputs = 2 if plan.prenorm else 1
+        fns = {
+            "eager add + norm": lambda eager=eager: eager(x, r, w, b),
+            "add_norm (public call)": lambda fused=fused: fused(x, r, w, b),
+            "launch.apply (no plan lookup, no checks)": lambda launch=launch: launch.apply(x, r, w, b),
+            "launch_fwd alone (no autograd)": lambda launch=launch: launch_fwd(
+                launch.fwd, xd, rd, wd, bd, None, None
+            ),
+            "bare autograd.Function, outputs only": lambda outputs=outputs: _bare(x, r, w, b, outputs),
+        }
+        us = per_call_us(fns, calls, samples, clock="cpu")
+        for stage, t in us.items():
+            out.append({"case": name, "stage": stage, "us": t})
+            print(f"{name:24s} {stage:42s} {t:6.2f} us", flush=True)
+    return out
 
 
 def op_cases(hidden: int, backend: str = "auto") -> dict[str, tuple[Callable, Callable]]:
@@ -244,7 +300,7 @@ def op_everywhere() -> Iterator[None]:
     """The fused op wherever a model can fuse, whatever ``fused_op_preferred`` says (the measurement
     behind that rule: the default against the op forced)."""
     rule = policy.fused_op_preferred
-    policy.fused_op_preferred = lambda device, *, dropout: True
+    policy.fused_op_preferred = lambda device, *, dropout, sharded=False: True
     try:
         yield
     finally:
@@ -297,8 +353,9 @@ STUB_HEADER = [
     "and eager timed in alternation); ratio = fused / eager. fwd: a training forward (inputs require",
     "grad); fwd+bwd: plus torch.autograd.grad. Targets (issue 21): fwd <= 1.5x, fwd+bwd <= 1.2x;",
     "with dropout 0.1 fwd <= 2x, fwd+bwd <= 1.5x. The `floor` rows time an `autograd.Function` that",
-    "only makes the Triton path's allocations (y, s, mean, rstd; dresidual, dweight, dbias) against",
-    "the Pre-LN eager ops: what any fused op with this structure costs before its own Python.",
+    "only makes the allocations the Triton path made before issue 21's second attempt (y, s, mean,",
+    "rstd; dresidual, dweight, dbias) against the Pre-LN eager ops: what any fused op with that",
+    "structure costs before its own Python. `--breakdown` peels the forward into layers.",
     "",
 ]
 HEADER = [
@@ -310,6 +367,20 @@ HEADER = [
     "with it; the tiny Pre-LN LM step (default vs fused=False) <= 1.0x.",
     "",
 ]
+
+
+def _breakdown_table(rows: list[dict]) -> list[str]:
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    stages = list(dict.fromkeys(r["stage"] for r in rows))
+    us = {(r["case"], r["stage"]): r["us"] for r in rows}
+    lines = [
+        "Where the forward's time goes (CPU us per call, launches stubbed; `--breakdown`):",
+        "",
+        "| stage | " + " | ".join(cases) + " |",
+        "| --- |" + " --- |" * len(cases),
+    ]
+    lines += [f"| {st} | " + " | ".join(f"{us[(c, st)]:.2f}" for c in cases) + " |" for st in stages]
+    return [*lines, ""]
 
 
 def to_markdown(report: dict, header: list[str] = HEADER) -> str:
@@ -324,6 +395,8 @@ def to_markdown(report: dict, header: list[str] = HEADER) -> str:
         ]
         if run.get("note"):
             lines += [run["note"], ""]
+        if run.get("breakdown"):
+            lines += _breakdown_table(run["breakdown"])
         both = "cpu_ratio" in run["ops"][0]
         clock = f" ({run['ops'][0].get('clock', 'wall')} time)" if both else ""
         lines += [
@@ -387,6 +460,11 @@ def main(argv: list[str] | None = None) -> None:
         default="wall",
         help="--stub-launch: judge by wall time or by this process's CPU time (both are recorded)",
     )
+    ap.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="--stub-launch: also peel the forward into layers (add_norm, apply, launcher, boundary)",
+    )
     ap.add_argument("--no-record", action="store_true", help="print only (CI): write no results")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -398,6 +476,8 @@ def main(argv: list[str] | None = None) -> None:
                 args.rows, args.hidden, device, args.calls, args.samples,
                 cases=STUB_CASES, backend="triton", targets=STUB_TARGETS, clock=args.clock,
             )  # fmt: skip
+            if args.breakdown:
+                run["breakdown"] = breakdown(args.rows, args.hidden, args.calls, args.samples)
         name, header = "host_overhead_stub_cpu", STUB_HEADER
     else:
         run["ops"] = bench_ops(args.rows, args.hidden, device, args.calls, args.samples)

@@ -14,7 +14,13 @@ holds the most values live, so it bounds the registers of the others (the backwa
 register-heavy variants, with dropout or a gate, narrower one-pass rows: the
 configurations only the lighter ones launch are compiled with the heaviest of those); ``full=True``
 adds RMSNorm, bf16 and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and without-affine
-variants, and hidden sizes that are not multiples of 16 (no aligned-vector specialisation).
+variants, the registered op's statistics (mean and rstd apart, where the eager path packs them in one
+buffer, or for a one-pass backward from s keeps none and recomputes them) and hidden sizes that are not
+multiples of 16 (no aligned-vector specialisation).
+The widest configuration also compiles with dropout on given row indices (a DTensor's row shard), and
+the tensor-parallel kernels (``ops/triton_sharded.py``: statistics, normalise, row sums, gradients of
+a column shard) join with every option and row indices, at the widest tile and the column-chunk
+configuration (``full``: every configuration).
 
 This module does not import triton at import time.
 """
@@ -40,7 +46,7 @@ HIDDEN_SIZES += (6144, 8192, 10000, 12288, 16384, 24576, 32768, 50000, 65536)
 class Variant(NamedTuple):
     """One compiled specialisation of a kernel: its launch configuration, options and dtypes."""
 
-    kernel: str  # "fwd" | "bwd"
+    kernel: str  # "fwd" | "bwd" | one of TP_KERNELS
     block_m: int
     block_n: int
     chunked: bool
@@ -54,6 +60,16 @@ class Variant(NamedTuple):
     dropout: bool
     aligned: bool  # hidden size (and so row strides) a multiple of 16
     hidden: tuple[int, ...]  # the hidden sizes (of HIDDEN_SIZES) that launch this configuration
+    row_ids: bool = False  # dropout hashes given row indices (a DTensor shard: ``ops/sharded.py``)
+    # the statistics as the registered op passes them (mean and rstd apart), not as the eager path
+    # does (forward: one buffer, LayerNorm's means after the rstds, MEAN None; backward from s in one
+    # pass: none, recomputed from s, RSTD None too)
+    op_stats: bool = False
+
+    @property
+    def recomputes_stats(self) -> bool:
+        """A backward given no statistics (the eager path's, from s saved or recomputed, one pass)."""
+        return self.kernel == "bwd" and not self.op_stats and self.path != "from_y" and not self.chunked
 
     @property
     def maxnreg(self) -> int:
@@ -73,6 +89,9 @@ class Variant(NamedTuple):
             n for n, on in (("weight", self.weight), ("bias", self.bias), ("dropout", self.dropout)) if on
         ]
         parts += [("", "scalar gate", "vector gate")[self.gate]] if self.gate else []
+        parts += ["op statistics"] if self.op_stats else []
+        parts += ["statistics recomputed"] if self.recomputes_stats else []
+        parts += ["row ids"] if self.row_ids else []
         return ", ".join(parts + ([] if self.aligned else ["unaligned"]))
 
 
@@ -106,11 +125,12 @@ def variants(full: bool = False) -> list[Variant]:
                 )
                 out.append(base)
                 if full or cfg == widest:
-                    out.append(base._replace(aligned=False))
+                    out += [base._replace(aligned=False), base._replace(row_ids=True)]
                 if full:
                     out += [base._replace(norm="rmsnorm", bias=False), base._replace(dtypes="mixed")]
                     out += [base._replace(dtypes="bf16"), base._replace(dtypes="fp16", gate=1)]
                     out += [base._replace(dropout=False, gate=0), base._replace(weight=False, bias=False)]
+                    out += [base._replace(op_stats=True)]
         if kind == "bwd":  # the configurations only the lighter variants launch
             light = {c: h for c, h in _configs(kind, heavy=False).items() if c not in configs}
             widest = max(light, key=lambda c: (c.chunked, c.block_n), default=None)
@@ -121,6 +141,27 @@ def variants(full: bool = False) -> list[Variant]:
                         kind, *cfg, "layernorm", path, "fp32", True, True, 2, True, True, tuple(hidden)
                     )
                     out += [v._replace(aligned=a) for v in _light(base) for a in aligned]
+    out += _tensor_parallel_variants(full)
+    return out
+
+
+# the tensor-parallel kernels (``ops/triton_sharded.py``) and the configurations they launch with
+TP_KERNELS = {"tp_stats": "fwd", "tp_norm": "fwd", "tp_sums": "fwd", "tp_bwd": "bwd"}
+
+
+def _tensor_parallel_variants(full: bool) -> list[Variant]:
+    """The TP kernels (always a loop over column chunks) with every option, dropout on row ids: at
+    the widest tile and the column-chunk configuration, or (``full``) at every configuration."""
+    out = []
+    for kernel, kind in TP_KERNELS.items():
+        configs = _configs(kind)
+        widest = max(configs, key=lambda c: (c.block_n * c.block_m, c.block_n))
+        path = "store_s" if kernel == "tp_stats" else "from_s"  # the stats pass stores s, the others read it
+        for cfg, hidden in configs.items():
+            if full or cfg == widest or cfg.chunked:
+                out.append(
+                    Variant(kernel, *cfg, "layernorm", path, "fp32", True, True, 2, True, True, tuple(hidden))
+                )
     return out
 
 
@@ -133,9 +174,10 @@ def _dtypes(v: Variant) -> dict:
 def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) of the ASTSource for ``v``, as a launch would specialise it."""
     d = _dtypes(v)
-    fwd = v.kernel == "fwd"
+    fwd = v.kernel in ("fwd", "tp_stats")  # reads x and residual
+    tp = v.kernel in TP_KERNELS
     ln = v.norm == "layernorm"
-    store_s = v.path == "store_s"
+    store_s = v.path == "store_s" or tp  # the TP kernels write or read s
     recompute = v.path in ("from_y", "from_xr")
     ptr = {
         "X": d["x"],
@@ -146,8 +188,8 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "SEED": "i64" if v.dropout else None,
         "Y": d["y"],
         "S": d["s"] if store_s else None,
-        "MEAN": "fp32" if ln else None,
-        "RSTD": "fp32",
+        "MEAN": "fp32" if ln and (v.op_stats or tp) else None,  # the TP kernels take mean and rstd apart
+        "RSTD": None if v.recomputes_stats else "fp32",
         "DY": d["y"],
         "DS": d["s"] if v.path == "from_s" else None,
         "SAVED": None if v.path == "from_xr" else (d["s"] if v.path == "from_s" else d["y"]),
@@ -156,6 +198,9 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "DW_PART": "fp32" if v.weight else None,
         "DB_PART": "fp32" if v.bias else None,
         "DG_PART": "fp32" if v.gate else None,
+        "ROWS": "i64" if v.row_ids and v.dropout else None,  # the rows' global indices (dropout on a shard)
+        "STATS": "fp32",
+        "SUMS": "fp32",
     }
     if not fwd and not (recompute or v.gate):
         ptr["X"] = None
@@ -176,8 +221,9 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "XHAT_FROM": {"from_s": 0, "from_y": 1, "from_xr": 2}.get(v.path, 0),
         "RECOMPUTE": v.path == "from_y" and (v.weight or v.bias),
         "WRITE_DX": True,
+        "ROW_IDS": v.row_ids and v.dropout,
     }
-    floats = {"eps", "alpha", "drop_scale"}
+    floats = {"eps", "alpha", "drop_scale", "inv_hidden"}
     signature, constexprs, attrs = {}, {}, {}
     for i, name in enumerate(arg_names):
         if name in const:
@@ -249,8 +295,12 @@ def compile_variant(v: Variant, arch: int) -> dict:
     from triton.compiler import ASTSource
 
     from addnorm.ops import triton_add_norm as k
+    from addnorm.ops import triton_sharded as ts
 
-    fn = k._add_norm_fwd_kernel if v.kernel == "fwd" else k._add_norm_bwd_kernel
+    fn = {
+        "fwd": k._add_norm_fwd_kernel, "bwd": k._add_norm_bwd_kernel, "tp_stats": ts._tp_stats_kernel,
+        "tp_norm": ts._tp_norm_kernel, "tp_sums": ts._tp_sums_kernel, "tp_bwd": ts._tp_bwd_kernel,
+    }[v.kernel]  # fmt: skip
     if not hasattr(fn, "arg_names"):
         raise RuntimeError("compile_variant: the kernels were built for the interpreter (TRITON_INTERPRET=1)")
     signature, constexprs, attrs = _signature(v, fn.arg_names)

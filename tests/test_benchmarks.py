@@ -123,10 +123,13 @@ def test_host_overhead_stub_launch_times_the_triton_path_without_running_a_kerne
     argv = ["--stub-launch", "--calls", "2", "--samples", "1"]
     hb.main([*argv, "--no-record", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # --no-record (CI) writes nothing
-    hb.main([*argv, "--out", str(tmp_path)])
+    hb.main([*argv, "--breakdown", "--out", str(tmp_path)])
     assert (k._add_norm_fwd_kernel, k._add_norm_bwd_kernel) == kernels
     run = json.loads((tmp_path / "host_overhead_stub_cpu.json").read_text())["runs"]["after"]
     assert "lm_step" not in run
+    # --breakdown: each case's forward peeled into the same five layers
+    layers = {(r["case"], r["stage"]) for r in run["breakdown"] if r["us"] > 0}
+    assert len(layers) == 2 * 5 and {c for c, _ in layers} == {"layernorm", "layernorm prenorm"}
     targets = {r["case"]: r["target"] for r in run["ops"]}
     assert targets == {
         "layernorm fwd": 1.5, "layernorm fwd+bwd": 1.2, "layernorm prenorm fwd": 1.5,
@@ -134,7 +137,8 @@ def test_host_overhead_stub_launch_times_the_triton_path_without_running_a_kerne
         "layernorm dropout 0.1 fwd": 2.0, "layernorm dropout 0.1 fwd+bwd": 1.5, "floor fwd": 1.5,
         "floor fwd+bwd": 1.2,
     }  # fmt: skip
-    assert "launches stubbed" in (tmp_path / "host_overhead_stub_cpu.md").read_text()
+    md = (tmp_path / "host_overhead_stub_cpu.md").read_text()
+    assert "launches stubbed" in md and "Where the forward's time goes" in md
 
 
 def test_stubbed_launches_run_no_kernel_and_the_path_still_returns_its_outputs(bench_module):
@@ -190,3 +194,18 @@ def test_gpu_suite_dry_run_plans_every_step_and_launches_nothing(bench_module, m
         assert flags and all(f'"{f}"' in source for f in flags), (s.name, flags)
     with pytest.raises(SystemExit, match="--only: expected step names"):
         suite.main(["--dry-run", "--only", "nope"])
+
+
+def test_report_screenshot_cuts_the_report_to_its_title_and_one_section(bench_module):
+    cut = bench_module("report_screenshot").section_page
+    report = (
+        "<html><head><style>x</style></head><body><h1>t</h1><p>intro</p>"
+        "<h2 id='findings'>F</h2>f<h2 id='ranking'>R</h2><table>r</table><h2 id='depth'>D</h2>d</body></html>"
+    )
+    assert cut(report, "ranking") == (
+        "<html><head><style>x</style></head><body><h1>t</h1><p>intro</p>"
+        "<h2 id='ranking'>R</h2><table>r</table></body></html>"
+    )
+    assert cut(report, "depth").endswith("<h2 id='depth'>D</h2>d</body></html>")
+    with pytest.raises(ValueError, match="section: the report has no section 'nope'"):
+        cut(report, "nope")

@@ -11,13 +11,12 @@ loopback port, a bounded wait), so the module stays within its time budget.
 from __future__ import annotations
 
 import os
-import socket
 import tempfile
 import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawned import run_spawned
 from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
@@ -26,6 +25,7 @@ WORLD, STEPS, VOCAB, BATCH, SEQ, TOL = 2, 3, 50, 4, 9, 1e-5
 PLACEMENTS = ["pre", "post", "sandwich", "deepnorm", "resi_dual", "ngpt", "b2t", "mix", "hybridnorm"]
 PLACEMENTS += ["layerscale", "rezero"]
 HF_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt2", "bert"]
+HF_TYPES += ["olmo2", "phi3", "mixtral", "qwen2_moe"]  # every supported family (addnorm.hf.ARCHITECTURES)
 
 
 def _has_transformers() -> bool:
@@ -141,7 +141,6 @@ CASES["ddp+ac-b2t"] = (
 CASES["meta+to_empty+fsdp2-sandwich"] = (lambda: addnorm_lm("sandwich"), lambda: meta_built("sandwich"))
 if _has_transformers():
     CASES["hf-llama-unfused-fsdp2"] = (lambda: hf_lm("llama"), lambda: shard(hf_lm("llama")))
-    CASES["hf-llama-shard-then-fuse"] = (lambda: hf_lm("llama"), lambda: fused(shard(hf_lm("llama"))))
     CASES["hf-llama-fuse-keep-unsharded"] = (
         lambda: hf_lm("llama"),
         lambda: shard(fused(hf_lm("llama")), False),
@@ -156,6 +155,7 @@ if _has_transformers():
     )
     for _t in HF_TYPES:
         CASES[f"hf-{_t}-fuse-then-shard"] = (lambda t=_t: hf_lm(t), lambda t=_t: shard(fused(hf_lm(t))))
+        CASES[f"hf-{_t}-shard-then-fuse"] = (lambda t=_t: hf_lm(t), lambda t=_t: fused(shard(hf_lm(t))))
 
 
 # --- one training run -------------------------------------------------------------------------------
@@ -222,28 +222,11 @@ def _dcp_round_trip(rank: int, out: str):
         return f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def distributed_results():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pt")
-        ctx = mp.start_processes(
-            _worker, args=(_free_port(), list(CASES), out), nprocs=WORLD, join=False, start_method="spawn"
-        )
-        deadline = 150.0
-        import time
-
-        start = time.monotonic()
-        while not ctx.join(timeout=5):
-            if time.monotonic() - start > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail(f"the {WORLD}-process run did not finish in {deadline:.0f} s")
+        run_spawned(_worker, list(CASES), out, nprocs=WORLD)
         results = torch.load(out, weights_only=False)
         if "dcp" in results and not isinstance(results["dcp"], str):
             results["dcp-reloaded"] = _reload_unfused(out + ".dcp")

@@ -107,6 +107,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(k, "BWD_MAX_ONE_PASS", 16)
     monkeypatch.setattr(k, "FWD_CHUNK", k.Launch(2, 32, True, 4))
     monkeypatch.setattr(k, "BWD_CHUNK", k.Launch(2, 16, True, 4))
+    monkeypatch.setattr(k, "BWD_ONE_PROGRAM_TILES", 0)  # several programs and their partial sums
     k.clear_caches()
     policy.invalidate()  # cached call plans hold launch specs
     yield k
@@ -128,7 +129,8 @@ def _check_triton_vs_oracle(rows, hidden, dtype, norm, prenorm, dropout, gate, x
         seed = torch.tensor(11, device=DEVICE) if dropout else None
 
         def ours(x, r, w, b, g):
-            args = (seed, norm, 1e-5, 0.9, kw["dropout_p"], r.dtype, x.dtype, prenorm, xhat_from, "triton")
+            args = (seed, None, xhat_from, norm, 1e-5, 0.9, kw["dropout_p"], r.dtype, x.dtype, prenorm)
+            args += ("triton",)
             y, s = lib.add_norm_fwd(x, r, w, b, g, *args)[:2]
             return (y, s) if prenorm else y
 
@@ -183,6 +185,81 @@ def test_several_rows_per_program_with_a_partial_last_tile():
     _check_triton_vs_oracle(77, 24, torch.bfloat16, "rmsnorm", False, False, False)
 
 
+def test_a_small_backward_is_one_program_and_a_larger_one_sums_partials():
+    """Up to BWD_ONE_PROGRAM_TILES row tiles one program writes dweight / dbias itself (no torch
+    reduction after the kernel); beyond, several programs write partial sums."""
+    from addnorm.ops.triton_add_norm import BWD_ONE_PROGRAM_TILES, bwd_grid
+
+    cpu = torch.device("cpu")
+    assert bwd_grid(0, 64, cpu, (1, 64)) == (0, 0)
+    assert bwd_grid(8, 64, cpu, (1, 64)) == (1, 8)
+    assert bwd_grid(BWD_ONE_PROGRAM_TILES, 64, cpu, (1, 64)) == (1, BWD_ONE_PROGRAM_TILES)
+    programs, per_program = bwd_grid(BWD_ONE_PROGRAM_TILES + 1, 64, cpu, (1, 64))
+    assert programs > 1 and programs * per_program >= BWD_ONE_PROGRAM_TILES + 1
+    assert bwd_grid(2 * BWD_ONE_PROGRAM_TILES, 64, cpu, (2, 64)) == (1, BWD_ONE_PROGRAM_TILES)
+
+
+@pytest.mark.triton
+@needs_triton
+@pytest.mark.parametrize("rows", [5, 40])  # one program; several, with partial sums
+@pytest.mark.parametrize(
+    "norm, prenorm, dtype",
+    [
+        ("layernorm", True, torch.float32),  # s saved: the backward recomputes the statistics
+        ("layernorm", False, torch.float32),  # x_hat from y: the statistics in one buffer
+        ("rmsnorm", False, torch.bfloat16),  # s recomputed from x and residual: no statistics kept
+        ("rmsnorm", True, torch.float32),
+    ],
+)
+def test_eager_triton_path_equals_the_registered_op(rows, norm, prenorm, dtype):
+    """The eager path (statistics in one buffer, or none and recomputed in backward; one program for
+    few rows) against the registered op on the same kernels (mean and rstd apart, as its schema
+    returns them): the same outputs bit for bit, the same gradients to fp32 rounding."""
+    x, r, w, b, g = _inputs(rows, 48, dtype, gate=True)
+    kw = {"norm": norm, "prenorm": prenorm, "alpha": 0.9, "dropout_p": 0.25}
+    weights = torch.linspace(-1, 1, rows * 48, dtype=torch.float64, device=DEVICE).reshape(rows, 48)
+
+    def eager(x, r, w, b, g):
+        return add_norm(x, r, w, b, gate=g, seed=5, backend="triton", **kw)
+
+    fn.clear_plans()
+    out, grads = _grads(eager, (x, r, w, b, g), prenorm, weights)
+    (plan,) = fn._PLANS.values()
+    xhat_from = XHAT_FROM_S if prenorm else plan.xhat_from  # the eager path's own choice
+
+    def op(x, r, w, b, g):
+        seed = torch.tensor(5, device=DEVICE)
+        args = (seed, None, xhat_from, norm, 1e-5, 0.9, 0.25, r.dtype, x.dtype, prenorm, "triton")
+        y, s = lib.add_norm_fwd(x, r, w, b, g, *args)[:2]
+        return (y, s) if prenorm else y
+
+    out_op, grads_op = _grads(op, (x, r, w, b, g), prenorm, weights)
+    for a, c in zip(out, out_op, strict=True):
+        assert torch.equal(a, c)
+    for a, c in zip(grads, grads_op, strict=True):
+        torch.testing.assert_close(a, c, rtol=1e-5, atol=1e-5 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.triton
+@needs_triton
+def test_eager_triton_path_keeps_the_statistics_only_where_backward_reads_them(small_chunks):
+    """Where the backward has s and goes in one pass it recomputes the statistics: the forward
+    allocates none. x_hat from y, or rows in column chunks, read the forward's: one buffer, the rstds
+    then LayerNorm's means (one allocation, not two)."""
+    x, r, w, b, _ = _inputs(6, 12)
+    leaves = [t.requires_grad_(True) for t in (x, r, w, b)]
+    y, _ = add_norm(*leaves, prenorm=True, backend="triton")
+    assert y.grad_fn.saved_tensors[-1] is None  # s saved, 12 columns: one pass
+    y = add_norm(*leaves, backend="triton")  # Post-LN, fp32 y: x_hat from y
+    assert tuple(y.grad_fn.saved_tensors[-1].shape) == (2 * 6,)
+    y = add_norm(*leaves, norm="rmsnorm", backend="triton")
+    assert tuple(y.grad_fn.saved_tensors[-1].shape) == (6,)
+    x, r, w, b, _ = _inputs(3, 40)  # wider than the fixture's 16-column backward chunks
+    y, s = add_norm(x, r, w.requires_grad_(True), b, prenorm=True, backend="triton")
+    assert tuple(y.grad_fn.saved_tensors[-1].shape) == (2 * 3,)
+    _check_triton_vs_oracle(3, 40, torch.float32, "layernorm", True, False, False)
+
+
 # --- Post-LN weight gradients in bf16 (flash-attn's failing case) --------------------------------
 
 
@@ -215,7 +292,8 @@ def _post_ln_dweight_errors(rows, hidden, seed):
         paths += [("triton", XHAT_FROM_Y), ("triton", XHAT_FROM_XR)]
     for backend, xhat_from in paths:
         wt = w.clone().requires_grad_(True)
-        args = (None, "layernorm", 1e-5, 1.0, 0.0, torch.bfloat16, torch.bfloat16, False, xhat_from, backend)
+        args = (None, None, xhat_from, "layernorm", 1e-5, 1.0, 0.0, torch.bfloat16, torch.bfloat16, False)
+        args += (backend,)
         y = lib.add_norm_fwd(x, r, wt, b, None, *args)[0]
         errors[(backend, xhat_from)] = err(torch.autograd.grad(y, wt, dy)[0])
     wt = w.clone().requires_grad_(True)
@@ -355,8 +433,8 @@ assert lib.TRITON_OP
 names = [k.fn.__name__ for op in ('fwd', 'bwd') for k in get_triton_kernels_for_op(f'addnorm::add_norm_{op}')]
 assert names == ['_add_norm_fwd_kernel', '_add_norm_bwd_kernel'], names
 x, r, w = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16), torch.ones(16, requires_grad=True)
-args = (x, r, w, None, None, torch.tensor(3), 'layernorm', 1e-5, 1.0, 0.1)
-args += (torch.float32, torch.float32, True, 0, 'torch')
+args = (x, r, w, None, None, torch.tensor(3), None, 0, 'layernorm', 1e-5, 1.0, 0.1)
+args += (torch.float32, torch.float32, True, 'torch')
 torch.library.opcheck(lib.add_norm_fwd, args)
 set_compile_path('kernel')
 f = torch.compile(lambda x, r, w: add_norm(x, r, w, prenorm=True, dropout_p=0.1, seed=3), fullgraph=True)

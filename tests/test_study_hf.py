@@ -21,9 +21,10 @@ from addnorm.train import RunConfig, train  # noqa: E402
 SIZE = dict(d_model=32, n_heads=4, d_ff=48, n_layers=3, batch_size=4, seq_len=16, corpus_bytes=100_000)
 
 
-def hand_trained_losses(placement: str, steps: int, seed: int) -> list[float]:
+def hand_trained_losses(placement: str, steps: int, seed: int, xavier: bool = False) -> list[float]:
     """The oracle: a LlamaConfig written out here, ``from_config`` after ``torch.manual_seed(seed)``,
-    ``with_placement``, and a plain AdamW loop over the lm task's batches."""
+    (``xavier``: Xavier-uniform on each layer's Linear weights in order, N(0, 1) embeddings, the head as
+    nn.Linear initialises it), ``with_placement``, and a plain AdamW loop over the lm task's batches."""
     task = build_task("lm", corpus=None, limit=SIZE["corpus_bytes"])
     config = transformers.LlamaConfig(
         vocab_size=task.vocab,
@@ -41,6 +42,14 @@ def hand_trained_losses(placement: str, steps: int, seed: int) -> list[float]:
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
+    if xavier:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for m in layer.modules():
+                    if isinstance(m, torch.nn.Linear):
+                        torch.nn.init.xavier_uniform_(m.weight)
+            torch.nn.init.normal_(model.model.embed_tokens.weight, std=1.0)
+            model.lm_head.reset_parameters()
     with_placement(model, placement, fused=False)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     rest = [p for p in model.parameters() if p.ndim < 2]
@@ -66,8 +75,8 @@ def hand_trained_losses(placement: str, steps: int, seed: int) -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("placement", ["sandwich", "deepnorm"])
-def test_hf_run_stores_the_losses_of_the_model_trained_by_hand(tmp_path, placement):
+@pytest.mark.parametrize("placement, hf_init", [("sandwich", "own"), ("deepnorm", "own"), ("pre", "xavier")])
+def test_hf_run_stores_the_losses_of_the_model_trained_by_hand(tmp_path, placement, hf_init):
     spec = parse_spec(
         {
             "name": "oracle",
@@ -80,6 +89,7 @@ def test_hf_run_stores_the_losses_of_the_model_trained_by_hand(tmp_path, placeme
                 "steps": 5,
                 "eval_every": 0,
                 "precision": "fp32",
+                "hf_init": hf_init,
             },
             "experiments": {"one": {"sweep": {"placement": [placement], "seed": [3]}}},
         }
@@ -90,7 +100,8 @@ def test_hf_run_stores_the_losses_of_the_model_trained_by_hand(tmp_path, placeme
         stored = [v for _, v in store.metric(run["id"], "train_loss")]
     assert run["status"] == "done", run["error"]
     assert run["provenance"]["transformers"] == transformers.__version__
-    assert stored == pytest.approx(hand_trained_losses(placement, 5, 3), rel=1e-5, abs=1e-6)
+    expected = hand_trained_losses(placement, 5, 3, xavier=hf_init == "xavier")
+    assert stored == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
 def test_fused_hf_run_matches_the_unfused_one():
@@ -100,12 +111,56 @@ def test_fused_hf_run_matches_the_unfused_one():
     assert losses(fused) == pytest.approx(losses(plain), rel=1e-4)
 
 
+def initial_model(family: str, hf_init: str, placement: str):
+    from addnorm.train.loop import build_model
+
+    cfg = RunConfig(
+        model=family, hf_init=hf_init, placement=placement, d_model=64, n_heads=4, d_ff=128, n_layers=2
+    )
+    return build_model(cfg, build_task("lm", corpus=None, limit=100_000)).hf
+
+
+@pytest.mark.parametrize(
+    "family, placement", [("hf-llama", "pre"), ("hf-gemma2", "sandwich"), ("hf-gpt2", "pre")]
+)
+def test_xavier_hf_init_starts_as_addnorms_transformer(family, placement):
+    model = initial_model(family, "xavier", placement)
+    arch = __import__("addnorm.hf.architectures", fromlist=["x"]).architecture_of(model)
+    matrices = [p for layer in arch.layers_of(model) for p in layer.parameters() if p.ndim == 2]
+    assert len(matrices) >= 8
+    for w in matrices:  # Xavier-uniform: variance 2 / (fan_in + fan_out)
+        assert w.var().item() == pytest.approx(2.0 / sum(w.shape), rel=0.1)
+        assert w.abs().max().item() <= (6.0 / sum(w.shape)) ** 0.5
+    ids = torch.randint(3, 200, (4, 32))
+    stream = model(input_ids=ids, output_hidden_states=True).hidden_states[0]
+    embed = model.get_input_embeddings().weight
+    if family == "hf-gpt2":  # tied head without a multiplier: unit-variance logits, not a unit stream
+        assert embed.var().item() == pytest.approx(1 / 64, rel=0.1)
+    else:  # the stream starts at unit RMS, as addnorm's scaled embeddings make it
+        assert stream.pow(2).mean().sqrt().item() == pytest.approx(1.0, rel=0.1)
+    if family == "hf-llama":  # an untied head as torch.nn.Linear draws it: U(-1/sqrt(d), 1/sqrt(d))
+        head = model.lm_head.weight
+        assert head.abs().max().item() <= 64**-0.5 and head.var().item() == pytest.approx(1 / 192, rel=0.1)
+
+
+def test_own_hf_init_keeps_the_familys_initialisation():
+    model = initial_model("hf-llama", "own", "pre")
+    for w in (model.get_input_embeddings().weight, model.model.layers[0].mlp.down_proj.weight):
+        assert w.std().item() == pytest.approx(model.config.initializer_range, rel=0.1)
+
+
 def test_model_key_defaults_to_addnorm_with_the_same_run_ids():
     assert RunConfig().arch == "addnorm" and RunConfig(model="addnorm").run_id == RunConfig().run_id
     assert RunConfig().run_id == "78aef321cc1e"  # the id main gave this config before the key existed
     cfg = RunConfig(model="HF-Llama", kv_heads=2)
     assert cfg.arch == "hf-llama" and cfg.to_dict()["model"] == "hf-llama"
     assert RunConfig(**cfg.to_dict()) == cfg and cfg.run_id != RunConfig(kv_heads=2).run_id
+    # hf_init: own, the default, keeps the ids HF runs had before the key; addnorm's model ignores it
+    sandwich = RunConfig(model="hf-llama", kv_heads=2, placement="sandwich")
+    assert sandwich.run_id == "b6d8fd7a259e"  # the id main gave this config before hf_init existed
+    xavier = RunConfig(model="hf-llama", kv_heads=2, placement="sandwich", hf_init="Xavier")
+    assert xavier.hf_init == "xavier" and xavier.run_id != sandwich.run_id
+    assert RunConfig(hf_init="xavier") == RunConfig() and RunConfig(hf_init="xavier").hf_init == "own"
 
 
 @pytest.mark.parametrize(
@@ -116,6 +171,8 @@ def test_model_key_defaults_to_addnorm_with_the_same_run_ids():
         ({"model": "hf-llama", "kv_heads": -1}, "kv_heads: expected a non-negative integer"),
         ({"model": "hf-llama", "rope_theta": 0}, "rope_theta: expected a positive number"),
         ({"model": "hf-llama", "fused": "yes"}, "fused: expected true or false"),
+        ({"model": "hf-llama", "hf_init": "normal"}, "hf_init: unknown hf_init 'normal'; expected one of"),
+        ({"hf_init": "normal"}, "hf_init: unknown hf_init"),
     ],
 )
 def test_bad_hf_settings_are_one_line_errors(values, message):

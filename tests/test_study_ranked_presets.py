@@ -1,6 +1,6 @@
 """``addnorm study llama --smoke`` and ``addnorm study literature --smoke``: the ranked presets run end to
 end through the CLI (the same path as the full presets, at a tiny size), and their reports carry the
-ranking with intervals and tiers, the side-by-side of the settings and the placement claims."""
+ranking with intervals and letter groups, the side-by-side of the settings and the placement claims."""
 
 from __future__ import annotations
 
@@ -28,11 +28,24 @@ def test_llama_smoke_ranks_both_architectures_side_by_side(tmp_path):
     page = smoke("llama", tmp_path)
     with Store(tmp_path / "study.sqlite") as store:
         runs = store.runs()
+        found = {f.claim: f for f in compute_findings(store)}
     assert {r["status"] for r in runs} == {"done"}
+    evidence = found[CLAIMS[0]].evidence  # each setting named, the Llama ones with their initialisation
+    assert "6 layers: " in evidence and "6 layers (hf-llama): " in evidence
+    assert "6 layers (hf-llama, hf_init xavier): " in evidence
     llama = [r for r in runs if r["config"]["model"] == "hf-llama"]
-    assert len(llama) == 12 * 3 and len(runs) == 17 * 3 + 12 * 3  # 5 placements not applicable to Llama
+    # 5 placements are not applicable to Llama; it trains under its own init and under Xavier's
+    assert len(llama) == 12 * 3 * 2 and len(runs) == 17 * 3 + 12 * 3 * 2
+    assert {r["config"]["hf_init"] for r in llama} == {"own", "xavier"}
     assert {r["provenance"]["transformers"] for r in llama} != {None}
-    for text in ("<h3>model=addnorm</h3>", "<h3>model=hf-llama</h3>", "95% interval", "Side by side"):
+    for text in (
+        "<h3>model=addnorm</h3>",
+        "<h3>model=hf-llama, hf_init=own</h3>",
+        "<h3>model=hf-llama, hf_init=xavier</h3>",
+        "95% interval",
+        "<th>groups</th><th>tied with the best</th>",
+        "Side by side",
+    ):
         assert text in page
     assert "llama: placement=ngpt: not applicable" in page and "Spearman vs first" in page
 

@@ -220,9 +220,9 @@ def test_compile_trains_like_eager():
 
 
 def test_settings_added_later_keep_the_run_ids_of_stored_studies():
-    """precision, compile, corpus_bytes, the Hugging Face keys (model, kv_heads, rope_theta, fused) and
-    distributed at their defaults (what every run did before they existed) are left out of the run id:
-    the id is the SHA-1 of the config as it was before they were added."""
+    """precision, compile, corpus_bytes, the Hugging Face keys (model, kv_heads, rope_theta, fused,
+    hf_init) and distributed at their defaults (what every run did before they existed) are left out of
+    the run id: the id is the SHA-1 of the config as it was before they were added."""
     import hashlib
     import json
 
@@ -235,6 +235,7 @@ def test_settings_added_later_keep_the_run_ids_of_stored_studies():
         "kv_heads",
         "rope_theta",
         "fused",
+        "hf_init",
         "distributed",
     )
     before = {k: v for k, v in cfg.to_dict().items() if k not in later}

@@ -13,6 +13,7 @@ from .model import (
     admin_init,
     from_torch,
     ngpt_normalize_,
+    parallelize,
     to_torch,
 )
 from .norms import NORMS, BatchNorm, DyT, L2Norm, LayerNorm, NoNorm, RMSNorm, ScaleNorm, build_norm
@@ -53,6 +54,7 @@ __all__ = [
     "from_torch",
     "get_placement",
     "ngpt_normalize_",
+    "parallelize",
     "register_placement",
     "to_torch",
 ]

@@ -258,7 +258,8 @@ class AddNorm(nn.Module):
         unfused then); None: the unfused modules. Fused when ``fused`` is on, the op computes this add
         (residual on, dropout on the branch, a scalar alpha, gate none / ReZero / LayerScale, a stream
         dtype it keeps: base's, or float32) and :func:`addnorm.ops.policy.fused_op_preferred` prefers
-        the op on the stream's device with this call's dropout. Hooks play no part.
+        the op on the stream's device with this call's dropout (always on a DTensor stream). Hooks play
+        no part.
         """
         if not (
             self._fused
@@ -269,7 +270,9 @@ class AddNorm(nn.Module):
             and torch.promote_types(f.dtype, base.dtype) in (base.dtype, torch.float32)
         ):
             return None
-        if not policy.fused_op_preferred(base.device, dropout=self.training and self.dropout.p > 0):
+        dropout = self.training and self.dropout.p > 0
+        sharded = type(base) is not Tensor and policy.is_dtensor(base)
+        if not policy.fused_op_preferred(base.device, dropout=dropout, sharded=sharded):
             return None
         n3 = self.output_norm
         if n3 is None:

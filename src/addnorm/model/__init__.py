@@ -10,6 +10,7 @@ from .interop import UnsupportedModuleError, from_torch, to_torch
 from .layers import DecoderLayer, EncoderLayer
 from .models import EncoderDecoder, LanguageModel, Transformer, reset_buffers
 from .ngpt import NGPTHead, ngpt_matrices, ngpt_normalize_
+from .parallel import parallelizable_placements, parallelize
 from .stacks import Decoder, Encoder
 
 __all__ = [
@@ -35,6 +36,8 @@ __all__ = [
     "causal_mask",
     "ngpt_matrices",
     "ngpt_normalize_",
+    "parallelize",
+    "parallelizable_placements",
     "reset_buffers",
     "from_torch",
     "to_torch",

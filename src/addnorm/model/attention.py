@@ -153,17 +153,20 @@ class MultiHeadAttention(nn.Module):
     ) -> Tensor:
         """Self-attention over ``x`` (B, L, d), or cross-attention from ``x`` to ``memory`` (B, S, d)."""
         b, tgt_len, d = x.shape
-        h, hd = self.n_heads, self.head_dim
+        hd = self.head_dim
         if memory is None:
-            # (B, L, 3d) -> 3 x (B, H, L, hd)
-            q, k, v = self.in_proj(x).view(b, tgt_len, 3, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
+            # (B, L, 3 h hd) -> 3 x (B, h, L, hd); h: the heads this process computes, all of them or,
+            # under tensor parallelism (addnorm.parallelize), its shard of them
+            qkv = self.in_proj(x)
+            h = qkv.shape[-1] // (3 * hd)
+            q, k, v = qkv.view(b, tgt_len, 3, h, hd).permute(2, 0, 3, 1, 4).unbind(0)
             src_len = tgt_len
         else:
             if memory.ndim != 3 or memory.shape[0] != b or memory.shape[2] != d:
                 raise ValueError(
                     f"memory: expected shape ({b}, S, {d}) (batch first), got {tuple(memory.shape)}"
                 )
-            src_len = memory.shape[1]
+            src_len, h = memory.shape[1], self.n_heads
             w, bias = self.in_proj.weight, self.in_proj.bias
             q = F.linear(x, w[:d], None if bias is None else bias[:d])
             kv = F.linear(memory, w[d:], None if bias is None else bias[d:])
@@ -182,7 +185,7 @@ class MultiHeadAttention(nn.Module):
             attn_mask,
             key_padding_mask,
             batch=b,
-            heads=h,
+            heads=self.n_heads,
             tgt_len=tgt_len,
             src_len=src_len,
             dtype=q.dtype,
@@ -198,7 +201,7 @@ class MultiHeadAttention(nn.Module):
             is_causal=causal,
             scale=scale,
         )
-        out = out.transpose(1, 2).reshape(b, tgt_len, d)  # (B, H, L, hd) -> (B, L, d)
+        out = out.transpose(1, 2).reshape(b, tgt_len, h * hd)  # (B, h, L, hd) -> (B, L, h hd)
         if self.inner_norm is not None:
             out = self.inner_norm(out)
         return self.out_proj(out)

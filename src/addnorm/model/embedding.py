@@ -36,16 +36,16 @@ class PositionalEncoding(nn.Module):
         pe = torch.zeros(max_len, d_model, dtype=torch.float64)
         pe[:, 0::2] = torch.sin(pos * freq)
         pe[:, 1::2] = torch.cos(pos * freq)[:, : d_model // 2]
-        with torch.no_grad():
-            self.pe.copy_(pe)
+        with torch.no_grad():  # a replicated DTensor table (addnorm.parallelize): its local copy
+            (self.pe.to_local() if hasattr(self.pe, "to_local") else self.pe).copy_(pe)
 
-    def forward(self, x: Tensor) -> Tensor:  # x: (B, T, d)
-        t = x.shape[1]
-        if self.kind == "sinusoidal":
-            return x + self.pe[:t]
-        if self.kind == "learned":
-            return x + self.table.weight[:t]
-        return x
+    def forward(self, x: Tensor, positions: Tensor | None = None) -> Tensor:
+        """x (B, T, d) plus the encoding of positions 0..T-1, or of ``positions`` ((T,) or (B, T)
+        integer indices: a sequence shard's own positions under context parallelism)."""
+        if self.kind == "none":
+            return x
+        table = self.pe if self.kind == "sinusoidal" else self.table.weight
+        return x + (table[: x.shape[1]] if positions is None else table[positions])
 
 
 class _Embedding(nn.Module):
@@ -63,22 +63,34 @@ class _Embedding(nn.Module):
         self.positions = PositionalEncoding(cfg.d_model, cfg.max_len, cfg.positional, device, dtype)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, ids: Tensor, name: str) -> Tensor:
-        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32) or ids.ndim != 2:
-            got = (
-                f"dtype {ids.dtype}, shape {tuple(ids.shape)}"
-                if isinstance(ids, Tensor)
-                else type(ids).__name__
-            )
-            raise ValueError(f"{name}: expected integer token ids of shape (batch, seq), got {got}")
-        if ids.shape[1] > self.max_len:
+    def forward(self, ids: Tensor, name: str, positions: Tensor | None = None) -> Tensor:
+        """Embedded ``ids`` (B, T) at positions 0..T-1, or at ``positions`` ((T,) or (B, T))."""
+        _check_ids(ids, name, "token ids", (2,))
+        if positions is None and ids.shape[1] > self.max_len:
             raise ValueError(f"{name}: sequence length {ids.shape[1]} exceeds max_len={self.max_len}")
-        _check_vocab(ids, name, self.vocab, self.vocab_arg)
-        return self.dropout(self.positions(self.tokens(ids) * self.scale))
+        _check_below(ids, name, "token id", self.vocab, f"the vocabulary of {self.vocab} ids", self.vocab_arg)
+        if positions is not None:
+            _check_ids(positions, "positions", "positions", (1, 2), ids.shape)
+            table = f"the table of {self.max_len} positions"
+            _check_below(positions, "positions", "position", self.max_len, table, "max_len")
+        return self.dropout(self.positions(self.tokens(ids) * self.scale, positions))
 
 
-def _check_vocab(ids: Tensor, name: str, vocab: int, vocab_arg: str) -> None:
-    """Token ids in [0, vocab), else a one-line ValueError instead of ``nn.Embedding``'s IndexError.
+def _check_ids(ids: object, name: str, what: str, ndims: tuple[int, ...], like: tuple | None = None) -> None:
+    """An int32/int64 tensor of ``ndims`` dimensions (``like``'s trailing shape), else a one-line error."""
+    shape = "(batch, seq)" if ndims == (2,) else f"(seq,) or (batch, seq) like the tokens' {tuple(like)}"
+    ok = isinstance(ids, Tensor) and ids.dtype in (torch.int64, torch.int32) and ids.ndim in ndims
+    if ok and like is not None:
+        ok = tuple(ids.shape) == tuple(like)[-ids.ndim :]
+    if not ok:
+        got = type(ids).__name__
+        if isinstance(ids, Tensor):
+            got = f"dtype {ids.dtype}, shape {tuple(ids.shape)}"
+        raise ValueError(f"{name}: expected integer {what} of shape {shape}, got {got}")
+
+
+def _check_below(ids: Tensor, name: str, noun: str, limit: int, within: str, limit_arg: str) -> None:
+    """Ids in [0, limit), else a one-line ValueError instead of ``nn.Embedding``'s IndexError.
 
     Checked on CPU tensors only, with one fused min/max reduction (``torch.aminmax``) whose ``.item()``
     costs no device sync there. On an accelerator ``.item()`` would stall the host every step (and
@@ -87,9 +99,8 @@ def _check_vocab(ids: Tensor, name: str, vocab: int, vocab_arg: str) -> None:
     if ids.device.type != "cpu" or ids.numel() == 0 or torch.compiler.is_compiling():
         return
     low, high = (int(v) for v in torch.aminmax(ids))
-    if low < 0 or high >= vocab:
+    if low < 0 or high >= limit:
         bad = low if low < 0 else high
         raise ValueError(
-            f"{name}: token id {bad} is outside the vocabulary of {vocab} ids ({vocab_arg}={vocab}: "
-            f"expected 0 <= id < {vocab})"
+            f"{name}: {noun} {bad} is outside {within} ({limit_arg}={limit}: expected 0 <= id < {limit})"
         )

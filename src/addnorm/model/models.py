@@ -178,6 +178,10 @@ class LanguageModel(nn.Module):
     def norm(self) -> nn.Module | None:
         return self.stack.norm
 
-    def forward(self, tokens: Tensor, key_padding_mask: Tensor | None = None) -> Tensor:
-        x = self.stack(self.embed(tokens, "tokens"), None, key_padding_mask, is_causal=True, batch_first=True)
-        return self.head(x)
+    def forward(
+        self, tokens: Tensor, key_padding_mask: Tensor | None = None, positions: Tensor | None = None
+    ) -> Tensor:
+        """Logits (B, T, vocab) for ``tokens`` (B, T) at positions 0..T-1, or at ``positions`` ((T,) or
+        (B, T) indices into the position table: a shard's own positions under context parallelism)."""
+        x = self.embed(tokens, "tokens", positions)
+        return self.head(self.stack(x, None, key_padding_mask, is_causal=True, batch_first=True))

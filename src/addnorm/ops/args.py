@@ -36,10 +36,17 @@ XHAT_FROM_XR = 2  # s recomputed from x and residual in every column (y too coar
 
 
 class FwdArgs(NamedTuple):
-    """``add_norm_fwd``'s arguments on 2-D (rows, hidden) tensors.
+    """``add_norm_fwd``'s arguments on (..., hidden) tensors; the op returns y, s (or empty), and the
+    statistics mean (or empty) and rstd of shape ``x.shape[:-1]``.
 
     s = alpha * residual + gate * dropout(x) (rounded to ``s_dtype``), y = N(s) in ``y_dtype``;
-    dropout with rate ``dropout_p`` from the hash of (``seed``, row, column) when ``seed`` is given."""
+    dropout with rate ``dropout_p`` from the hash of (``seed``, row, column) when ``seed`` is given,
+    the rows numbered as x flattened to (-1, hidden), or by ``rows`` (int64 of shape ``x.shape[:-1]``:
+    each row's index in a bigger tensor of which x is a shard, see :mod:`addnorm.ops.sharded`).
+
+    ``xhat_from`` is the first non-tensor argument on purpose: DTensor's sharding cache
+    (``register_sharding``) keys on the non-tensor arguments from the first ``int`` on, and every
+    option after it changes the outputs."""
 
     x: Tensor
     residual: Tensor
@@ -47,6 +54,8 @@ class FwdArgs(NamedTuple):
     bias: Tensor | None
     gate: Tensor | None
     seed: Tensor | None
+    rows: Tensor | None
+    xhat_from: int
     norm: str
     eps: float
     alpha: float
@@ -54,7 +63,6 @@ class FwdArgs(NamedTuple):
     s_dtype: torch.dtype
     y_dtype: torch.dtype
     prenorm: bool
-    xhat_from: int
     backend: str
 
     @property
@@ -71,7 +79,8 @@ class BwdArgs(NamedTuple):
     """``add_norm_bwd``'s arguments: the output gradients and what the forward left for the backward.
 
     ``saved`` is s (``xhat_from`` S), y (Y) or empty (XR); x and residual are given where s is
-    recomputed from them (Y with an affine, XR), x also for the gate's gradient."""
+    recomputed from them (Y with an affine, XR), x also for the gate's gradient. ``rows``, ``mean`` and
+    ``rstd`` as the forward had them; ``xhat_from`` first among the non-tensors, as in :class:`FwdArgs`."""
 
     dy: Tensor
     ds: Tensor | None
@@ -82,12 +91,13 @@ class BwdArgs(NamedTuple):
     bias: Tensor | None
     gate: Tensor | None
     seed: Tensor | None
+    rows: Tensor | None
     mean: Tensor
     rstd: Tensor
+    xhat_from: int
     norm: str
     alpha: float
     dropout_p: float
-    xhat_from: int
     x_dtype: torch.dtype
     res_dtype: torch.dtype
     s_dtype: torch.dtype

@@ -15,13 +15,16 @@ same plan (shapes, the gate, the seed). How it runs:
 - under ``torch.compile``: the composite (Inductor fuses it with its neighbours) or the registered op
   (the Triton kernels, launched by Inductor), as :func:`addnorm.ops.policy.compile_path` says;
 - under ``torch.func`` transforms: the composite (every transform differentiates or batches it);
-- traced by a dispatch mode (make_fx, fake tensors) or called with a tensor subclass: the registered op.
+- traced by a dispatch mode (make_fx, fake tensors) or called with a tensor subclass: the registered op;
+- x a DTensor: :func:`addnorm.ops.sharded.add_norm_dtensor` (the registered op under its sharding
+  rules, or the tensor-parallel path where the hidden dimension is sharded).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+import sys
 
 import numpy as np
 import torch
@@ -31,14 +34,22 @@ from torch.compiler import is_compiling
 from . import policy
 from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y, FwdArgs
 from .library import add_norm_fwd
-from .policy import BACKENDS, resolve_backend
+from .policy import BACKENDS, is_dtensor, resolve_backend
 from .reference import _canonical_norm, dropout_keep_mask_numpy
 from .torch_path import Composite, dropout_multiplier
+
+if "torch.distributed.tensor" in sys.modules:  # DTensor already in use: its rules for the op now
+    from . import sharded
+
+    sharded.register_rules()
 
 __all__ = ["Plan", "add_norm", "clear_plans"]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 _SEED_HIGH = 2**62
+# looked up once: whether a torch dispatch mode (make_fx, fake tensors) or a torch.func transform is active
+_dispatch_depth = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
 _NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 
@@ -126,8 +137,21 @@ def _check_gate(gate: Tensor, hidden: int, device: torch.device) -> None:
         raise ValueError(f"gate: expected a tensor on {device} like x, got one on {gate.device}")
 
 
+def _check_dtensors(x, residual, weight, bias, gate) -> None:
+    """A DTensor argument beside a plain x: the DTensor path needs x and residual as DTensors."""
+    if is_dtensor(x):
+        return
+    for name, t in (("residual", residual), ("weight", weight), ("bias", bias), ("gate", gate)):
+        if is_dtensor(t):
+            raise ValueError(
+                f"{name}: a DTensor while x is a plain tensor: pass x and residual as DTensors on its mesh "
+                "(or every argument as a plain tensor)"
+            )
+
+
 def _check_tensors(x, residual, weight, bias, gate) -> int:
     """Every tensor argument's type, dtype, shape and device against x's; returns the hidden size."""
+    _check_dtensors(x, residual, weight, bias, gate)
     x = _check_float_tensor("x", x)
     residual = _check_float_tensor("residual", residual)
     if x.ndim == 0 or x.shape[-1] == 0:
@@ -243,13 +267,19 @@ def add_norm(
     use the torch path. Works under ``torch.compile`` (see :mod:`addnorm.ops.policy`) and
     ``torch.func`` transforms (grad, vmap, ...: the composite of torch ops; under vmap every example
     gets the same mask, drawn from the per-example shape).
+
+    DTensors (tensor, sequence and context parallel): x and residual placed alike on one mesh, any
+    mix of Shard and Replicate; returns DTensors placed like x, the one-process op's values without
+    gathering, the dropout mask the whole tensor's (hashed, also with ``seed=None``: seed every rank
+    alike). Weight, bias and gate Replicate, or Shard(0) where x's hidden dimension is sharded; their
+    gradients come out ``Partial()`` where x's rows are sharded. See :mod:`addnorm.ops.sharded`.
     """
     compiling, plan, key = is_compiling(), None, None
     if not compiling:
         try:
-            xs = x.shape
+            xs, dev = x.shape, x.device
             key = (
-                policy.VERSION, x.dtype, residual.dtype, x.device, xs[-1], weight is None or weight.dtype,
+                policy.VERSION, x.dtype, residual.dtype, dev, xs[-1], weight is None or weight.dtype,
                 bias is None or bias.dtype, norm, eps, prenorm, alpha, dropout_p if training else 0.0,
                 residual_in_fp32, out_dtype, backend,
             )  # fmt: skip
@@ -263,6 +293,8 @@ def add_norm(
         )  # fmt: skip
         if key is not None:
             _PLANS[key] = plan
+    if type(x) is not Tensor and is_dtensor(x):  # eager or compiled: the sharded paths
+        return _dtensor_call(plan, x, residual, weight, bias, gate, seed)
     if compiling:
         seed_t = _seed_value(seed, x.device, False) if plan.p else None
         if policy.compile_path() == "composite":
@@ -270,7 +302,24 @@ def add_norm(
         return _via_op(plan, x, residual, weight, bias, gate, seed_t)
     if residual.shape != xs:
         raise ValueError(f"residual: expected the shape of x {tuple(xs)}, got {tuple(residual.shape)}")
-    traced = torch._C._len_torch_dispatch_stack() > 0 or type(x) is not Tensor  # a dispatch mode or subclass
+    if plan.triton:  # the GPU's path first, its per-call checks inline (each costs host time)
+        if weight is not None and (weight.shape != plan.shape or weight.device != dev):
+            _check_vector("weight", weight, plan.hidden, dev)
+        if bias is not None and (bias.shape != plan.shape or bias.device != dev):
+            _check_vector("bias", bias, plan.hidden, dev)
+        if gate is not None:
+            _check_gate(gate, plan.hidden, dev)
+        seed_t = _seed_value(seed, dev, False) if plan.p else None
+        if _functorch_active():
+            return _composite(plan, x, residual, weight, bias, gate, seed_t)
+        if _dispatch_depth() or type(x) is not Tensor:  # a dispatch mode or a subclass
+            return _via_op(plan, x, residual, weight, bias, gate, seed_t)
+        if gate is None:
+            if seed_t is None:
+                return plan.launches[0].apply(x, residual, weight, bias)
+            return plan.launches[0].apply(x, residual, weight, bias, None, seed_t)
+        return plan.launches[1 if gate.numel() == 1 else 2].apply(x, residual, weight, bias, gate, seed_t)
+    traced = _dispatch_depth() > 0 or type(x) is not Tensor  # a dispatch mode or a subclass
     if plan.simple and gate is None and not traced:  # s = x + r, then the norm: eager's own ops
         try:
             s = x + residual
@@ -286,19 +335,6 @@ def add_norm(
         return (y, s) if plan.prenorm else y
     if gate is not None:
         _check_gate(gate, plan.hidden, x.device)
-    if plan.triton:
-        dev = x.device
-        if weight is not None and (weight.shape != plan.shape or weight.device != dev):
-            _check_vector("weight", weight, plan.hidden, dev)
-        if bias is not None and (bias.shape != plan.shape or bias.device != dev):
-            _check_vector("bias", bias, plan.hidden, dev)
-        seed_t = _seed_value(seed, dev, False) if plan.p else None
-        if torch._C._are_functorch_transforms_active():
-            return _composite(plan, x, residual, weight, bias, gate, seed_t)
-        if traced:
-            return _via_op(plan, x, residual, weight, bias, gate, seed_t)
-        launch = plan.launches[0 if gate is None else (1 if gate.numel() == 1 else 2)]
-        return launch.apply(x, residual, weight, bias, gate, seed_t, launch)
     if traced:
         return _via_op(
             plan, x, residual, weight, bias, gate, _seed_value(seed, x.device, False) if plan.p else None
@@ -342,12 +378,25 @@ def _composite(plan: Plan, x, residual, weight, bias, gate, seed_t) -> Tensor | 
     return (y, s) if plan.prenorm else y
 
 
-def _via_op(plan: Plan, x, residual, weight, bias, gate, seed_t) -> Tensor | tuple[Tensor, Tensor]:
-    """The call through the registered op ``addnorm::add_norm_fwd`` on (rows, hidden) views."""
-    shape, hidden = x.shape, plan.hidden
+def _dtensor_call(plan: Plan, x, residual, weight, bias, gate, seed) -> Tensor | tuple[Tensor, Tensor]:
+    """The call on DTensors (:mod:`addnorm.ops.sharded`); without a seed, the dropout's seed is drawn
+    from torch's generator on every rank (seeded alike, they draw the same)."""
+    from . import sharded
+
+    if residual.shape != x.shape:
+        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
+    if gate is not None:
+        _check_gate(gate, plan.hidden, x.device)
+    seed_t = _seed_value(seed, x.device, False) if plan.p else None
+    return sharded.add_norm_dtensor(plan, x, residual, weight, bias, gate, seed_t, _via_op)
+
+
+def _via_op(plan: Plan, x, residual, weight, bias, gate, seed_t, rows=None) -> Tensor | tuple[Tensor, Tensor]:
+    """The call through the registered op ``addnorm::add_norm_fwd`` (on x's own shape, so a DTensor
+    sharded on a leading dimension stays sharded; ``rows``: the dropout's row indices of a shard)."""
     a = FwdArgs(
-        x.reshape(-1, hidden), residual.reshape(-1, hidden), weight, bias, gate, seed_t, plan.norm, plan.eps,
-        plan.alpha, plan.p, plan.s_dtype, plan.y_dtype, plan.prenorm, plan.xhat_from, plan.backend,
+        x, residual, weight, bias, gate, seed_t, rows, plan.xhat_from, plan.norm, plan.eps, plan.alpha,
+        plan.p, plan.s_dtype, plan.y_dtype, plan.prenorm, plan.backend,
     )  # fmt: skip
     y, s = add_norm_fwd(*a)[:2]
-    return (y.reshape(shape), s.reshape(shape)) if plan.prenorm else y.reshape(shape)
+    return (y, s) if plan.prenorm else y

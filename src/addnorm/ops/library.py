@@ -2,7 +2,9 @@
 ``addnorm::add_norm_bwd``.
 
 The two ops take :class:`~addnorm.ops.args.FwdArgs` / :class:`~addnorm.ops.args.BwdArgs` (their
-schemas are generated from those fields) on 2-D (rows, hidden) tensors. Where CUDA and triton are
+schemas are generated from those fields) on (..., hidden) tensors, their statistics shaped like x
+without its last dimension, so a DTensor sharded on any leading dimension runs them locally
+(:mod:`addnorm.ops.sharded` registers their sharding rules). Where CUDA and triton are
 present they are ``torch.library.triton_op``s: under torch.compile their body is traced and Inductor
 launches the Triton kernels itself (``wrap_triton``), with no Python per call; elsewhere they are
 ``custom_op``s running the torch path. Either way the autograd formula calls the backward op, which
@@ -59,7 +61,7 @@ else:  # imported on first use: only where the Triton backend runs (the CPU inte
 
 
 def _fwd_body(a: FwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(y, s or empty, mean or empty, rstd) for 2-D x and residual."""
+    """(y, s or empty, mean or empty, rstd) for (..., hidden) x and residual."""
     if _on_triton(a.backend, a.x, (a.x.dtype, a.residual.dtype, a.s_dtype, a.y_dtype)):
         return add_norm_fwd_triton(a, traceable=True)
     return add_norm_fwd_torch(a)
@@ -113,6 +115,7 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
         a.bias,
         a.gate,
         a.seed,
+        a.rows,
         y if xhat_from == XHAT_FROM_Y else s,
         mean,
         rstd,
@@ -124,7 +127,7 @@ def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
 
 def _grads(bwd, ctx, dy: Tensor | None, ds: Tensor | None) -> tuple:
     """The gradients of add_norm_fwd's inputs, computed by ``bwd`` (the backward op or a launcher)."""
-    x, residual, weight, bias, gate, seed, saved, mean, rstd = ctx.saved_tensors
+    x, residual, weight, bias, gate, seed, rows, saved, mean, rstd = ctx.saved_tensors
     norm, alpha, p, prenorm, xhat_from, x_dtype, res_dtype, s_dtype = ctx.meta
     if dy is None:  # only s was used (Pre-LN: saved is s)
         dy = torch.zeros_like(saved)
@@ -132,8 +135,8 @@ def _grads(bwd, ctx, dy: Tensor | None, ds: Tensor | None) -> tuple:
     # dx differs from dresidual unless the branch is the identity and the dtypes agree
     need_dx = dropout or gate is not None or alpha != 1.0 or x_dtype != res_dtype
     a = BwdArgs(
-        dy, ds if prenorm else None, saved, x, residual, weight, bias, gate, seed, mean, rstd, norm, alpha, p,
-        xhat_from, x_dtype, res_dtype, s_dtype, need_dx, ctx.backend,
+        dy, ds if prenorm else None, saved, x, residual, weight, bias, gate, seed, rows, mean, rstd,
+        xhat_from, norm, alpha, p, x_dtype, res_dtype, s_dtype, need_dx, ctx.backend,
     )  # fmt: skip
     dx, dres, dw, db, dg = bwd(a)
     if not need_dx:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import sys
 import warnings
 from collections.abc import Iterator
 
@@ -34,6 +35,7 @@ __all__ = [
     "compile_path",
     "fused_op_preferred",
     "invalidate",
+    "is_dtensor",
     "read_backend_env",
     "resolve_backend",
     "set_compile_path",
@@ -180,10 +182,15 @@ def using_compile_path(path: str) -> Iterator[None]:
         set_compile_path(previous)
 
 
-def fused_op_preferred(device: torch.device, *, dropout: bool) -> bool:
+def fused_op_preferred(device: torch.device, *, dropout: bool, sharded: bool = False) -> bool:
     """Whether :func:`addnorm.ops.add_norm` should compute a model's add + norm on ``device`` (True) or
     the unfused modules should (False: ``nn.Dropout``, the add, the norm module), with branch dropout
-    active (``dropout``: training with p > 0) or not.
+    active (``dropout``: training with p > 0) or not, on a DTensor stream (``sharded``) or not.
+
+    A DTensor stream always takes the op: its dropout mask is the whole tensor's on every shard
+    (:mod:`addnorm.ops.sharded`), while ``nn.Dropout`` on a CPU DTensor draws each rank's own local
+    mask (DTensor's RNG tracker is CUDA-only): shards of one tensor get the same mask, replicas
+    different ones.
 
     The rule, from measurements (``benchmarks/results/host_overhead_cpu.md``): the op everywhere
     except on the CPU with dropout, where the unfused modules are faster. It reads only the device
@@ -194,4 +201,11 @@ def fused_op_preferred(device: torch.device, *, dropout: bool) -> bool:
     reproducible under ``torch.manual_seed``. Without dropout (eval, p = 0) both paths compute the
     same function. Under ``torch.compile`` the op hands Inductor its composite by default
     (:func:`compile_path`)."""
-    return _RULE.get((torch.device(device).type, bool(dropout)), True)
+    return sharded or _RULE.get((torch.device(device).type, bool(dropout)), True)
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor``, without importing that module (if it
+    is not imported, no DTensor exists)."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)

@@ -65,7 +65,14 @@ def _seed_tensor(seed: int | Tensor, device: torch.device) -> Tensor:
 
 
 def dropout_keep_mask(
-    seed: int | Tensor, rows: int, cols: int, p: float, device: torch.device | str | None = None
+    seed: int | Tensor,
+    rows: int,
+    cols: int,
+    p: float,
+    device: torch.device | str | None = None,
+    *,
+    row_ids: Tensor | None = None,
+    col0: int = 0,
 ) -> Tensor:
     """The (rows, cols) boolean keep mask of dropout rate ``p`` for ``seed`` (an int in [0, 2**63) or an
     int64 tensor of one element).
@@ -75,14 +82,22 @@ def dropout_keep_mask(
         a[row]      = hash32(k0 ^ hash32(row * HASH_ROW + k1))
         h[row, col] = hash32(a[row] ^ (col * HASH_COL))
         keep        = (h >> 8) >= round(p * 2**24)
+
+    row = 0 .. rows - 1 and col = 0 .. cols - 1, or, for a shard of a bigger tensor, the shard's
+    coordinates in the whole one: ``row_ids`` (``rows`` integers: each row's index in the whole
+    tensor flattened to rows) and columns ``col0`` .. ``col0 + cols - 1``. So a shard's mask is its
+    block of the whole tensor's mask (:mod:`addnorm.ops.sharded`).
     """
     device = torch.device(device) if device is not None else None
     seed_t = _seed_tensor(seed, device if device is not None else torch.device("cpu"))
     device = seed_t.device
     k0 = seed_t & _M32
     k1 = (seed_t >> 32) & _M32
-    row = torch.arange(rows, dtype=torch.int64, device=device)
-    col = torch.arange(cols, dtype=torch.int64, device=device)
+    if row_ids is None:
+        row = torch.arange(rows, dtype=torch.int64, device=device)
+    else:
+        row = row_ids.reshape(rows).to(device=device, dtype=torch.int64)
+    col = torch.arange(col0, col0 + cols, dtype=torch.int64, device=device)
     a = hash32(k0 ^ hash32((row * HASH_ROW + k1) & _M32))  # (rows,)
     c = (col * HASH_COL) & _M32  # (cols,)
     # the (rows, cols) part in int32 (two's complement, wrapping multiplication): half the bytes of

@@ -14,7 +14,7 @@ from torch import Tensor
 from .args import XHAT_FROM_XR, XHAT_FROM_Y, BwdArgs, FwdArgs
 from .reference import dropout_keep_mask, xhat_from_y_ok
 
-__all__ = ["Composite", "add_norm_bwd_torch", "add_norm_fwd_torch", "compute_dtype"]
+__all__ = ["Composite", "add_norm_bwd_torch", "add_norm_fwd_torch", "branch_grads", "compute_dtype"]
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -134,24 +134,35 @@ def _stream(
     return s_out, s if s_dtype == cdt else s_out.to(cdt)  # the stream is rounded as stored
 
 
-def _keep(seed: Tensor | None, rows: int, hidden: int, p: float, device: torch.device) -> Tensor | None:
-    """The dropout keep mask, or None without dropout."""
+def _keep(
+    seed: Tensor | None, rows: int, hidden: int, p: float, device: torch.device, row_ids: Tensor | None = None
+) -> Tensor | None:
+    """The dropout keep mask (rows numbered by ``row_ids`` where given), or None without dropout."""
     if seed is None or p <= 0:
         return None
-    return dropout_keep_mask(seed, rows, hidden, p, device)
+    return dropout_keep_mask(seed, rows, hidden, p, device, row_ids=row_ids)
+
+
+def _flat(t: Tensor | None, hidden: int) -> Tensor | None:
+    """``t`` as (rows, hidden) (an empty placeholder stays empty)."""
+    return None if t is None else t.reshape(-1, hidden)
 
 
 def add_norm_fwd_torch(a: FwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Forward on 2-D (rows, hidden) inputs: returns (y, s or an empty tensor, mean or empty, rstd)."""
-    rows, hidden = a.x.shape
+    """Forward on (..., hidden) inputs: returns (y, s or an empty tensor, mean or empty, rstd), the
+    statistics of shape ``x.shape[:-1]``."""
+    shape, hidden = a.x.shape, a.x.shape[-1]
+    lead = shape[:-1]
+    x, residual = _flat(a.x, hidden), _flat(a.residual, hidden)
+    rows = x.shape[0]
     cdt = compute_dtype(a.x.dtype, a.residual.dtype, a.s_dtype)
-    keep = _keep(a.seed, rows, hidden, a.dropout_p, a.x.device)
-    s_out, s = _stream(a.x, a.residual, a.gate, keep, a.alpha, a.dropout_p, cdt, a.s_dtype)
+    keep = _keep(a.seed, rows, hidden, a.dropout_p, a.x.device, a.rows)
+    s_out, s = _stream(x, residual, a.gate, keep, a.alpha, a.dropout_p, cdt, a.s_dtype)
     w = None if a.weight is None else a.weight.to(cdt)
     b = None if a.bias is None else a.bias.to(cdt)
     if a.norm == "layernorm":
         y, mean, rstd = torch.native_layer_norm(s, [hidden], w, b, a.eps)
-        mean = mean.reshape(rows)
+        mean = mean.reshape(lead)
     else:
         rstd = torch.rsqrt(s.square().mean(-1, keepdim=True) + a.eps)
         y = s * rstd
@@ -160,25 +171,29 @@ def add_norm_fwd_torch(a: FwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         if b is not None:
             y = y + b
         mean = s.new_empty(0)
-    if not a.store_s:
-        s_out = s_out.new_empty(0)
-    return y.to(a.y_dtype), s_out, mean, rstd.reshape(rows)
+    s_out = s_out.reshape(shape) if a.store_s else s_out.new_empty(0)
+    return y.to(a.y_dtype).reshape(shape), s_out, mean, rstd.reshape(lead)
 
 
 def add_norm_bwd_torch(a: BwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward on 2-D inputs. x_hat comes from ``saved`` = s (``xhat_from`` S), from s recomputed from
-    x and residual exactly as the forward computed it (XR: same ops, dropout mask and rounding), or
-    from the output y (Y): x_hat = (y - b) / w where w_j != 0 and |b_j| <= |w_j|
+    """Backward on (..., hidden) inputs. x_hat comes from ``saved`` = s (``xhat_from`` S), from s
+    recomputed from x and residual exactly as the forward computed it (XR: same ops, dropout mask and
+    rounding), or from the output y (Y): x_hat = (y - b) / w where w_j != 0 and |b_j| <= |w_j|
     (:func:`xhat_from_y_ok`), recomputed s elsewhere. Returns (dx or empty, dresidual, dweight or
-    empty, dbias or empty, dgate or empty)."""
-    rows, hidden = a.dy.shape
+    empty, dbias or empty, dgate or empty), dx and dresidual of dy's shape."""
+    shape, hidden = a.dy.shape, a.dy.shape[-1]
+    a = a._replace(
+        dy=_flat(a.dy, hidden), ds=_flat(a.ds, hidden), saved=_flat(a.saved, hidden), x=_flat(a.x, hidden),
+        residual=_flat(a.residual, hidden),
+    )  # fmt: skip
+    rows = a.dy.shape[0]
     cdt = a.rstd.dtype
     r = a.rstd.reshape(rows, 1)
     dyf = a.dy.to(cdt)
     weight, bias, gate = a.weight, a.bias, a.gate
     w = None if weight is None else weight.to(cdt)
     b = None if bias is None else bias.to(cdt)
-    keep = _keep(a.seed, rows, hidden, a.dropout_p, a.dy.device)
+    keep = _keep(a.seed, rows, hidden, a.dropout_p, a.dy.device, a.rows)
     saved = a.saved.to(cdt)
     if a.recompute_s and (a.x is None or a.residual is None):
         raise ValueError("add_norm_bwd: recomputing s needs x and residual")
@@ -219,24 +234,40 @@ def add_norm_bwd_torch(a: BwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor, Tens
             )
     if a.ds is not None:
         dsum = dsum + a.ds.to(cdt)
-    dres = (dsum * a.alpha if a.alpha != 1.0 else dsum).to(a.res_dtype)
-    dgate = dsum.new_empty(0)
-    if a.need_dx:
-        dx = dsum
-        if gate is not None:
-            xd = a.x.to(cdt)
-            if keep is not None:
-                xd = torch.where(keep, xd * (1.0 / (1.0 - a.dropout_p)), 0.0)
-            gsum = (dsum * xd).sum(0)
-            dgate = (gsum.sum() if gate.numel() == 1 else gsum).reshape(gate.shape).to(gate.dtype)
-            dx = dx * gate.to(cdt)
-        if keep is not None:
-            dx = torch.where(keep, dx * (1.0 / (1.0 - a.dropout_p)), 0.0)
-        dx = dx.to(a.x_dtype)
-        if dx is dres:
-            dx = dx.clone()
-    else:
-        dx = dsum.new_empty(0)
+    p = a.dropout_p
+    dx, dres, dgate = branch_grads(dsum, a.x, gate, keep, a.alpha, p, a.x_dtype, a.res_dtype, a.need_dx)
     dw = dsum.new_empty(0) if w is None or dw is None else dw.to(weight.dtype)
     db = dsum.new_empty(0) if b is None or db is None else db.to(bias.dtype)
-    return dx, dres, dw, db, dgate
+    return dx.reshape(shape) if a.need_dx else dx, dres.reshape(shape), dw, db, dgate
+
+
+def branch_grads(
+    dsum: Tensor,
+    x: Tensor | None,
+    gate: Tensor | None,
+    keep: Tensor | None,
+    alpha: float,
+    dropout_p: float,
+    x_dtype: torch.dtype,
+    res_dtype: torch.dtype,
+    need_dx: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """From dsum = dL/ds (rows, hidden) to the inputs of s = alpha * residual + gate * dropout(x):
+    (dx or empty, dresidual, dgate or empty). dgate sums over the rows (and, for a one-element gate,
+    the columns) given; dx is never dresidual's tensor (outputs of an op may not alias)."""
+    dres = (dsum * alpha if alpha != 1.0 else dsum).to(res_dtype)
+    dgate = dsum.new_empty(0)
+    if not need_dx:
+        return dsum.new_empty(0), dres, dgate
+    cdt, dx = dsum.dtype, dsum
+    if gate is not None:
+        xd = x.to(cdt)
+        if keep is not None:
+            xd = torch.where(keep, xd * (1.0 / (1.0 - dropout_p)), 0.0)
+        gsum = (dsum * xd).sum(0)
+        dgate = (gsum.sum() if gate.numel() == 1 else gsum).reshape(gate.shape).to(gate.dtype)
+        dx = dx * gate.to(cdt)
+    if keep is not None:
+        dx = torch.where(keep, dx * (1.0 / (1.0 - dropout_p)), 0.0)
+    dx = dx.to(x_dtype)
+    return (dx.clone() if dx is dres else dx), dres, dgate

@@ -7,7 +7,8 @@ its outputs and launches. :class:`TritonAddNorm` takes x and residual in any sha
 kernels read contiguous tensors as rows without a view), returns ``y`` (Post-LN) or ``(y, s)``
 (Pre-LN), and keeps for backward what ``xhat_from`` says (see :mod:`addnorm.ops.args`): the same
 contract and gradients as the registered op ``addnorm::add_norm_fwd``, without its dispatch, its
-schema's sixteen arguments or the unused mean/rstd outputs.
+schema's sixteen arguments or separate mean/rstd outputs (the statistics stay in one buffer, or
+where the backward has s, nowhere: it recomputes them).
 
 This module imports triton (through ``triton_add_norm``): import it lazily.
 """
@@ -19,12 +20,13 @@ import torch
 from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y
 from .triton_add_norm import bwd_spec, fwd_spec, launch_bwd, launch_fwd
 
-__all__ = ["EagerLaunch", "TritonAddNorm", "apply"]
+__all__ = ["EagerLaunch", "TritonAddNorm"]
 
 
 class EagerLaunch:
     """One plan's eager launch for one gate kind (0 none, 1 one element, 2 a vector): the forward's
-    spec, the backward's with and without a gradient at s, and what the forward keeps."""
+    spec, the backward's with and without a gradient at s, what the forward keeps, and ``apply``, the
+    call: ``apply(x, residual, weight, bias[, gate[, seed]])`` -> y or (y, s)."""
 
     __slots__ = ("apply", "bwd", "bwd_ds", "fwd", "keep_r", "keep_x", "prenorm", "save_y")
 
@@ -32,10 +34,6 @@ class EagerLaunch:
         n, p, prenorm = plan.hidden, plan.p, plan.prenorm
         xhat_from = XHAT_FROM_S if prenorm else plan.xhat_from
         self.prenorm = prenorm
-        self.fwd = fwd_spec(
-            n, plan.norm, plan.eps, plan.alpha, p, has_w, has_b, gate_code,
-            prenorm or xhat_from == XHAT_FROM_S, plan.s_dtype, plan.y_dtype,
-        )  # fmt: skip
         # x and residual are kept where s is recomputed from them (references: the memory cost of
         # one activation), x also for the gate's gradient; y is kept where x_hat comes from it
         keep_xr = xhat_from == XHAT_FROM_XR or (xhat_from == XHAT_FROM_Y and (has_w or has_b))
@@ -44,51 +42,67 @@ class EagerLaunch:
         # dx differs from dresidual unless the branch is the identity and the dtypes agree
         need_dx = p > 0 or gate_code != 0 or plan.alpha != 1.0 or x_dtype != res_dtype
         args = (n, plan.norm, plan.alpha, p, has_w, has_b, gate_code)
-        rest = (xhat_from, plan.s_dtype, x_dtype, res_dtype, need_dx)
+        rest = (xhat_from, plan.s_dtype, x_dtype, res_dtype, need_dx, plan.eps)
         self.bwd = bwd_spec(*args, False, *rest)
         self.bwd_ds = bwd_spec(*args, True, *rest) if prenorm else self.bwd
-        # the call: apply(x, residual, weight, bias, gate, seed, self) -> y or (y, s)
-        self.apply = apply
+        # the statistics in one buffer where the backward reads them: x_hat from y, or rows in column
+        # chunks; else none (the backward recomputes them from s: an allocation fewer per call)
+        stats = "packed" if xhat_from == XHAT_FROM_Y or self.bwd.chunked else "none"
+        self.fwd = fwd_spec(
+            n, plan.norm, plan.eps, plan.alpha, p, has_w, has_b, gate_code,
+            prenorm or xhat_from == XHAT_FROM_S, plan.s_dtype, plan.y_dtype, stats,
+        )  # fmt: skip
+        self.apply = _function_for(self)
 
 
 class TritonAddNorm(torch.autograd.Function):
-    """The Triton launchers under autograd (eager calls). The old-style ``forward(ctx, ...)``: a
-    ``setup_context`` method would make ``apply`` inspect the signature on every call."""
+    """The Triton launchers under autograd (eager calls). Each :class:`EagerLaunch` gets a subclass of
+    its own (:func:`_function_for`) whose ``forward``/``backward`` hold the launch's specs and choices
+    as constants: ``apply`` then takes only the tensors (each argument costs ``apply`` time) and the
+    call looks nothing up. The old-style ``forward(ctx, ...)``: a ``setup_context`` method would make
+    ``apply`` inspect the signature on every call."""
 
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, gate, seed, launch: EagerLaunch):
-        y, s, mean, rstd = launch_fwd(launch.fwd, x, residual, weight, bias, gate, seed)
-        ctx.save_for_backward(
-            x if launch.keep_x else None,
-            residual if launch.keep_r else None,
+
+def _function_for(launch: EagerLaunch):
+    """``apply`` of a :class:`TritonAddNorm` made for ``launch``: ``apply(x, residual, weight,
+    bias[, gate[, seed]])``, ``Function.apply`` without its per-call extras (the signature binding,
+    only with setup_context, and the functorch dead-wrapper unwrapping over every argument:
+    ``add_norm`` sends calls under functorch transforms to the composite, so none arrive here)."""
+    fwd, bwd, bwd_ds, prenorm = launch.fwd, launch.bwd, launch.bwd_ds, launch.prenorm
+    keep_x, keep_r, save_y = launch.keep_x, launch.keep_r, launch.save_y
+
+    def forward(ctx, x, residual, weight, bias, gate=None, seed=None):
+        # the statistics in one buffer or none (see EagerLaunch): mean is None
+        y, s, _, stats = launch_fwd(fwd, x, residual, weight, bias, gate, seed)
+        # what ``save_for_backward`` sets, without its frame; the statistics too (created here, they
+        # are kept as they are: no reference cycle), so that ctx needs no attribute dict
+        ctx.to_save = (
+            x if keep_x else None,
+            residual if keep_r else None,
             weight,
             bias,
             gate,
             seed,
-            y if launch.save_y else s,
+            y if save_y else s,
+            stats,
         )
-        # the statistics are neither inputs nor outputs: kept as attributes (no reference cycle, no
-        # version counter to check)
-        ctx.stats = mean, rstd
-        ctx.launch = launch
-        ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs that go unused
-        return (y, s) if launch.prenorm else y
+        if prenorm:
+            # ``set_materialize_grads(False)`` without its frame: no zero-filled gradient for an
+            # output that goes unused (one output: backward runs only with its gradient)
+            ctx.materialize_grads = False
+            return y, s
+        return y
 
-    @staticmethod
     def backward(ctx, dy, ds=None):
-        launch = ctx.launch
-        x, residual, weight, bias, gate, seed, saved = ctx.saved_tensors
-        mean, rstd = ctx.stats
+        x, residual, weight, bias, gate, seed, saved, stats = ctx.saved_tensors
         if dy is None:  # only s was used (Pre-LN: saved is s)
             dy = torch.zeros_like(saved)
-        sp = launch.bwd if ds is None else launch.bwd_ds
         dx, dres, dw, db, dg = launch_bwd(
-            sp, dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd
-        )
-        return dres if dx is None else dx, dres, dw, db, dg, None, None
+            bwd if ds is None else bwd_ds, dy, ds, saved, x, residual, weight, bias, gate, seed, None,
+            stats,
+        )  # fmt: skip
+        # gradients beyond the inputs given must be None (autograd drops them)
+        return dres if dx is None else dx, dres, dw, db, dg, None
 
-
-# ``Function.apply`` without its per-call extras: the signature binding (only with setup_context)
-# and the functorch dead-wrapper unwrapping over every argument (``add_norm`` sends calls under
-# functorch transforms to the composite, so none arrive here)
-apply = super(torch.autograd.Function, TritonAddNorm).apply
+    body = {"forward": staticmethod(forward), "backward": staticmethod(backward), "__module__": __name__}
+    return super(torch.autograd.Function, type("TritonAddNorm", (TritonAddNorm,), body)).apply

@@ -454,8 +454,11 @@ def _depth_text(pairs, worse_name: str, better_name: str) -> str:
 
 
 def _where(rest: dict) -> str:
-    """The depth of a setting, and its model when that is not addnorm's transformer."""
+    """The depth of a setting, and its model when that is not addnorm's transformer (with its ``hf_init``
+    when that is not the family's own)."""
     model = rest.get("model", "addnorm")
+    if rest.get("hf_init", "own") != "own":
+        model += f", hf_init {rest['hf_init']}"
     return f"{rest.get('n_layers')} layers" + ("" if model == "addnorm" else f" ({model})")
 
 

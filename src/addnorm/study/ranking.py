@@ -5,10 +5,21 @@ For each placement: mean, sample standard deviation and the 95% confidence inter
 ``mean ± t_{0.975, n-1} * sd / sqrt(n)``. Every pair of placements is compared by Welch's t-test
 (Welch 1947; unequal variances, Welch-Satterthwaite degrees of freedom), and the p-values of all pairs
 are adjusted together by Holm's step-down method (Holm 1979), which bounds the family-wise error rate at
-``alpha`` (0.05). Tied groups (tiers), in order of the means: the best placement not yet grouped leads a
-tier, and every placement not yet grouped that the adjusted test does not find worse than the leader
-joins it. A placement with a diverged seed ranks after every placement without one (its group: the
-diverged tier); fewer than two finite seeds cannot be tested and ties with everything.
+``alpha`` (0.05). Two placements are *tied* when their adjusted p-value is at least ``alpha``.
+
+Tied groups are shown as a compact letter display (Piepho 2004, "An algorithm for a letter-based
+representation of all-pairwise comparisons"): each group is a largest set of placements tied with one
+another (a maximal clique of the "tied" relation), groups are lettered a, b, c, ... in rank order (by
+their best member, then their next), and each placement carries the letters of every group it is in.
+The rule a reader needs: **two placements share a letter exactly when the test cannot tell them
+apart**; sharing none, they differ. Groups are runs of neighbours in rank order except where a
+placement with a wide spread is tied with two placements that differ from each other: it then carries
+both their letters (e.g. ``a``, ``b``, ``ab``), and a letter may skip the placement between. A group
+whose every tied pair (and member) another group already shows is dropped, so the display stays
+compact. The placements that share a letter with rank 1 are the ones *tied with the best*.
+
+A placement with a diverged seed ranks after every placement without one (its group: ``diverged``);
+fewer than two finite seeds cannot be tested and ties with everything.
 
 The Student t distribution is computed here from the regularised incomplete beta function (continued
 fraction, Numerical Recipes 6.4), so the library needs no scipy at run time.
@@ -113,8 +124,9 @@ def holm(pvalues: list[float]) -> list[float]:
 
 @dataclass
 class Ranked:
-    """One placement's row: its outcomes' mean, sd, 95% interval of the mean, rank and tier (1 = tied
-    with the best; ``DIVERGED`` for placements with a diverged seed)."""
+    """One placement's row: its outcomes' mean, sd, 95% interval of the mean, rank, the letters of its
+    tied groups (``DIVERGED`` for a placement with a diverged seed) and whether it is tied with the best
+    (shares a letter with rank 1)."""
 
     name: str
     n: int
@@ -123,7 +135,8 @@ class Ranked:
     low: float
     high: float
     rank: int = 0
-    tier: int | str = 0
+    groups: str = ""
+    best: bool = False
     diverged: int = 0
 
     def text(self) -> str:
@@ -133,9 +146,51 @@ class Ranked:
         return f"{self.mean:.3f}{spread}"
 
 
+def _maximal_cliques(adjacent: list[set[int]]) -> list[set[int]]:
+    """Every maximal clique of the graph ``adjacent`` (vertex -> neighbours), by Bron and Kerbosch's
+    algorithm with a pivot (Bron & Kerbosch 1973; Tomita et al. 2006)."""
+    found: list[set[int]] = []
+
+    def extend(clique: set[int], candidates: set[int], excluded: set[int]) -> None:
+        if not candidates and not excluded:
+            found.append(clique)
+            return
+        pivot = max(candidates | excluded, key=lambda v: len(adjacent[v] & candidates))
+        for v in sorted(candidates - adjacent[pivot]):
+            extend(clique | {v}, candidates & adjacent[v], excluded & adjacent[v])
+            candidates, excluded = candidates - {v}, excluded | {v}
+
+    extend(set(), set(range(len(adjacent))), set())
+    return found
+
+
+def letter_groups(count: int, tied) -> list[list[int]]:
+    """The groups of a compact letter display over items ``0 .. count-1`` (in rank order) given the
+    relation ``tied(i, j)``: the maximal sets of mutually tied items, each sorted, ordered by their
+    members' positions (first member, then the next, ...), without groups whose every pair and member
+    the other groups already cover. Two items share a group exactly when they are tied."""
+    adjacent = [{j for j in range(count) if j != i and tied(i, j)} for i in range(count)]
+    groups = sorted((sorted(c) for c in _maximal_cliques(adjacent)), key=tuple)
+    for g in reversed(list(groups)):  # drop redundant groups, the last-lettered first
+        rest = [set(h) for h in groups if h is not g]
+        covered = all(any(i in h for h in rest) for i in g) and all(
+            any(i in h and j in h for h in rest) for i in g for j in g if i < j
+        )
+        if covered:
+            groups.remove(g)
+    return groups
+
+
+def _letter(index: int) -> str:
+    """a .. z, A .. Z, then a numbered letter (more than 52 groups)."""
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    return letters[index] if index < len(letters) else f"[{index + 1}]"
+
+
 def rank(samples: dict[str, list[float]], alpha: float = ALPHA) -> list[Ranked]:
     """``samples``: name -> outcomes over seeds (lower is better; ``inf``/``nan`` for a diverged seed).
-    Returns the rows in rank order with their tiers (see the module docstring)."""
+    Returns the rows in rank order with their letter groups and tied-with-the-best flags (see the
+    module docstring)."""
     rows = []
     for name, values in samples.items():
         finite = [float(v) for v in values if math.isfinite(v)]
@@ -151,22 +206,17 @@ def rank(samples: dict[str, list[float]], alpha: float = ALPHA) -> list[Ranked]:
     rows.sort(key=lambda r: (r.diverged > 0, r.mean, r.name))
     clean = [r for r in rows if not r.diverged]
     pairs = [(i, j) for i in range(len(clean)) for j in range(i + 1, len(clean))]
-    finite = {r.name: [float(v) for v in samples[r.name]] for r in clean}
-    adjusted = holm([welch(finite[clean[i].name], finite[clean[j].name]) for i, j in pairs])
-    differs = {(clean[i].name, clean[j].name): p < alpha for (i, j), p in zip(pairs, adjusted, strict=True)}
-    tier = 0
+    adjusted = holm([welch(samples[clean[i].name], samples[clean[j].name]) for i, j in pairs])
+    tied = {pair: p >= alpha for pair, p in zip(pairs, adjusted, strict=True)}
+    for letter, group in enumerate(letter_groups(len(clean), lambda i, j: tied[(min(i, j), max(i, j))])):
+        for i in group:
+            clean[i].groups += _letter(letter)
     for i, row in enumerate(clean):
-        if row.tier:
-            continue
-        tier += 1
-        row.tier = tier
-        for other in clean[i + 1 :]:
-            if not other.tier and not differs[(row.name, other.name)]:
-                other.tier = tier
+        row.best = i == 0 or tied[(0, i)]
     for position, row in enumerate(rows):
         row.rank = position + 1
         if row.diverged:
-            row.tier = DIVERGED
+            row.groups = DIVERGED
     return rows
 
 

@@ -462,6 +462,7 @@ ARCH_KEYS = (
     "rope_theta",
     "fused",
 )
+HF_ONLY_KEYS = ("hf_init",)  # shown for Hugging Face families only (addnorm's model has one value)
 
 
 def _settings(runs: list[dict]) -> list[tuple[str, list[dict]]]:
@@ -482,17 +483,17 @@ def _settings(runs: list[dict]) -> list[tuple[str, list[dict]]]:
     )
     if "model" in keys:  # across architectures, the keys one of them ignores would only add noise
         keys = ["model"] + [k for k in keys if k not in ARCH_KEYS]
-    return [
-        (", ".join(f"{k}={g[0]['config'].get(k)}" for k in keys) or "all runs", g) for g in groups.values()
-    ]
 
+    def title(config: dict) -> str:
+        shown = [k for k in keys if not (k in HF_ONLY_KEYS and config.get("model", "addnorm") == "addnorm")]
+        return ", ".join(f"{k}={config.get(k)}" for k in shown) or "all runs"
 
-def _tier_text(row) -> str:
-    return "diverged" if row.tier == DIVERGED else str(row.tier)
+    return [(title(g[0]["config"]), g) for g in groups.values()]
 
 
 def _ranking_plot(tables: list[tuple[str, list]]) -> str:
-    """Each setting's placements in rank order: the mean and its 95% interval, coloured by tier."""
+    """Each setting's placements in rank order: the mean and its 95% interval, the letters of its tied
+    groups beside it, dark where tied with the best."""
     fig, axes = plt.subplots(
         1,
         len(tables),
@@ -500,34 +501,44 @@ def _ranking_plot(tables: list[tuple[str, list]]) -> str:
         layout="constrained",
         squeeze=False,
     )
-    colours = [plt.get_cmap("tab10")(i) for i in range(10)]
     for ax, (title, rows) in zip(axes[0], tables, strict=True):
         rows = [r for r in rows if math.isfinite(r.mean)]
         for y, r in enumerate(rows):
-            colour = "#999" if r.tier == DIVERGED else colours[(int(r.tier) - 1) % 10]
+            colour = "#999" if r.groups == DIVERGED else ("#1f4e99" if r.best else "#e08a2c")
             err = 0.0 if math.isnan(r.high) else r.high - r.mean
             ax.errorbar(r.mean, y, xerr=err, fmt="o", color=colour, ms=4, capsize=3)
-        ax.set_yticks(range(len(rows)), [f"{r.name} ({_tier_text(r)})" for r in rows])
+            ax.annotate(
+                r.groups,
+                (r.mean + err, y),
+                xytext=(5, 0),
+                textcoords="offset points",
+                va="center",
+                fontsize=8,
+            )
+        ax.set_yticks(range(len(rows)), [r.name for r in rows])
         ax.invert_yaxis()
+        ax.margins(x=0.12)
         ax.set_xlabel("final held-out loss (nats), mean and 95% interval")
         ax.set_title(title, fontsize=8, wrap=True)
         ax.grid(alpha=0.3, axis="x")
+    fig.suptitle(
+        "letters: placements sharing one are tied; blue: tied with the best, orange: worse than the best",
+        fontsize=8,
+    )
     return f'<img alt="ranking with intervals" src="data:image/png;base64,{_png(fig)}">'
 
 
 def _side_by_side(tables: list[tuple[str, list]]) -> str:
-    """Every setting's rank (tier) per placement in one table, with Spearman's rank correlation of each
-    setting's ranking with the first one's over the placements both ran: does the ranking transfer?"""
-    ranks = [{r.name: r.rank for r in rows} for _, rows in tables]
-    tiers = [{r.name: _tier_text(r) for r in rows} for _, rows in tables]
+    """Every setting's rank and letter groups per placement in one table, with Spearman's rank
+    correlation of each setting's ranking with the first one's over the placements both ran: does the
+    ranking transfer?"""
+    rows = [{r.name: r for r in ranked} for _, ranked in tables]
+    ranks = [{n: r.rank for n, r in table.items()} for table in rows]
     names = sorted({n for t in ranks for n in t}, key=lambda n: (ranks[0].get(n, math.inf), n))
     head = "".join(f"<th>{html.escape(t)}</th>" for t, _ in tables)
     body = "".join(
         f"<tr><td>{html.escape(n)}</td>"
-        + "".join(
-            f"<td>{f'{r[n]} (tier {t[n]})' if n in r else 'n/a'}</td>"
-            for r, t in zip(ranks, tiers, strict=True)
-        )
+        + "".join(f"<td>{f'{t[n].rank} ({t[n].groups})' if n in t else 'n/a'}</td>" for t in rows)
         + "</tr>"
         for n in names
     )
@@ -535,12 +546,13 @@ def _side_by_side(tables: list[tuple[str, list]]) -> str:
         f"<td>{'' if i == 0 else ('n/a' if math.isnan(s := spearman(ranks[0], ranks[i])) else f'{s:+.2f}')}</td>"
         for i in range(len(tables))
     )
-    best = [{n for n, t in tier.items() if t == "1"} for tier in tiers]
+    best = [{n for n, r in table.items() if r.best} for table in rows]
     shared = ", ".join(sorted(set.intersection(*best))) or "none"
     return (
-        "<h3>Side by side: does the ranking transfer?</h3><p class='note'>Rank (tier) of each placement in each "
-        "setting; the last row is Spearman's rank correlation with the first setting's ranking over the "
-        f"placements both ran (+1: the same order). Tied with the best in every setting: {html.escape(shared)}.</p>"
+        "<h3>Side by side: does the ranking transfer?</h3><p class='note'>Rank (letter groups) of each "
+        "placement in each setting; the last row is Spearman's rank correlation with the first setting's "
+        "ranking over the placements both ran (+1: the same order). Tied with the best in every setting: "
+        f"{html.escape(shared)}.</p>"
         f"<table><tr><th>placement</th>{head}</tr>{body}<tr><th>Spearman vs first</th>{rho}</tr></table>"
     )
 
@@ -571,7 +583,7 @@ def _lr_tolerance(runs: list[dict]) -> str:
 
 def _ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> str:
     """Placements ranked per setting by final held-out loss over seeds (:mod:`addnorm.study.ranking`:
-    mean ± sd, 95% intervals, tiers of statistically tied placements), the settings side by side, the
+    mean ± sd, 95% intervals, letter groups of statistically tied placements), the settings side by side, the
     learning-rate tolerance in the sweeps, and the residual stream's RMS per layer at the end of training."""
     placements = sorted({str(r["config"]["placement"]) for r in runs})
     if len(placements) < 3:
@@ -587,20 +599,24 @@ def _ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> str:
     parts = [
         "<h2 id='ranking'>Ranking</h2><p class='note'>Per setting (every setting but placement and seed), "
         "placements ranked by final held-out loss: mean ± sd over seeds and the 95% interval of the mean. "
-        "Tier: placements in the same tier are statistically tied (Welch's t-test between every pair, "
-        f"Holm-corrected at {ALPHA:g}); tier 1 is tied with the best. A placement with a diverged seed "
-        "ranks last. One seed cannot separate anything: sweep seeds for a ranking to cite.</p>"
+        "Groups: two placements that share a letter are tied (the test does not separate them, which is "
+        "not the same as equal), two that share none differ (Welch's t-test between every pair, "
+        f"Holm-corrected at {ALPHA:g}); letters follow the rank order, and a placement with a wide spread "
+        "may carry the letters of neighbours that differ from each other. Tied with the best: shares a "
+        "letter with rank 1. A placement with a diverged seed ranks last. Few seeds separate little "
+        "(one seed: nothing): sweep more seeds for a ranking to cite.</p>"
     ]
     for title, rows in tables:
         body = "".join(
             f"<tr><td>{r.rank}</td><td>{html.escape(r.name)}</td><td>{r.text()}</td>"
             f"<td>{'' if math.isnan(r.low) or math.isinf(r.low) else f'{r.low:.3f} to {r.high:.3f}'}</td>"
-            f"<td>{_tier_text(r)}</td><td>{r.n}{f' ({r.diverged} diverged)' if r.diverged else ''}</td></tr>"
+            f"<td>{r.groups}</td><td>{'yes' if r.best else ''}</td>"
+            f"<td>{r.n}{f' ({r.diverged} diverged)' if r.diverged else ''}</td></tr>"
             for r in rows
         )
         parts.append(
             f"<h3>{html.escape(title)}</h3><table><tr><th>rank</th><th>placement</th><th>final loss</th>"
-            f"<th>95% interval</th><th>tier</th><th>seeds</th></tr>{body}</table>"
+            f"<th>95% interval</th><th>groups</th><th>tied with the best</th><th>seeds</th></tr>{body}</table>"
         )
     if tables:
         parts.append(_ranking_plot(tables))

@@ -17,7 +17,7 @@ from ..model import TransformerConfig
 from ..tasks import TASKS
 from ..tasks.corpus import DEFAULT_CORPUS_BYTES
 from .device import PRECISIONS
-from .hf_model import ADDNORM_MODEL, HF_FAMILIES, not_applicable
+from .hf_model import ADDNORM_MODEL, HF_FAMILIES, HF_INITS, not_applicable
 from .ranks import parse_distributed
 from .schedules import SCHEDULES
 
@@ -83,6 +83,12 @@ class RunConfig:
     kv_heads: int = _f(0, "hf- models: key/value heads (grouped-query attention); 0: n_heads")
     rope_theta: float = _f(10000.0, "hf- models: the RoPE base")
     fused: bool = _f(False, "hf- models: run each residual connection in addnorm's fused op")
+    hf_init: str = _f(
+        "own",
+        "hf- models: the initialisation before the placement's own: own (the family's, normal 0.02 on every "
+        "matrix and embedding) or xavier (Xavier-uniform layers, unit-variance embeddings, torch.nn.Linear's "
+        "head: as addnorm's transformer starts)",
+    )
     distributed: dict | None = _f(
         None,
         "train on N processes launched by torchrun, each on its shard of every batch: "
@@ -148,6 +154,9 @@ class RunConfig:
         object.__setattr__(self, "rope_theta", _float("rope_theta", self.rope_theta, True))
         if not isinstance(self.fused, bool):
             raise ValueError(f"fused: expected true or false, got {self.fused!r}")
+        hf_init = HF_INITS.resolve(self.hf_init)
+        # addnorm's own model has no use for hf_init: one value, so the same run keeps one id
+        object.__setattr__(self, "hf_init", hf_init if self.arch != ADDNORM_MODEL else "own")
         object.__setattr__(self, "distributed", parse_distributed(self.distributed, self.batch_size))
         if self.arch != ADDNORM_MODEL and self.task != "lm":
             raise ValueError(
@@ -240,6 +249,7 @@ LATER_KEYS: dict[str, Any] = {
     "kv_heads": 0,
     "rope_theta": 10000.0,
     "fused": False,
+    "hf_init": "own",
     "distributed": None,
 }
 

@@ -11,6 +11,12 @@ activation (SwiGLU, GeGLU, GELU), norm (RMSNorm or LayerNorm), positions (RoPE o
 addnorm's ``activation``, ``norm``, ``positional``, ``bias`` and ``init`` keys do not apply to it.
 ``fused`` is :func:`with_placement`'s (the connections run in the fused op; the function is the same).
 
+``hf_init`` (:data:`HF_INITS`) is the initialisation before the placement's own (DeepNet's, B2T's, which
+``with_placement`` applies on top, as addnorm's model applies them on top of its ``init``): ``own``, the
+family's ``_init_weights`` (normal 0.02 on every matrix and embedding: scaled for widths in the
+thousands; at d_model 64 the stream starts at RMS 0.02), or ``xavier``, what addnorm's transformer
+starts from under the study's default ``init: xavier`` (:func:`xavier_init`).
+
 ``transformers`` is imported only when such a model is built (:func:`build_hf_model`); naming the
 families and checking which placements apply (:func:`not_applicable`) need no import of it.
 """
@@ -27,6 +33,7 @@ __all__ = [
     "ADDNORM_MODEL",
     "HF_FAMILIES",
     "HFCausalLM",
+    "HF_INITS",
     "build_hf_model",
     "not_applicable",
     "transformers_version",
@@ -46,6 +53,45 @@ for _name, _type in (
 ):
     HF_FAMILIES.register(_name, _type)
 _GQA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
+_SCALED_EMBEDDINGS = ("gemma2", "gemma3_text")  # the family multiplies token embeddings by sqrt(hidden)
+
+
+def xavier_init(hf: nn.Module) -> None:
+    """Initialise a freshly built causal LM ``hf`` as addnorm's own language model starts under
+    ``init: xavier`` (:func:`addnorm.model.init.init_xavier`, Glorot & Bengio 2010), in this order:
+
+    1. every matrix (2-D weight) of every layer, layer by layer in module order: Xavier-uniform; biases 0;
+    2. the token embedding: rows whose entries have variance 1 as they enter the stream (addnorm's scaled
+       embeddings): N(0, 1), or N(0, 1/d_model) where the family multiplies them by sqrt(d_model)
+       (Gemma) or where the head is tied to them without that multiplier (GPT-2: unit-variance logits
+       rather than a unit-variance stream);
+    3. an untied head: ``torch.nn.Linear``'s own initialisation, as addnorm's head.
+
+    Norm gains stay 1; learned position tables (GPT-2) keep the family's init."""
+    import torch
+
+    from ..hf.architectures import architecture_of
+
+    arch = architecture_of(hf)
+    with torch.no_grad():
+        for layer in arch.layers_of(hf):
+            for module in layer.modules():
+                weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+                if isinstance(weight, nn.Parameter) and weight.ndim == 2:
+                    nn.init.xavier_uniform_(weight)
+                    if isinstance(bias, nn.Parameter):
+                        nn.init.zeros_(bias)
+        embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+        tied = head is not None and head.weight is embed.weight
+        unit = hf.config.model_type not in _SCALED_EMBEDDINGS and not tied
+        nn.init.normal_(embed.weight, std=1.0 if unit else embed.weight.shape[1] ** -0.5)
+        if head is not None and not tied:
+            head.reset_parameters()
+
+
+HF_INITS: Registry = Registry("hf_init")
+HF_INITS.register("own", lambda hf: None)
+HF_INITS.register("xavier", xavier_init)
 
 
 def not_applicable(model: str, placement) -> str | None:
@@ -97,8 +143,8 @@ def hf_config(model: str, model_cfg, vocab: int, *, kv_heads: int, rope_theta: f
 
 def build_hf_model(cfg, vocab: int) -> HFCausalLM:
     """The run's Hugging Face model: ``torch.manual_seed(cfg.seed)``, a random-weight causal LM of the
-    family ``cfg.arch`` from :func:`hf_config`, then ``with_placement(model, cfg.placement,
-    mix_fraction=cfg.mix_fraction, fused=cfg.fused)``."""
+    family ``cfg.arch`` from :func:`hf_config`, its ``cfg.hf_init`` initialisation (:data:`HF_INITS`),
+    then ``with_placement(model, cfg.placement, mix_fraction=cfg.mix_fraction, fused=cfg.fused)``."""
     import torch
 
     from ..hf import with_placement
@@ -114,6 +160,7 @@ def build_hf_model(cfg, vocab: int) -> HFCausalLM:
     )
     torch.manual_seed(cfg.seed)
     hf = transformers.AutoModelForCausalLM.from_config(config)
+    HF_INITS[cfg.hf_init](hf)
     placement = get_placement(m.placement).name
     with_placement(hf, placement, mix_fraction=m.mix_fraction, fused=cfg.fused)
     return HFCausalLM(hf)
