@@ -57,17 +57,27 @@ CONFIGS = {
 QUICK = ("activations (d 64, 8 layers, B 64, T 256)", "wide (d 512, 4 layers, B 16, T 128)")
 
 # The child: imports, then one run; prints its peak resident memory (bytes) after imports and after.
+# The peak is this process image's own high-water mark (VmHWM): ``ru_maxrss`` would carry over the
+# parent's resident size at fork across exec (Linux keeps the larger), so a big parent (a test
+# session) would be measured instead of the run.
 CHILD = """
 import json, resource, sys, torch
 torch.set_num_threads(1)
 from addnorm.train import RunConfig, train
+
+def peak():
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except OSError:  # not Linux: the rusage peak (a fresh process's own there)
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
 cfg = RunConfig(**json.loads(sys.argv[1]))
 if cfg.arch != "addnorm":
     import transformers  # noqa: F401 - the process a study's hf run lives in imports it
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+base = peak()
 result = train(cfg)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-print(json.dumps({"base": base, "peak": peak, "status": result.status, "error": result.error}))
+print(json.dumps({"base": base, "peak": peak(), "status": result.status, "error": result.error}))
 """
 
 
@@ -107,7 +117,7 @@ def main() -> None:
         machine_line(machine) + " Shared with other work (resident memory does not depend on the load).",
         "",
         "Each run: a fresh process, torch at 1 thread, 2 training steps (both probed, as a study's first",
-        "and last steps are), the final evaluation; its peak resident set size (`ru_maxrss`) against",
+        "and last steps are), the final evaluation; its peak resident set size (`VmHWM`) against",
         "`addnorm.study.limits.estimate_memory`, which counts the process and the corpus too",
         "(`python benchmarks/bench_memory_estimate.py`).",
         "",
