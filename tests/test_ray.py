@@ -8,12 +8,16 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import yaml
 
 from addnorm.study import Store, parse_spec, run_study
 from addnorm.study.trackers import Tracker
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from procs import interruptible  # noqa: E402  (benchmarks/procs.py)
 
 pytestmark = pytest.mark.ray
 
@@ -166,7 +170,8 @@ def test_ctrl_c_cancels_the_tasks_and_leaves_the_store_consistent(cluster, tmp_p
     path.write_text(yaml.safe_dump(spec))
     cmd = [sys.executable, "-m", "addnorm", "study", str(path), "--out", str(out), "--quiet"]
     cmd += ["--executor", "ray", "--address", cluster]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with interruptible():  # the SIGINT below reaches it even where pytest runs as a background job
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
@@ -176,7 +181,9 @@ def test_ctrl_c_cancels_the_tasks_and_leaves_the_store_consistent(cluster, tmp_p
                     if len(store.finished_ids()) == 2:
                         break
         assert proc.poll() is None, proc.communicate()[0]
-        time.sleep(1.0)  # the long run is training
+        deadline = time.monotonic() + 60  # the long run is training (the cluster's view lags a moment)
+        while ray.available_resources().get("CPU", 0) >= 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
         assert ray.available_resources().get("CPU", 0) < 2
         proc.send_signal(signal.SIGINT)
         output = proc.communicate(timeout=60)[0]

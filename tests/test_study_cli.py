@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import io
 import re
+import time
 from pathlib import Path
 
+import pytest
 import typer
 import yaml
 from typer.testing import CliRunner
@@ -151,18 +153,57 @@ def _run():
     return run
 
 
-def test_progress_prints_plain_lines_when_not_a_terminal():
-    stream = io.StringIO()  # not a TTY
+def _last_line(stream: io.StringIO, text: str) -> str:
+    """The stream's last line once it contains ``text`` (waiting at most 30 s for the timer thread)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        lines = stream.getvalue().splitlines()
+        if lines and text in lines[-1]:
+            return lines[-1]
+        time.sleep(0.01)
+    raise AssertionError(f"no line with {text!r} in 30 s: {stream.getvalue()!r}")
+
+
+def test_progress_prints_plain_lines_when_not_a_terminal(monkeypatch):
+    """Not a TTY: while a run is in flight, a line every PLAIN_EVERY seconds on what it does (building
+    its model, its step, its held-out batch), and one per finished run."""
+    monkeypatch.setattr(StudyProgress, "PLAIN_EVERY", 0.05)
+    stream = io.StringIO()
     run = _run()
     bar = StudyProgress(total=2, done=0, todo=[run], stream=stream)
+    bar.progress(run, "build", 0, 1)
+    assert _last_line(stream, "building").startswith("[0/2] a: a | building the model, 0s | ETA ~")
     bar.step(run, 0, 5.5)
-    bar.step(run, 1, 5.0)  # within PLAIN_EVERY seconds of the last line: not printed
+    bar.step(run, 1, 5.0)
+    assert _last_line(stream, "step 2/3").startswith("[0/2] a: a | step 2/3 loss 5.000, ")
+    bar.progress(run, "eval", 3, 8)
+    assert _last_line(stream, "evaluating").startswith("[0/2] a: a | evaluating 3/8, ")
+    monkeypatch.setattr(StudyProgress, "PLAIN_EVERY", 3600.0)  # no timer lines from here on
     bar.finished(run, RunResult("done", final={"val_loss": 4.0}, wall_s=1.0))
     bar.close()
-    lines = stream.getvalue().splitlines()
-    assert "\r" not in stream.getvalue() and "\x1b" not in stream.getvalue() and len(lines) == 2
-    assert lines[0].startswith("[0/2] a: a | step 1/3 loss 5.500 | ETA")
-    assert lines[1].startswith("[1/2] a: a -> done val loss 4.000 (1s) | ETA")
+    text = stream.getvalue()
+    assert "\r" not in text and "\x1b" not in text
+    assert text.splitlines()[-1].startswith("[1/2] a: a -> done val loss 4.000 (1s) | ETA")
+
+
+def test_the_eta_counts_evaluation_batches():
+    """A run of 3 steps and 4 held-out evaluations of 6 batches (each a third of a step): after its
+    3 steps the run is 3 / (3 + 8) done; after every batch too, it is done."""
+    (run,) = parse_spec(
+        {
+            "name": "p",
+            "base": {**TINY, "steps": 3, "eval_every": 1, "eval_batches": 6},
+            "experiments": {"a": None},
+        }
+    ).expand()
+    bar = StudyProgress(total=1, done=0, todo=[run], stream=io.StringIO(), enabled=False)
+    cost = bar.cost[run.run_id]
+    for step in range(3):
+        bar.step(run, step, 1.0)
+    assert bar._partial() == pytest.approx(cost * 3 / 11)
+    bar.progress(run, "eval", 24, 24)
+    assert bar._partial() == pytest.approx(cost)
+    bar.close()
 
 
 class FakeTerminal(io.StringIO):

@@ -110,13 +110,13 @@ class Watching(LocalExecutor):
         super().__init__()
         self.watch = watch
 
-    def results(self, on_step=None):
+    def results(self, on_step=None, on_progress=None):
         def step(run, step, loss):
             self.watch()
             if on_step is not None:
                 on_step(run, step, loss)
 
-        return super().results(step)
+        return super().results(step, on_progress)
 
 
 @pytest.fixture(scope="module")

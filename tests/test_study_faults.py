@@ -20,6 +20,9 @@ from addnorm.study import Store, parse_spec, run_study
 from addnorm.study import store as store_module
 from addnorm.study.lock import LOCK_NAME, FolderInUse, folder_lock
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from procs import interruptible, pool_workers, session  # noqa: E402  (benchmarks/procs.py)
+
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=3, batch_size=4, seq_len=16, eval_every=0)
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 HOLD = "import time\nfrom addnorm.study.lock import folder_lock\nwith folder_lock({!r}):\n    {}"
@@ -80,6 +83,47 @@ def test_a_second_process_on_a_folder_in_use_refuses_in_one_line(tmp_path):
         assert (tmp_path / LOCK_NAME).read_text().strip() == str(os.getpid())
 
 
+def _line(stream, timeout: float) -> str:
+    """The next line of a child's pipe, waiting at most ``timeout`` seconds (empty if none came)."""
+    import select
+
+    ready, _, _ = select.select([stream], [], [], timeout)
+    return stream.readline() if ready else ""
+
+
+def test_wait_waits_for_a_folder_in_use_with_one_line_then_runs(tmp_path):
+    """Two real processes against a holder: ``--wait 1`` exits 3 after its second; ``--wait 120`` says
+    once whom it waits for (the holder's pid), and runs the study once the holder is gone (kill -9)."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD.format(str(tmp_path), "print('held', flush=True); time.sleep(600)")],
+        env=ENV, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    study = [sys.executable, "-m", "addnorm.cli", "study", str(write_spec(tmp_path / "spec.yaml"))]
+    study += ["--out", str(tmp_path), "--quiet", "--wait"]
+    waiters = []
+    try:
+        assert _line(holder.stdout, 60).strip() == "held"
+        for seconds in ("120", "1"):  # unbuffered bytes: a line read leaves the rest in the pipe
+            waiters.append(subprocess.Popen([*study, seconds], env=ENV, stdout=subprocess.PIPE,
+                                            stderr=subprocess.PIPE, bufsize=0))  # fmt: skip
+        patient, brief = waiters
+        _, err = (x.decode() for x in brief.communicate(timeout=120))
+        assert brief.returncode == 3, err
+        (line,) = err.strip().splitlines()[-1:]
+        assert f"process {holder.pid}" in line and "after waiting 1 s" in line, err
+        first = _line(patient.stderr, 60).decode()
+        assert first.startswith(f"waiting for {tmp_path}: in use by process {holder.pid}"), first
+        assert patient.poll() is None  # still waiting
+    finally:
+        holder.kill()
+        holder.wait()
+    out, err = (x.decode() for x in patient.communicate(timeout=120))
+    assert patient.returncode == 0, err
+    assert "waiting for" not in err and "1 runs (0 already stored, 1 run now)" in out  # told once
+    with Store(tmp_path / "study.sqlite") as store:
+        assert [r["status"] for r in store.runs()] == ["done"]
+
+
 def test_the_lock_is_reentrant_in_one_process_and_exclusive_across_open_files(tmp_path):
     with folder_lock(tmp_path), folder_lock(tmp_path):
         pass
@@ -91,10 +135,7 @@ def test_the_lock_is_reentrant_in_one_process_and_exclusive_across_open_files(tm
         assert child.returncode != 0 and FolderInUse.__name__ in child.stderr
 
 
-@pytest.mark.parametrize(
-    "fault",
-    ["garbage database", "truncated database", "read-only folder", "file in the way"],
-)
+@pytest.mark.parametrize("fault", ["garbage database", "truncated database", "file in the way"])
 def test_storage_faults_are_one_line_with_exit_code_4(tmp_path, fault):
     spec = write_spec(tmp_path / "spec.yaml")
     out = tmp_path / "out"
@@ -104,22 +145,85 @@ def test_storage_faults_are_one_line_with_exit_code_4(tmp_path, fault):
         out.mkdir()
         if fault == "garbage database":
             (out / "study.sqlite").write_bytes(os.urandom(4096))
-        elif fault == "truncated database":
+        else:
             assert cli("study", spec, "--out", out, "--quiet").exit_code == 0
             data = (out / "study.sqlite").read_bytes()
             (out / "study.sqlite").write_bytes(data[: len(data) // 3])
-        else:
-            out.chmod(0o500)
-            if os.access(out, os.W_OK):
-                pytest.skip("running as root: permissions do not stop writes")
-    try:
-        result = cli("study", spec, "--out", out, "--quiet")
-    finally:
-        if out.is_dir():
-            out.chmod(0o700)
+    result = cli("study", spec, "--out", out, "--quiet")
     assert result.exit_code == 4, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "storage fault" in errors[0] and "Traceback" not in result.output
+
+
+def _drop_file_capabilities() -> None:
+    """In a child before exec: drop the capabilities that let root ignore file permissions
+    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER) from the bounding set, so that after exec
+    this root process meets permissions as an unprivileged user does (and can still run an
+    interpreter that only root may read, which ``user="nobody"`` cannot)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    for cap in (1, 2, 3):
+        if libc.prctl(24, cap, 0, 0, 0) != 0:  # 24 = PR_CAPBSET_DROP
+            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
+
+
+# reads a file, then must be refused a write into the folder
+PROBE = """import sys
+open(sys.argv[1]).read()
+try:
+    open(sys.argv[2], "w")
+except PermissionError:
+    sys.exit(0)
+sys.exit(1)"""
+
+
+def unprivileged(folder: Path, reads: Path) -> dict:
+    """subprocess arguments that run a command unprivileged for ``folder``'s permissions: as is for a
+    user other than root; as root, without the file capabilities (see above), else as ``nobody``.
+    Skips the test when neither can read ``reads`` and is refused a write into ``folder``."""
+    if os.geteuid() != 0:
+        return {}
+    probe = [sys.executable, "-c", PROBE, str(reads), str(folder / "probe")]
+    for how in ({"preexec_fn": _drop_file_capabilities}, {"user": "nobody", "group": "nogroup"}):
+        try:
+            child = subprocess.run(probe, env=ENV, capture_output=True, text=True, timeout=60, **how)
+        except (OSError, subprocess.SubprocessError, KeyError):
+            continue
+        if child.returncode == 0:
+            return how
+    pytest.skip("no unprivileged way to run a process here (no capability drop, no usable 'nobody')")
+
+
+def test_a_read_only_folder_is_read_but_never_written(tmp_path):
+    """A finished study's folder (owned by root or the test's user) made read-only (0555), the
+    commands run as an unprivileged process: resuming the study is one storage-fault line (exit 4)
+    naming the database; --dry-run and export to another folder only read, and work."""
+    spec = write_spec(tmp_path / "spec.yaml")
+    out, elsewhere = tmp_path / "out", tmp_path / "csv"
+    assert cli("study", spec, "--out", out, "--quiet").exit_code == 0
+    before = sorted(p.name for p in out.iterdir())
+    out.chmod(0o555)
+    try:
+        how = unprivileged(out, reads=spec)
+        run = lambda *args: subprocess.run(  # noqa: E731
+            [sys.executable, "-m", "addnorm.cli", *map(str, args)],
+            env=ENV, capture_output=True, text=True, timeout=120, **how,
+        )  # fmt: skip
+        resumed = run("study", spec, "--out", out, "--quiet")
+        dry = run("study", spec, "--out", out, "--dry-run")
+        exported = run("export", out, "--to", elsewhere)
+    finally:
+        out.chmod(0o755)
+    assert resumed.returncode == 4, resumed.stderr
+    (line,) = resumed.stderr.strip().splitlines()
+    assert line.startswith("error: storage fault: ") and "study.sqlite" in line, line
+    assert dry.returncode == 0 and "1 already stored" in dry.stdout, dry.stderr
+    assert exported.returncode == 0, exported.stderr
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted(
+        ["runs.csv", "experiments.csv", "metrics.csv", "layer_metrics.csv"]
+    )
+    assert sorted(p.name for p in out.iterdir()) == before  # nothing written, no -wal/-shm left
 
 
 def test_a_full_disk_while_writing_the_report_keeps_the_old_report(tmp_path, monkeypatch):
@@ -173,36 +277,24 @@ def test_cpus_per_run_zero_is_refused(tmp_path):
     assert result.exit_code == 2 and "--cpus-per-run: expected a whole number >= 1, got 0" in result.output
 
 
-def _children(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
-
-
-def _torch_workers(pid: int) -> list[int]:
-    """The pool workers of ``pid``: its spawned children that run multiprocessing's spawn_main."""
-    out = []
-    for child in _children(pid):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as fh:
-                if b"spawn_main" in fh.read():
-                    out.append(child)
-        except OSError:
-            pass
-    return out
-
-
-def test_a_dead_pool_worker_fails_no_other_run(tmp_path):
+def test_a_dead_pool_worker_fails_no_other_run(tmp_path, monkeypatch):
     """SIGKILL of one of two pool workers mid-study: the pool is replaced, the runs it took down are
     tried again, every run ends done (the one-off kill hit no run twice); an uninterrupted in-process
-    study gives the same losses."""
+    study gives the same losses. The workers' progress reaches the display: each run's first event (its
+    model being built) and its last held-out batch always arrive (the ones between at most twice a
+    second)."""
+    import io
+
+    from addnorm.study.runner import StudyProgress
+    from addnorm.train.loop import eval_batches_total
+
+    events: dict[str, list] = {}
+    shown = StudyProgress.progress
+    monkeypatch.setattr(
+        StudyProgress,
+        "progress",
+        lambda self, run, *e: (events.setdefault(run.run_id, []).append(e), shown(self, run, *e))[1],
+    )
     spec = parse_spec(
         {
             "name": "kill",
@@ -217,7 +309,7 @@ def test_a_dead_pool_worker_fails_no_other_run(tmp_path):
     def killer():
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            workers = _torch_workers(os.getpid())
+            workers = pool_workers(os.getpid())
             if len(workers) == 2 and (tmp_path / "out" / "study.sqlite").exists():
                 time.sleep(1.0)  # inside a run
                 os.kill(workers[0], signal.SIGKILL)
@@ -227,30 +319,20 @@ def test_a_dead_pool_worker_fails_no_other_run(tmp_path):
 
     thread = threading.Thread(target=killer)
     thread.start()
-    outcome = run_study(spec, tmp_path / "out", workers=2, threads=1, progress=False, report=False)
+    outcome = run_study(
+        spec, tmp_path / "out", workers=2, threads=1, report=False, stream=io.StringIO()
+    )  # progress on
     thread.join()
     assert killed and outcome.failed == []
+    for run in spec.expand():
+        total = eval_batches_total(run.config)
+        assert events[run.run_id][0] == ("build", 0, 1) and events[run.run_id][-1] == ("eval", total, total)
     here = run_study(spec, tmp_path / "here", workers=1, progress=False, report=False)
     assert here.failed == []
     with Store(tmp_path / "out" / "study.sqlite") as a, Store(tmp_path / "here" / "study.sqlite") as b:
         assert {r["id"]: r["final_val_loss"] for r in a.runs()} == {
             r["id"]: r["final_val_loss"] for r in b.runs()
         }
-
-
-def _session(sid: int) -> list[int]:
-    """Live (not zombie) processes of session ``sid``."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-                if int(fields[3]) == sid and fields[0] != "Z":
-                    found.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return found
 
 
 @pytest.mark.parametrize("after", [2.0, 4.0])
@@ -266,9 +348,9 @@ def test_workers_die_with_a_killed_driver_even_while_starting(tmp_path, after):
     driver.kill()
     driver.wait()
     deadline = time.monotonic() + 30
-    while _session(driver.pid) and time.monotonic() < deadline:
+    while session(driver.pid) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = _session(driver.pid)
+    left = session(driver.pid)
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert left == []
@@ -324,10 +406,11 @@ def test_an_interrupted_study_exits_130_with_a_message(tmp_path, sig):
     spec.write_text(
         yaml.safe_dump({"name": "i", "base": {**TINY, "steps": 100000}, "experiments": {"main": {"set": {}}}})
     )
-    driver = subprocess.Popen(
-        [sys.executable, "-m", "addnorm.cli", "study", spec, "--out", tmp_path / "o", "--workers", "1"],
-        env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    with interruptible():  # SIGINT reaches it even where pytest runs as a background job
+        driver = subprocess.Popen(
+            [sys.executable, "-m", "addnorm.cli", "study", spec, "--out", tmp_path / "o", "--workers", "1"],
+            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
     deadline = time.monotonic() + 60
     while not (tmp_path / "o" / "study.sqlite").exists() and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -336,3 +419,85 @@ def test_an_interrupted_study_exits_130_with_a_message(tmp_path, sig):
     _, err = driver.communicate(timeout=60)
     assert driver.returncode == 130, err
     assert err.strip().splitlines()[-1].startswith("interrupted: finished runs are stored"), err
+
+
+def test_observing_a_long_run_changes_nothing_and_counts_every_evaluation_batch():
+    """A run with every observer (steps and progress) stores the unobserved run's numbers; progress
+    says when the model is built and counts each held-out batch over the whole run, to its total."""
+    from addnorm.train import RunConfig, train
+    from addnorm.train.loop import eval_batches_total
+
+    cfg = RunConfig(**{**TINY, "steps": 4, "eval_every": 2, "eval_batches": 3})
+    events, steps = [], []
+    watched = train(cfg, on_step=lambda s, v: steps.append(s), on_progress=lambda *e: events.append(e))
+    plain = train(cfg)
+    assert watched.metrics == plain.metrics and watched.final == plain.final
+    total = eval_batches_total(cfg)
+    assert total == (2 + 1) * 3  # after steps 2 and 4, then the final evaluation
+    assert events == [("build", 0, 1), ("build", 1, 1)] + [("eval", i, total) for i in range(1, total + 1)]
+    assert steps == [0, 1, 2, 3]
+
+
+def test_a_side_file_is_whole_or_absent_and_a_cut_one_is_retrained(tmp_path, monkeypatch):
+    """On a full disk the side file of an unsaved run is written whole or not at all (temporary file
+    and rename: here the disk fills at its fsync); a side file cut short (as an older version could
+    leave) is dropped with one warning on the next study, and its run is trained again."""
+    import io
+    import sqlite3
+
+    spec = parse_spec({"name": "full", "base": dict(TINY), "experiments": {"main": {"set": {}}}})
+
+    def full(self, *args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    def no_space(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Store, "save_run", full)
+    monkeypatch.setattr(store_module.os, "fsync", no_space)
+    with pytest.raises(sqlite3.OperationalError):
+        run_study(spec, tmp_path, workers=1, progress=False, report=False)
+    assert list((tmp_path / "unsaved").iterdir()) == []  # neither a side file nor a temporary one
+    monkeypatch.undo()
+    (run,) = spec.expand()
+    (tmp_path / "unsaved" / f"{run.run_id}.pkl").write_bytes(b"")  # cut short
+    stream = io.StringIO()
+    outcome = run_study(spec, tmp_path, workers=1, progress=False, report=False, stream=stream)
+    assert (outcome.ran, outcome.failed) == (1, [])
+    (line,) = stream.getvalue().splitlines()
+    assert line.startswith("warning: ") and "cannot be read (EOFError); its run is trained again" in line
+    assert list((tmp_path / "unsaved").iterdir()) == []
+
+
+@pytest.mark.parametrize("state", ["an empty file", "half its tables"])
+def test_a_database_killed_before_its_schema_is_an_empty_study(tmp_path, state):
+    """A study killed (-9) between creating its database and writing the tables (the fault trials hit
+    it): --dry-run reads it as empty, and the next study runs every run (it was exit 4)."""
+    import sqlite3
+
+    spec = write_spec(tmp_path / "spec.yaml")
+    out = tmp_path / "out"
+    out.mkdir()
+    db = sqlite3.connect(out / "study.sqlite")
+    if state == "half its tables":
+        db.execute("PRAGMA journal_mode=WAL")
+        db.execute("CREATE TABLE studies (name TEXT PRIMARY KEY, spec TEXT NOT NULL, updated REAL NOT NULL)")
+    db.close()
+    dry = cli("study", spec, "--out", out, "--dry-run")
+    assert dry.exit_code == 0 and "0 already stored" in dry.output, dry.output
+    result = cli("study", spec, "--out", out, "--quiet")
+    assert result.exit_code == 0 and "1 runs (0 already stored, 1 run now)" in result.output, result.output
+
+
+def test_the_fault_trials_script_lists_every_fault_and_runs_a_trial(bench_module, tmp_path):
+    """A smoke of ``benchmarks/fault_trials.py``: its table names each fault of issue 23, and one of
+    its trials (a repeated variant label, through the real command line) holds."""
+    trials = bench_module("fault_trials")
+    table = trials.trials(repeat=1)
+    for fault in ("kill -9", "SIGINT", "SIGTERM", "two studies", "NaN", "pool worker", "truncated",
+                  "garbage", "locked", "read-only", "file in place", "full disk", "tracker", "Ray",
+                  "duplicate"):  # fmt: skip
+        assert any(fault in name for name in table), fault
+    ctx = trials.Context(tmp_path)
+    note = trials.spec_error(ctx, tmp_path / "out", "duplicate variant label")
+    assert "label 'x' is used twice" in note

@@ -165,3 +165,59 @@ def test_track_errors():
     assert result.exit_code == 2 and result.output.count("\n") == 1 and "wandb" in result.output
     result = runner.invoke(app, ["study", "quick", "--mlflow-uri", "sqlite:///x.db", "--dry-run"])
     assert result.output.strip() == "error: --mlflow-uri: only with --track mlflow"
+
+
+@pytest.mark.parametrize("fault", ["a folder in its place", "a file in place of its folder"])
+def test_an_mlflow_database_that_cannot_be_written_is_dropped_at_once(tmp_path, monkeypatch, fault):
+    """One warning line and the study runs; MLflow's own retries (ten engines, pausing about 100 s in
+    all) are never entered: the database is checked first."""
+    import io
+
+    import mlflow.store.db.utils as db_utils
+
+    if fault == "a folder in its place":
+        (tmp_path / "mlflow.db").mkdir()
+        uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    else:
+        (tmp_path / "file").write_text("in the way")
+        uri = f"sqlite:///{tmp_path / 'file' / 'mlflow.db'}"
+    engines = []  # MLflow's retry loop creates an engine per attempt
+    real = db_utils.create_sqlalchemy_engine
+    monkeypatch.setattr(db_utils, "create_sqlalchemy_engine", lambda uri: engines.append(uri) or real(uri))
+    stream = io.StringIO()
+    trackers = make_trackers(["mlflow"], uri)
+    outcome = run_study(
+        parse_spec(SPEC),
+        tmp_path / "out",
+        workers=1,
+        progress=False,
+        report=False,
+        trackers=trackers,
+        stream=stream,
+    )
+    assert outcome.ran == 2 and not outcome.failed and engines == []
+    (line,) = stream.getvalue().splitlines()
+    assert line.startswith(f"warning: --track mlflow stopped (ValueError: --track mlflow: cannot use the "
+                           f"tracking URI {uri!r}")  # fmt: skip
+
+
+def test_an_unresponsive_mlflow_server_is_dropped_with_one_warning(tmp_path, monkeypatch):
+    """A server that accepts connections and never answers (a listening socket nobody reads): the
+    request times out (here after 1 s; 5 s by default, one retry) and the study runs without it."""
+    import io
+    import socket
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "1")
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(8)
+        uri = f"http://127.0.0.1:{server.getsockname()[1]}"
+        stream = io.StringIO()
+        outcome = run_study(
+            parse_spec(SPEC), tmp_path, workers=1, progress=False, report=False,
+            trackers=make_trackers(["mlflow"], uri), stream=stream,
+        )  # fmt: skip
+    assert outcome.ran == 2 and not outcome.failed
+    (line,) = stream.getvalue().splitlines()
+    assert line.startswith(f"warning: --track mlflow stopped (ValueError: --track mlflow: cannot use the "
+                           f"tracking URI {uri!r}")  # fmt: skip

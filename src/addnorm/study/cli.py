@@ -21,9 +21,10 @@ from rich.table import Table
 from ..cli_errors import handle_errors
 from .executors import Executor, max_nproc, plan_workers
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
+from .limits import check_eval, check_plan, estimate_memory, fmt_bytes
 from .lock import folder_lock
 from .report import build_report
-from .runner import estimate_seconds, fmt_time, resolved_base, run_study
+from .runner import estimate_seconds, fmt_time, prepare, resolved_base, run_study
 from .spec import (
     OVERRIDE_HELP,
     SMOKE_HELP,
@@ -35,7 +36,7 @@ from .spec import (
     spec_keys,
     spec_keys_markdown,
 )
-from .store import Store
+from .store import Store, stored_finished
 from .trackers import TRACKERS, make_trackers
 
 DEFAULT_OUT = Path("addnorm-out")
@@ -48,6 +49,19 @@ def _database(out: Path) -> Path:
     if not db.is_file():
         raise ValueError(f"out: no study database at {str(db)!r}; run `addnorm study --out {out}` first")
     return db
+
+
+WAIT_HELP = (
+    "if another study holds the output folder: wait up to SECONDS (inf: until it is free) for it, "
+    "saying once whom for, instead of exiting 3 at once"
+)
+
+
+def _lock(folder: Path, wait: float | None):
+    """The folder's study lock for a command with ``--wait`` (None: refuse at once if in use)."""
+    if wait is not None and not wait >= 0:
+        raise ValueError(f"--wait: expected a number of seconds >= 0 (or inf), got {wait}")
+    return folder_lock(folder, wait=wait or 0.0, notify=lambda line: typer.echo(line, err=True))
 
 
 def _workers(text: str) -> int | str:
@@ -76,14 +90,12 @@ def findings_table(findings: list[Finding]) -> Table:
 
 def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console, **local) -> None:
     """What ``addnorm study`` would run: each run's resolved settings that differ from the base, whether
-    it is already stored, and an estimated wall time. ``where``: the Ray cluster's description (its
-    size is unknown until connected), or None for the local executor (``local``: workers, threads)."""
+    it is already stored, an estimated wall time and peak memory; refuses what this machine cannot run
+    (:mod:`.limits`). ``where``: the Ray cluster's description (its size is unknown until connected),
+    or None for the local executor (``local``: workers, threads, memory limit)."""
     runs = plan.expand()
     db = folder / "study.sqlite"
-    stored: set[str] = set()
-    if db.is_file():
-        with Store(db) as store:
-            stored = store.finished_ids()
+    stored = stored_finished(db)
     todo = [r for r in runs if r.run_id not in stored]
     gpu = "GPU" in (where or "") or (where is None and torch.cuda.is_available())
     total = sum(estimate_seconds(r.config, gpu) for r in todo)
@@ -96,9 +108,11 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
         n_workers, n_threads = plan_workers(
             local["workers"], local["threads"], runs=len(todo), nproc=max_nproc(todo)
         )
+        check_plan(todo, n_workers, gpu, local["memory"])
         where = f"on {n_workers} worker(s) x {n_threads} torch thread(s)"
         estimate = f"estimated {fmt_time(total / n_workers)} ({fmt_time(total)} of {unit})"
     else:
+        check_eval(todo)
         estimate = f"estimated {fmt_time(total)} of {unit}, shared over the cluster"
     base = resolved_base(plan)
     console.print(
@@ -110,8 +124,9 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
     )
     console.print("base: " + json.dumps(base), markup=False, highlight=False, soft_wrap=True)
     table = Table(show_lines=False)
-    for column in ("experiment", "label", "run id", "stored", "est.", "settings different from base"):
-        table.add_column(column, overflow="fold", no_wrap=column in ("run id", "est."))
+    columns = ("experiment", "label", "run id", "stored", "est.", "memory", "settings different from base")
+    for column in columns:
+        table.add_column(column, overflow="fold", no_wrap=column in ("run id", "est.", "memory"))
     members = plan.memberships()
     for run in runs:
         diff = {k: v for k, v in run.config.to_dict().items() if base.get(k) != v}
@@ -122,6 +137,7 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
             run.run_id,
             "yes" if run.run_id in stored else "",
             fmt_time(estimate_seconds(run.config, gpu)),
+            fmt_bytes(estimate_memory(run.config, gpu).total),
             escape(", ".join(f"{k}={json.dumps(v)}" for k, v in diff.items())),
         )
     console.print(table)
@@ -194,6 +210,15 @@ def study(
         False, "--dry-run", help="list the runs, their settings and a time estimate; run nothing"
     ),
     prune: bool = typer.Option(False, "--prune", help="delete stored runs that are not part of this spec"),
+    wait: float = typer.Option(None, "--wait", metavar="SECONDS", help=WAIT_HELP),
+    memory_limit: str = typer.Option(
+        None,
+        "--memory-limit",
+        metavar="SIZE|off",
+        help="memory one run may use (8G, 512M, ...; off: no check); default: the available memory "
+        "shared by the workers (on CUDA the GPU's free memory), or $ADDNORM_MEMORY_LIMIT. Runs estimated "
+        "above it are refused before anything trains",
+    ),
     list_presets: bool = typer.Option(False, "--list", help="list the shipped presets and exit"),
     show: str = typer.Option(
         None, "--show", metavar="PRESET", help="print a preset's YAML (a template) and exit"
@@ -258,9 +283,10 @@ def study(
             cluster = f"the Ray cluster at {address}" if address else "a local Ray cluster"
             gpus = f" and {runner.gpus_per_run:g} GPU" if runner.gpu else ""
             where = f"on {cluster} with {runner.cpus_per_run} CPU(s){gpus} per run"
-        _dry_run(plan, folder, where, console, workers=n_workers, threads=threads)
+        _dry_run(plan, folder, where, console, workers=n_workers, threads=threads, memory=memory_limit)
         return
-    with folder_lock(folder):  # the study and the findings it prints are of one spec
+    runner = prepare(plan, folder, n_workers, threads, runner, memory_limit)  # nothing touched if refused
+    with _lock(folder, wait):  # the study and the findings it prints are of one spec
         outcome = run_study(
             plan,
             folder,
@@ -270,6 +296,7 @@ def study(
             progress=not quiet,
             prune=prune,
             trackers=trackers,
+            memory_limit=memory_limit,
         )
         with Store(folder / "study.sqlite") as store:
             if not quiet:
@@ -293,10 +320,13 @@ def study(
         raise typer.Exit(code=1)
 
 
-def report(out: Path = typer.Argument(..., help="a study folder holding study.sqlite")) -> None:
+def report(
+    out: Path = typer.Argument(..., help="a study folder holding study.sqlite"),
+    wait: float = typer.Option(None, "--wait", metavar="SECONDS", help=WAIT_HELP),
+) -> None:
     """Rebuild a study's report from its database (nothing is retrained)."""
     _database(out)
-    with folder_lock(out):
+    with _lock(out, wait):
         typer.echo(f"report: {build_report(out)}")
 
 
@@ -306,7 +336,7 @@ def export(
 ) -> None:
     """Export the current spec's runs as tidy CSV: runs.csv (one column per config key and provenance
     field), experiments.csv, metrics.csv and layer_metrics.csv (long format)."""
-    with Store(_database(out)) as store:
+    with Store(_database(out), readonly=True) as store:
         for path in store.export_csv(to or out / "csv"):
             typer.echo(str(path))
 

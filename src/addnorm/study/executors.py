@@ -8,6 +8,9 @@ The interface every executor implements (a cluster executor such as Ray included
   driver's thread (never from a worker) for every completed step of a run, in step order, before the
   run's result is yielded: live as far as the executor can pass them back (in batches, at a bounded
   rate), the rest from the result (:class:`StepRelay`). Trackers log the loss curve from it.
+  ``on_progress(run, phase, done, total)``, likewise in the driver, says what a run does between
+  steps (``build``: its model; ``eval``: held-out batch ``done`` of ``total``, see
+  :func:`~addnorm.train.train`), the latest at most twice a second; the progress display shows it.
 - A run's exception never escapes: it comes back as a ``failed`` :class:`RunResult` with its message,
   and so does a worker that died. The driver stores failed runs and tries them again next time.
 - Each result carries ``provenance`` (versions, commit, device, threads, date) of the process that
@@ -24,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import ctypes
+import functools
 import math
 import multiprocessing as mp
 import os
@@ -44,6 +48,7 @@ from .provenance import provenance
 from .spec import PlannedRun
 
 StepCallback = Callable[[PlannedRun, int, float], None]
+ProgressCallback = Callable[[PlannedRun, str, int, int], None]  # (run, phase, done, total)
 
 
 def usable_cores() -> int:
@@ -103,16 +108,22 @@ def max_nproc(runs: Iterable[PlannedRun]) -> int:
     return max((r.config.distributed["nproc"] for r in runs if r.config.distributed), default=1)
 
 
-def execute(config: dict, on_step: Callable[[int, float], None] | None = None) -> RunResult:
+def execute(
+    config: dict,
+    on_step: Callable[[int, float], None] | None = None,
+    on_progress: Callable[[str, int, int], None] | None = None,
+) -> RunResult:
     """Run one config (on the processes torchrun starts when it has ``distributed``, see
-    :func:`~addnorm.train.launch.launch`); an exception becomes a ``failed`` result carrying its
-    message. The result's ``provenance`` describes this process."""
+    :func:`~addnorm.train.launch.launch`, which passes steps back but no ``on_progress``); an
+    exception becomes a ``failed`` result carrying its message. The result's ``provenance`` describes
+    this process."""
     try:
         cfg = RunConfig(**config)
         if cfg.distributed:
             result = launch(cfg, on_step, threads=torch.get_num_threads())
         else:
-            result = train(cfg, on_step=on_step)
+            observers = {"on_progress": on_progress} if on_progress is not None else {}
+            result = train(cfg, on_step=on_step, **observers)
     except Exception as err:  # noqa: BLE001 - recorded, and the study goes on
         tail = traceback.format_exc(limit=3).strip().splitlines()[-1]
         result = RunResult(status=FAILED, error=f"{type(err).__name__}: {err}" if str(err) else tail)
@@ -123,12 +134,17 @@ def execute(config: dict, on_step: Callable[[int, float], None] | None = None) -
 class StepRelay:
     """Passes each run's steps to ``on_step`` once each and in step order: batches as workers send them,
     then, when the result is in, the steps it holds that never came (a batch still in flight, or an
-    executor that sends none). Batches for a run whose result is in are ignored."""
+    executor that sends none), and its progress events to ``on_progress``. Batches and events for a
+    run whose result is in are ignored."""
 
-    def __init__(self, on_step: StepCallback | None) -> None:
-        self.on_step = on_step
+    def __init__(self, on_step: StepCallback | None, on_progress: ProgressCallback | None = None) -> None:
+        self.on_step, self.on_progress = on_step, on_progress
         self._last: dict[str, int] = {}
         self._done: set[str] = set()
+
+    def progress(self, run: PlannedRun, phase: str, done: int, total: int) -> None:
+        if self.on_progress is not None and run.run_id not in self._done:
+            self.on_progress(run, phase, done, total)
 
     def deliver(self, run: PlannedRun, steps: Iterable[tuple[int, float]]) -> None:
         if self.on_step is None or run.run_id in self._done:
@@ -146,6 +162,22 @@ class StepRelay:
         self.deliver(run, done)
         self._done.add(run.run_id)
         self._last.pop(run.run_id, None)
+
+
+class ProgressThrottle:
+    """In a worker: passes a run's progress events to ``send``, the first of each phase and the last
+    of a phase's count at once, the others at most every ``every`` seconds (the latest then)."""
+
+    def __init__(self, send: Callable[[str, int, int], None], every: float) -> None:
+        self.send, self.every = send, every
+        self._phase: str | None = None
+        self._last = -math.inf
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        if phase != self._phase or done >= total or now - self._last >= self.every:
+            self._phase, self._last = phase, now
+            self.send(phase, done, total)
 
 
 class StepBatcher:
@@ -185,15 +217,20 @@ class Executor:
     def cancel(self) -> None:
         raise NotImplementedError
 
-    def results(self, on_step: StepCallback | None = None) -> Iterator[tuple[PlannedRun, RunResult]]:
+    def results(
+        self, on_step: StepCallback | None = None, on_progress: ProgressCallback | None = None
+    ) -> Iterator[tuple[PlannedRun, RunResult]]:
         raise NotImplementedError
 
     def map(
-        self, runs: Iterable[PlannedRun], on_step: StepCallback | None = None
+        self,
+        runs: Iterable[PlannedRun],
+        on_step: StepCallback | None = None,
+        on_progress: ProgressCallback | None = None,
     ) -> Iterator[tuple[PlannedRun, RunResult]]:
         for run in runs:
             self.submit(run)
-        return self.results(on_step)
+        return self.results(on_step, on_progress)
 
 
 class LocalExecutor(Executor):
@@ -212,15 +249,18 @@ class LocalExecutor(Executor):
     def cancel(self) -> None:
         self._queue.clear()
 
-    def results(self, on_step=None):
+    def results(self, on_step=None, on_progress=None):
         before = torch.get_num_threads()
         torch.set_num_threads(self.threads)
-        relay = StepRelay(on_step)
+        relay = StepRelay(on_step, on_progress)
         try:
             while self._queue:
                 run = self._queue.pop(0)
+                progress = functools.partial(relay.progress, run) if on_progress is not None else None
                 result = execute(
-                    run.config.to_dict(), lambda step, loss, run=run: relay.deliver(run, [(step, loss)])
+                    run.config.to_dict(),
+                    lambda step, loss, run=run: relay.deliver(run, [(step, loss)]),
+                    progress,
                 )
                 relay.complete(run, result)
                 yield run, result
@@ -261,8 +301,16 @@ def _exit_with_parent(parent: int) -> None:
 
 
 def _execute_in_worker(config: dict, run_id: str) -> RunResult:
-    batcher = StepBatcher(lambda steps: _progress.put((run_id, steps)) if _progress else None, PROGRESS_EVERY)
-    result = execute(config, batcher)
+    """One run in a pool worker; its steps and progress go to the driver through the queue, as
+    ``(run_id, "steps", [(step, loss), ...])`` and ``(run_id, "progress", (phase, done, total))``."""
+
+    def put(kind: str, payload) -> None:
+        if _progress is not None:
+            _progress.put((run_id, kind, payload))
+
+    batcher = StepBatcher(lambda steps: put("steps", steps), PROGRESS_EVERY)
+    throttle = ProgressThrottle(lambda *event: put("progress", event), PROGRESS_EVERY)
+    result = execute(config, batcher, throttle)
     batcher.flush()
     return result
 
@@ -324,14 +372,17 @@ class ProcessExecutor(Executor):
         by_id = {run.run_id: run for run in self._futures.values()}
         while self._queue is not None:
             try:
-                run_id, steps = self._queue.get_nowait()
+                run_id, kind, payload = self._queue.get_nowait()
             except queue.Empty:
                 return
             if run_id in by_id:
-                relay.deliver(by_id[run_id], steps)
+                if kind == "steps":
+                    relay.deliver(by_id[run_id], payload)
+                else:
+                    relay.progress(by_id[run_id], *payload)
 
-    def results(self, on_step=None):
-        relay = StepRelay(on_step)
+    def results(self, on_step=None, on_progress=None):
+        relay = StepRelay(on_step, on_progress)
         try:
             breaks: dict[str, int] = {}
             while self._futures:

@@ -8,8 +8,9 @@ driver alone writes the study's database, as results come back (:mod:`.executors
   started for the study and stopped after it: as many CPUs as this process may use, so at most
   cores / cpus_per_run runs train at once, each with cpus_per_run threads (never more threads than
   cores); it listens on the loopback interface only.
-- Progress: each task sends its per-step losses in batches, at most two a second, to a small actor
-  that the driver empties four times a second; the driver passes them on in step order.
+- Progress: each task sends its per-step losses in batches, at most two a second, and its latest
+  progress event (building its model, evaluation batch k of n) as often, to a small actor that the
+  driver empties four times a second; the driver passes them on in step order.
 - Faults: ``max_retries=0`` by default: a task whose worker process dies (killed, out of memory, a
   node lost) comes back as a ``failed`` run; finished runs are stored as they arrive, so nothing
   finished is lost, and the next invocation of the study runs only what is missing. An interrupt
@@ -32,7 +33,15 @@ import torch
 
 from ..extras import check
 from ..train import FAILED, RunResult
-from .executors import PROGRESS_EVERY, Executor, StepBatcher, StepRelay, execute, usable_cores
+from .executors import (
+    PROGRESS_EVERY,
+    Executor,
+    ProgressThrottle,
+    StepBatcher,
+    StepRelay,
+    execute,
+    usable_cores,
+)
 from .spec import PlannedRun
 
 FEATURE = "--executor ray"
@@ -49,15 +58,21 @@ def progress_box():
     class ProgressBox:
         def __init__(self) -> None:
             self._batches: list = []
+            self._events: dict = {}  # run id -> its latest (phase, done, total)
             self._drained: set = set()
 
         def report(self, run_id: str, steps: list) -> None:
             self._batches.append((run_id, steps))
 
-        def drain(self) -> list:
+        def progress(self, run_id: str, phase: str, done: int, total: int) -> None:
+            self._events[run_id] = (phase, done, total)
+
+        def drain(self) -> tuple:
+            """(step batches, latest progress event per run) since the last drain."""
             batches, self._batches = self._batches, []
+            events, self._events = self._events, {}
             self._drained.update(run_id for run_id, _ in batches)
-            return batches
+            return batches, events
 
         def acknowledged(self, run_id: str) -> bool:
             """Whether the driver has taken a batch of ``run_id``."""
@@ -89,7 +104,8 @@ def run_task(config: dict, run_id: str, threads: int, box) -> RunResult:
             _await_ack(box, run_id)
 
     batcher = StepBatcher(send, PROGRESS_EVERY)
-    result = execute(config, batcher)
+    throttle = ProgressThrottle(lambda *event: box.progress.remote(run_id, *event), PROGRESS_EVERY)
+    result = execute(config, batcher, throttle)
     batcher.flush()
     return result
 
@@ -275,11 +291,14 @@ class RayExecutor(Executor):
         ready, _ = self._ray.wait([self._draining], timeout=0)
         if not ready:
             return
-        batches, self._draining = self._ray.get(ready[0]), None
+        (batches, events), self._draining = self._ray.get(ready[0]), None
         by_id = {run.run_id: run for run in self._refs.values()}
         for run_id, steps in batches:
             if run_id in by_id:
                 relay.deliver(by_id[run_id], steps)
+        for run_id, event in events.items():
+            if run_id in by_id:
+                relay.progress(by_id[run_id], *event)
 
     def _result(self, ref) -> RunResult:
         from ray.exceptions import RayError, RayTaskError
@@ -293,8 +312,8 @@ class RayExecutor(Executor):
             first = str(err).strip().splitlines()[0] if str(err).strip() else ""
             return RunResult(status=FAILED, error=f"worker died: {type(err).__name__}: {first}")
 
-    def results(self, on_step=None) -> Iterator[tuple[PlannedRun, RunResult]]:
-        relay = StepRelay(on_step)
+    def results(self, on_step=None, on_progress=None) -> Iterator[tuple[PlannedRun, RunResult]]:
+        relay = StepRelay(on_step, on_progress)
         try:
             pending = list(self._refs)
             while pending:

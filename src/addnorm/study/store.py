@@ -10,12 +10,14 @@ stored runs stay until :meth:`Store.prune`. Never imports ``ops`` or ``model``.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import math
 import os
 import sqlite3
 import time
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -64,14 +66,15 @@ RUN_COLUMNS = (
 )
 
 
-def write_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and a rename, so that
-    ``path`` is either its old content or the whole new one (never a truncated file on a full disk)."""
+def write_atomic(path: str | Path, data: str | bytes) -> Path:
+    """Write ``data`` (text as UTF-8) to ``path`` through a temporary file in the same folder and a
+    rename, so that ``path`` is either absent or its old content, or the whole new one (never a
+    truncated file on a full disk)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        with open(tmp, "wb") as fh:
+            fh.write(data.encode("utf-8") if isinstance(data, str) else data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -81,20 +84,24 @@ def write_atomic(path: str | Path, text: str) -> Path:
 
 
 class Store:
-    """A study's database at ``path`` (created with its schema; WAL journal)."""
+    """A study's database at ``path`` (created with its schema; WAL journal). ``readonly``: open an
+    existing database for reading only (``--dry-run``, ``export``), which works in a read-only folder
+    too. An SQLite error opening it names the file."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, readonly: bool = False) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.db = sqlite3.connect(self.path)
+        try:
+            if readonly:
+                self.db = _open_readonly(self.path)
+            else:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self.db = sqlite3.connect(self.path)
+                self.db.execute("PRAGMA journal_mode=WAL")
+                self.db.execute("PRAGMA synchronous=NORMAL")
+                _create_schema(self.db)
+        except sqlite3.Error as err:
+            raise type(err)(f"{self.path}: {err}") from None
         self.db.row_factory = sqlite3.Row
-        self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
-        self.db.executescript(SCHEMA)
-        for table, column, kind in ADDED_COLUMNS:
-            have = {row["name"] for row in self.db.execute(f"PRAGMA table_info({table})")}
-            if column not in have:
-                self.db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
 
     def close(self) -> None:
         self.db.close()
@@ -106,10 +113,19 @@ class Store:
         self.close()
 
     # --- writing (driver only) ------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _writing(self) -> Iterator[None]:
+        """One transaction; an SQLite error (full disk, read-only or locked database) names the file."""
+        try:
+            with self.db:
+                yield
+        except sqlite3.Error as err:
+            raise type(err)(f"{self.path}: {err}") from None
+
     def save_plan(self, name: str, spec: dict, base: dict, members: list[tuple[str, str, str]]) -> None:
         """The current spec (as given and its resolved base config) and its runs as (run id,
         experiment, label) rows, replacing the previous plan in one transaction."""
-        with self.db:
+        with self._writing():
             self.db.execute(
                 "INSERT OR REPLACE INTO studies (name, spec, updated, base) VALUES (?, ?, ?, ?)",
                 (name, json.dumps(spec), time.time(), json.dumps(base)),
@@ -124,7 +140,7 @@ class Store:
     ) -> None:
         """One transaction: the run row and every metric of it (replacing an earlier row of the id)."""
         final = result.final or {}
-        with self.db:
+        with self._writing():
             self.db.execute("DELETE FROM metrics WHERE run_id = ?", (run_id,))
             self.db.execute("DELETE FROM layer_metrics WHERE run_id = ?", (run_id,))
             self.db.execute(
@@ -174,7 +190,7 @@ class Store:
     def prune(self) -> int:
         """Delete every stored run that is not part of the current plan (and its metrics); how many."""
         stale = self.stale_ids()
-        with self.db:
+        with self._writing():
             for table, column in (("metrics", "run_id"), ("layer_metrics", "run_id"), ("runs", "id")):
                 self.db.executemany(f"DELETE FROM {table} WHERE {column} = ?", [(i,) for i in stale])
         return len(stale)
@@ -300,6 +316,56 @@ class Store:
             writer.writerow(header)
             writer.writerows(rows)
         return path
+
+
+def stored_finished(db: str | Path) -> set[str]:
+    """The finished runs stored in the database ``db`` (read-only; none when there is no database)."""
+    if not Path(db).is_file():
+        return set()
+    with Store(db, readonly=True) as store:
+        return store.finished_ids()
+
+
+def _create_schema(db: sqlite3.Connection) -> None:
+    """The tables (where missing) and the columns added since the first release."""
+    db.executescript(SCHEMA)
+    for table, column, kind in ADDED_COLUMNS:
+        if column not in _columns(db, table):
+            db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+
+
+def _columns(db: sqlite3.Connection, table: str) -> set[str]:
+    return {row[1] for row in db.execute(f"PRAGMA table_info({table})")}
+
+
+def _schema_complete(db: sqlite3.Connection) -> bool:
+    tables = {r[0] for r in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    wanted = {"studies", "runs", "metrics", "layer_metrics", "plan"}
+    return wanted <= tables and all(column in _columns(db, t) for t, column, _ in ADDED_COLUMNS)
+
+
+def _open_readonly(path: Path) -> sqlite3.Connection:
+    """``path`` opened for reading only. A WAL database needs its ``-shm`` file, which a read-only
+    folder cannot hold: there nothing can write either, so it is opened as immutable. A database
+    without the study's tables (a study killed between creating the file and writing its schema)
+    reads as an empty study; one written by an older version, without the tables or columns added
+    since, is read from a copy in memory that has them."""
+    if not path.is_file():
+        raise sqlite3.OperationalError("no such database file")
+    uri = path.absolute().as_uri()
+    try:
+        db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
+        complete = _schema_complete(db)
+    except sqlite3.OperationalError:
+        db = sqlite3.connect(f"{uri}?immutable=1", uri=True)
+        complete = _schema_complete(db)
+    if complete:
+        return db
+    copy = sqlite3.connect(":memory:")
+    db.backup(copy)
+    db.close()
+    _create_schema(copy)
+    return copy
 
 
 def _utc(timestamp: float | None) -> str | None:

@@ -22,6 +22,7 @@ import json
 import math
 import os
 import shutil
+import sqlite3
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -183,6 +184,7 @@ class MLflowTracker(Tracker):
     metric, the run id, memberships and status as tags; a failed run ends FAILED."""
 
     name = "mlflow"
+    HTTP_TIMEOUT = 5  # seconds per request to a tracking server (MLFLOW_HTTP_REQUEST_TIMEOUT overrides)
     LIVE_EVERY = 2.0  # seconds between batches of live steps
     BATCH = 1000  # metrics per log_batch call (MLflow's limit)
 
@@ -199,15 +201,18 @@ class MLflowTracker(Tracker):
 
         from mlflow.tracking import MlflowClient
 
-        logging.getLogger("mlflow").setLevel(logging.WARNING)  # no notes on creating the tables
-        # bounded: MLflow's defaults retry an unreachable server for minutes
+        # no notes on creating the tables, nor MLflow's multi-line retry warnings: a failure is one line
+        logging.getLogger("mlflow").setLevel(logging.ERROR)
+        # bounded (unless set by the user): MLflow's defaults retry an unresponsive server for minutes;
+        # one retry of at most HTTP_TIMEOUT seconds each gives up in about 2 x HTTP_TIMEOUT
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(self.HTTP_TIMEOUT))
         uri = self._uri or os.environ.get("MLFLOW_TRACKING_URI")
         self.uri = uri or f"sqlite:///{(Path(out_dir) / 'mlflow.db').resolve()}"
         if not uri:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
         try:
+            _check_sqlite(self.uri, self.HTTP_TIMEOUT)
             self.client = MlflowClient(tracking_uri=self.uri, registry_uri=self.uri)
             name = f"addnorm-{study}"
             found = self.client.get_experiment_by_name(name)
@@ -292,6 +297,25 @@ class MLflowTracker(Tracker):
         for mlflow_run in self._runs.values():  # runs in flight when the study stopped
             self.client.set_terminated(mlflow_run, "KILLED")
         self._runs.clear()
+
+
+def _check_sqlite(uri: str, timeout: float) -> None:
+    """For a ``sqlite:///PATH`` tracking URI: open PATH and take a write lock (waiting at most
+    ``timeout`` seconds for another writer), so that a database that cannot be written (a read-only
+    folder or file, a folder in its place) fails here at once; MLflow itself retries opening it ten
+    times with growing pauses, about 100 s."""
+    if not uri.startswith("sqlite:///"):
+        return
+    path = uri[len("sqlite:///") :].split("?", 1)[0]
+    if path in ("", ":memory:"):
+        return
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(path, timeout=timeout)
+    try:
+        db.execute("BEGIN IMMEDIATE")
+        db.rollback()
+    finally:
+        db.close()
 
 
 def make_trackers(names: list[str], mlflow_uri: str | None = None) -> list[Tracker]:

@@ -14,6 +14,7 @@ from ..model import LanguageModel
 from .base import TASKS, Batch, Task, to_device
 
 DEFAULT_CORPUS_BYTES = 4_000_000
+HELD_OUT = 0.1  # the share of a corpus, at its end, that language modelling holds out for evaluation
 
 
 @functools.lru_cache(maxsize=4)  # read once per process: every run of a study uses it
@@ -70,7 +71,7 @@ class LanguageModelling(Task):
 
     def __init__(self, corpus: str | None = None, limit: int = DEFAULT_CORPUS_BYTES) -> None:
         data = torch.frombuffer(bytearray(read_corpus(corpus, limit)), dtype=torch.uint8)
-        cut = int(0.9 * data.numel())
+        cut = int((1 - HELD_OUT) * data.numel())
         self.splits = {"train": data[:cut], "val": data[cut:]}
         self._placed: dict[tuple[str, torch.device], torch.Tensor] = {}
 

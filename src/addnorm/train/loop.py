@@ -44,10 +44,32 @@ class RunResult:
     tokens_per_s: float | None = None  # training tokens per second after the first step
 
 
+ProgressCallback = Callable[[str, int, int], None]  # (phase, done, total): see train
+
+
+def evaluations(cfg: RunConfig) -> int:
+    """How many held-out evaluations a run that does not diverge makes: one every ``eval_every`` steps
+    and after the last step (0: none of those), then the final one."""
+    return (math.ceil(cfg.steps / cfg.eval_every) if cfg.eval_every else 0) + 1
+
+
+def eval_batches_total(cfg: RunConfig) -> int:
+    """Held-out batches over the whole run (``eval_batches`` 0 evaluates one batch)."""
+    return evaluations(cfg) * max(cfg.eval_batches, 1)
+
+
 @torch.no_grad()
-def evaluate(task, model, cfg: RunConfig, device, dtype: torch.dtype | None = None) -> tuple[float, float]:
+def evaluate(
+    task,
+    model,
+    cfg: RunConfig,
+    device,
+    dtype: torch.dtype | None = None,
+    on_batch: Callable[[], None] | None = None,
+) -> tuple[float, float]:
     """Mean held-out loss and metric over ``eval_batches`` batches from a fixed generator, under the
-    run's autocast (``dtype``; default: what ``cfg.precision`` gives on ``device``)."""
+    run's autocast (``dtype``; default: what ``cfg.precision`` gives on ``device``). ``on_batch()`` is
+    called after each batch (progress; it sees nothing of the model)."""
     device = torch.device(device)
     dtype = autocast_dtype(device, cfg.precision) if dtype is None else dtype
     gen = torch.Generator().manual_seed(10_000 + cfg.seed)
@@ -61,6 +83,8 @@ def evaluate(task, model, cfg: RunConfig, device, dtype: torch.dtype | None = No
                 loss, logits = task.loss(model, batch)
             losses.append(loss.item())
             metrics.append(task.metric_value(loss.item(), logits, batch))
+            if on_batch is not None:
+                on_batch()
     finally:
         model.train(was_training)
     return sum(losses) / len(losses), sum(metrics) / len(metrics)
@@ -190,6 +214,7 @@ def train(
     on_step: Callable[[int, float], None] | None = None,
     device: str | torch.device | None = None,
     sync_every: int | None = None,
+    on_progress: ProgressCallback | None = None,
 ) -> RunResult:
     """Train one run to completion or divergence. Exceptions propagate (the runner records them).
 
@@ -201,8 +226,15 @@ def train(
     process group its launcher started (:mod:`addnorm.train.ranks`, :mod:`addnorm.train.launch`),
     and records what one process would. With ``compile: true`` the training steps run the model
     through ``torch.compile``, except probed steps (their hooks run it uncompiled) and evaluation (a
-    few forward passes would not repay compiling the evaluation graph)."""
+    few forward passes would not repay compiling the evaluation graph).
+
+    ``on_progress(phase, done, total)`` says what a long run is doing between steps: ``("build", 0,
+    1)`` when it starts building its model and ``("build", 1, 1)`` when that is done; ``("eval", done,
+    total)`` after each held-out batch, counted over the whole run (``total`` is
+    :func:`eval_batches_total`). Like ``on_step`` it only observes."""
     start = time.perf_counter()
+    progress = on_progress or (lambda phase, done, total: None)
+    progress("build", 0, 1)
     device = select_device(device)
     dtype = autocast_dtype(device, cfg.precision)
     sync_every = sync_every or (1 if device.type == "cpu" else SYNC_EVERY)
@@ -219,6 +251,13 @@ def train(
     if any(p.init == "admin" for p in cfg.model.placements_for(cfg.model.n_layers)):
         seed = torch.Generator().manual_seed(cfg.seed + 1)
         admin_init(model, *task.model_inputs(task.batch("train", cfg.batch_size, cfg.seq_len, seed, device)))
+    progress("build", 1, 1)
+    evaluated, eval_total = [0], eval_batches_total(cfg)
+
+    def eval_batch() -> None:
+        evaluated[0] += 1
+        progress("eval", evaluated[0], eval_total)
+
     trained = ranks.wrap(model, device) if ranks else model
     forward = torch.compile(trained) if cfg.compile else trained
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
@@ -293,14 +332,14 @@ def train(
             if not log.flush():
                 break
             speed.pause()
-            val_loss, val_metric = evaluate(task, model, cfg, device, dtype)
+            val_loss, val_metric = evaluate(task, model, cfg, device, dtype, eval_batch)
             result.metrics += [(step, "val_loss", val_loss), (step, f"val_{task.metric}", val_metric)]
             speed.resume()
     log.flush()
     speed.pause()
     result.tokens_per_s = speed.rate
     if result.status == DONE:
-        val_loss, val_metric = evaluate(task, model, cfg, device, dtype)
+        val_loss, val_metric = evaluate(task, model, cfg, device, dtype, eval_batch)
         train_tail = [v for _, n, v in result.metrics if n == "train_loss"][-10:]
         result.final = {
             "train_loss": sum(train_tail) / len(train_tail),
