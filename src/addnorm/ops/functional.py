@@ -87,9 +87,12 @@ class Plan:
             self.xhat_from = XHAT_FROM_S
         else:
             self.xhat_from = XHAT_FROM_Y if y_dtype == torch.float32 else XHAT_FROM_XR
-        # the eager Triton path's launch specs, per gate kind (none, one element, a vector)
+        # the eager Triton path's launch specs, per gate kind (none, one element, a vector); not in a
+        # plan made while torch.compile traces (never cached, never launched from: the graph takes the
+        # composite or the registered op): Dynamo cannot trace their making (an autograd.Function
+        # subclass per launch, made with type() and staticmethod) and would trace the specs' caches
         self.launches, self.apply = [None, None, None], None
-        if self.triton:
+        if self.triton and not is_compiling():
             from .triton_eager import EagerLaunch
 
             self.launches = [
