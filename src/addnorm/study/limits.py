@@ -247,11 +247,11 @@ def check_memory(runs: Iterable[PlannedRun], workers: int, cuda: bool = False, o
     sizes += f"seq_len={run.config.seq_len}"
     each = f" in each of its {copies(run)} processes" if copies(run) > 1 else ""
     more = f"; {len(over) - 1} more run(s) too" if len(over) > 1 else ""
-    fewer = "fewer --workers, " if workers > 1 else ""
+    fewer = "use fewer --workers, " if workers > 1 else ""
     raise SpecError(
         f"memory: experiments.{run.experiment} ({run.label}; {sizes}) needs about {estimate.describe()}"
-        f"{each}, more than {words}{more}. Make it smaller, use {fewer}or --memory-limit SIZE|off if you "
-        "know better"
+        f"{each}, more than {words}{more}. Make it smaller, {fewer}or pass --memory-limit SIZE|off if "
+        "you know better"
     )
 
 
