@@ -417,3 +417,64 @@ def test_fused_model_matches_unfused_at_width_256(placement, norm):
 @pytest.mark.parametrize("placement, norm", [("pre", "rmsnorm"), ("pre", "layernorm"), ("post", "layernorm")])
 def test_gpu_fused_model_matches_unfused(placement, norm, dtype, tol):
     _fused_model_matches_unfused("cuda", placement, norm, dtype, tol)
+
+
+# --- the GPU's path through a whole model, on the CPU --------------------------------------------
+
+
+def _kernels_interpreted() -> bool:
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        return False
+    from addnorm.ops.triton_add_norm import kernels_are_interpreted
+
+    return kernels_are_interpreted()
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    """``ADDNORM_BACKEND=triton`` for the test (what ``auto`` means on a GPU), restored afterwards."""
+    monkeypatch.setenv("ADDNORM_BACKEND", "triton")
+    policy.read_backend_env()
+    yield
+    monkeypatch.undo()
+    policy.read_backend_env()
+
+
+def _lm_step(model, tokens):
+    logits = model(tokens)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return logits.detach(), torch.autograd.grad(logits.square().mean(), params)
+
+
+@pytest.mark.skipif(not _kernels_interpreted(), reason="needs triton and TRITON_INTERPRET=1")
+@pytest.mark.parametrize(
+    "placement, compiled",
+    [("pre", True), ("sandwich", True), ("post", False), ("deepnorm", False), ("pre_post", False)]
+    + [("layerscale", False), ("res_post", False), ("mix", False), ("b2t", False)],
+)
+def test_a_model_on_the_triton_backend_equals_the_torch_backend(placement, compiled, request):
+    """What a GPU runs, through the Triton interpreter: a LanguageModel whose every Add & Norm (the
+    held-back adds, gates, alpha) takes the Triton kernels gives the torch backend's logits and
+    gradients, eagerly and under torch.compile(fullgraph=True)."""
+    from addnorm.ops import functional as fn
+
+    cfg = an.TransformerConfig(d_model=32, n_heads=2, d_ff=64, n_layers=3, placement=placement, dropout=0.0)
+    torch.manual_seed(0)
+    model = an.LanguageModel(cfg, vocab=40)
+    tokens = torch.randint(0, 40, (2, 8))
+    want = _lm_step(model, tokens)  # the torch backend (auto on the CPU)
+    request.getfixturevalue("triton_backend")
+    fn.clear_plans()
+    got = _lm_step(model, tokens)
+    assert any(plan.triton for plan in fn._PLANS.values()), "no call took the Triton kernels"
+    runs = [got]
+    if compiled:
+        torch._dynamo.reset()
+        runs.append(_lm_step(torch.compile(model, fullgraph=True), tokens))
+    for logits, grads in runs:
+        torch.testing.assert_close(logits, want[0], rtol=1e-4, atol=1e-5)
+        for g, w in zip(grads, want[1], strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5)
