@@ -28,3 +28,24 @@ def bench_module(monkeypatch):
         return __import__(name)
 
     return load
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    """``ADDNORM_BACKEND=triton`` (what ``auto`` means on a GPU) for the test, the kernels run by
+    Triton's CPU interpreter; skips where they cannot run on CPU tensors. Restored afterwards."""
+    import importlib.util
+    import os
+
+    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("needs triton and TRITON_INTERPRET=1")
+    from addnorm.ops import policy
+    from addnorm.ops.triton_add_norm import kernels_are_interpreted
+
+    if not kernels_are_interpreted():
+        pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1")
+    monkeypatch.setenv("ADDNORM_BACKEND", "triton")
+    policy.read_backend_env()
+    yield
+    monkeypatch.undo()
+    policy.read_backend_env()

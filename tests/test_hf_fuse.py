@@ -256,6 +256,26 @@ def test_fused_model_still_returns_hidden_states_and_checkpoints():
     _assert_grads_equal(f_grads, grads)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2", "gpt2", "bert", "olmo2"])
+def test_fused_model_on_the_triton_backend_is_the_model(model_type, request):
+    """What a GPU runs, through the Triton interpreter: the fused model with every add on the Triton
+    kernels (the hand-over of a normalised stream between layers included) gives the model's logits,
+    loss and gradients."""
+    from addnorm.ops import functional as fn
+
+    plain = tiny(model_type)
+    fused = anhf.fuse(copy.deepcopy(plain))
+    ids = tokens()
+    logits, loss, grads = step(plain, ids)
+    request.getfixturevalue("triton_backend")
+    fn.clear_plans()
+    f_logits, f_loss, f_grads = step(fused, ids)
+    assert any(plan.triton for plan in fn._PLANS.values()), "no call took the Triton kernels"
+    torch.testing.assert_close(f_logits, logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(f_loss, loss, rtol=1e-4, atol=1e-5)
+    _assert_grads_equal(f_grads, grads, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
 def test_fused_model_compiles_fullgraph_where_the_model_does(model_type):
     """torch.compile(fullgraph=True) traces the fused model as it traces the model: with the op's kernel

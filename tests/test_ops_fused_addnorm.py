@@ -422,34 +422,12 @@ def test_gpu_fused_model_matches_unfused(placement, norm, dtype, tol):
 # --- the GPU's path through a whole model, on the CPU --------------------------------------------
 
 
-def _kernels_interpreted() -> bool:
-    import importlib.util
-    import os
-
-    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
-        return False
-    from addnorm.ops.triton_add_norm import kernels_are_interpreted
-
-    return kernels_are_interpreted()
-
-
-@pytest.fixture
-def triton_backend(monkeypatch):
-    """``ADDNORM_BACKEND=triton`` for the test (what ``auto`` means on a GPU), restored afterwards."""
-    monkeypatch.setenv("ADDNORM_BACKEND", "triton")
-    policy.read_backend_env()
-    yield
-    monkeypatch.undo()
-    policy.read_backend_env()
-
-
 def _lm_step(model, tokens):
     logits = model(tokens)
     params = [p for p in model.parameters() if p.requires_grad]
     return logits.detach(), torch.autograd.grad(logits.square().mean(), params)
 
 
-@pytest.mark.skipif(not _kernels_interpreted(), reason="needs triton and TRITON_INTERPRET=1")
 @pytest.mark.parametrize(
     "placement, compiled",
     [("pre", True), ("sandwich", True), ("post", False), ("deepnorm", False), ("pre_post", False)]
