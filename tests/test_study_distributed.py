@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,42 @@ def test_a_killed_rank_fails_the_run_with_one_line_and_the_next_invocation_rerun
     with Store(tmp_path / "study.sqlite") as store:
         (run,) = store.runs()
         assert run["status"] == "done"
+
+
+def _parent(pid: int) -> int:
+    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+def test_a_killed_torchrun_takes_its_ranks_with_it(tmp_path):
+    """torchrun killed with SIGKILL cannot stop its ranks: they die with it (the kernel's parent-death
+    signal) instead of training on as orphans; the run fails with one line and is stored as failed."""
+    plan = spec({"strategy": "ddp", "nproc": 2}, steps=5000, eval_every=0, probe_every=0)
+    ranks: list[int] = []
+
+    def kill_torchrun() -> None:
+        if not ranks:
+            pids = rank_pids()
+            if len(pids) == 2:
+                ranks.extend(pids)
+                os.kill(_parent(pids[0]), signal.SIGKILL)
+
+    outcome = run_study(plan, tmp_path, executor=Watching(kill_torchrun), progress=False, report=False)
+    assert len(ranks) == 2
+    (line,) = outcome.failed
+    assert "\n" not in line and "distributed run" in line, line
+    deadline = time.monotonic() + 20
+    while any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in ranks) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists() and _alive(pid)], "orphaned ranks"
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper is dead)."""
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 # --- settings, refusals and resources (no processes) --------------------------------------------------

@@ -53,7 +53,8 @@ def launcher_command(workdir: str | Path, nproc: int) -> list[str]:
 
 
 def _die_with_parent() -> None:
-    """In the launcher's process: SIGKILL it when its parent (the study) dies (Linux)."""
+    """SIGKILL this process when its parent dies (Linux): torchrun when the study dies, a rank when
+    torchrun dies (a killed torchrun cannot stop its ranks; they would train on, orphaned)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -146,6 +147,9 @@ def _relay(path: Path, seen: int, on_step: Callable[[int, float], None] | None) 
 def main(argv: list[str] | None = None) -> None:
     """A rank: join the process group torchrun describes (``env://``), train, and on rank 0 write the
     steps and the result into the work folder."""
+    _die_with_parent()
+    if os.getppid() == 1:  # torchrun died before the request took effect
+        raise SystemExit("addnorm.train.launch: torchrun is gone")
     work = Path((argv or sys.argv[1:])[0])
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
