@@ -26,14 +26,11 @@ names them for ``addnorm study --executor``.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import ctypes
 import functools
 import math
 import multiprocessing as mp
 import os
 import queue
-import signal
-import sys
 import threading
 import time
 import traceback
@@ -43,7 +40,7 @@ from concurrent.futures.process import BrokenProcessPool
 import torch
 
 from ..train import FAILED, RunConfig, RunResult, train
-from ..train.launch import launch
+from ..train.launch import die_with_parent, launch
 from .provenance import provenance
 from .spec import PlannedRun
 
@@ -276,19 +273,10 @@ PROGRESS_EVERY = 0.5  # seconds between a worker's progress messages
 
 def _init_worker(threads: int, progress: mp.Queue | None, parent: int | None = None) -> None:
     global _progress
-    _die_with_parent()
+    die_with_parent()
     torch.set_num_threads(threads)
     _progress = progress
     threading.Thread(target=_exit_with_parent, args=(parent or os.getppid(),), daemon=True).start()
-
-
-def _die_with_parent() -> None:
-    """On Linux, ask the kernel to SIGKILL this process when its parent dies (``PR_SET_PDEATHSIG``)."""
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
 
 
 def _exit_with_parent(parent: int) -> None:

@@ -52,9 +52,10 @@ def launcher_command(workdir: str | Path, nproc: int) -> list[str]:
     ]
 
 
-def _die_with_parent() -> None:
-    """SIGKILL this process when its parent dies (Linux): torchrun when the study dies, a rank when
-    torchrun dies (a killed torchrun cannot stop its ranks; they would train on, orphaned)."""
+def die_with_parent() -> None:
+    """SIGKILL this process when its parent dies (Linux ``PR_SET_PDEATHSIG``; elsewhere nothing): a
+    study's pool worker and torchrun when the study dies, a rank when torchrun dies (a killed torchrun
+    cannot stop its ranks; they would train on, orphaned)."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -105,7 +106,7 @@ def launch(
                 stderr=subprocess.STDOUT,
                 env=env,
                 start_new_session=True,  # the whole group (torchrun and its ranks) is stopped together
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 - prctl only, no locks taken
+                preexec_fn=die_with_parent,  # noqa: PLW1509 - prctl only, no locks taken
             )
             try:
                 seen = 0
@@ -147,8 +148,9 @@ def _relay(path: Path, seen: int, on_step: Callable[[int, float], None] | None) 
 def main(argv: list[str] | None = None) -> None:
     """A rank: join the process group torchrun describes (``env://``), train, and on rank 0 write the
     steps and the result into the work folder."""
-    _die_with_parent()
-    if os.getppid() == 1:  # torchrun died before the request took effect
+    torchrun = os.getppid()
+    die_with_parent()
+    if os.getppid() != torchrun:  # torchrun died before the request took effect
         raise SystemExit("addnorm.train.launch: torchrun is gone")
     work = Path((argv or sys.argv[1:])[0])
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
