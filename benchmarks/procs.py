@@ -1,7 +1,7 @@
 """Child processes for the fault trials (``fault_trials.py``) and the tests that interrupt or kill
 drivers and workers (``tests/test_study_faults.py``, ``tests/test_ray.py``): children that take Ctrl-C
-(:func:`interruptible`), and, as Linux's ``/proc`` lists them, a process's children, a session's live
-members and a driver's pool workers."""
+(:func:`interruptible`), and, as Linux's ``/proc`` lists them, a process's parent, children and
+liveness, a session's live members and a driver's pool workers."""
 
 from __future__ import annotations
 
@@ -15,12 +15,29 @@ from pathlib import Path
 def _stats() -> Iterator[tuple[int, list[str]]]:
     """(pid, the fields of ``/proc/<pid>/stat`` after the command name) of every process."""
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    yield int(entry), fh.read().rsplit(")", 1)[1].split()
-            except (OSError, IndexError):
-                continue
+        if entry.isdigit() and (fields := _stat(int(entry))) is not None:
+            yield int(entry), fields
+
+
+def _stat(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name, or None once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def parent(pid: int) -> int | None:
+    """The parent of ``pid`` (None once it is gone)."""
+    fields = _stat(pid)
+    return None if fields is None else int(fields[1])
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for its reaper is dead)."""
+    fields = _stat(pid)
+    return fields is not None and fields[0] != "Z"
 
 
 def children(pid: int) -> list[int]:

@@ -31,7 +31,25 @@ def bench_module(monkeypatch):
 
 
 @pytest.fixture
-def triton_backend(monkeypatch):
+def backend_env(monkeypatch):
+    """``set_env(value)``: set ADDNORM_BACKEND (None: unset; read at import, re-read on request) and
+    return what ``auto`` now means; restored afterwards."""
+    from addnorm.ops import policy
+
+    def set_env(value):
+        if value is None:
+            monkeypatch.delenv("ADDNORM_BACKEND", raising=False)
+        else:
+            monkeypatch.setenv("ADDNORM_BACKEND", value)
+        return policy.read_backend_env()
+
+    yield set_env
+    monkeypatch.undo()
+    policy.read_backend_env()
+
+
+@pytest.fixture
+def triton_backend(backend_env):
     """``ADDNORM_BACKEND=triton`` (what ``auto`` means on a GPU) for the test, the kernels run by
     Triton's CPU interpreter; skips where they cannot run on CPU tensors. Restored afterwards."""
     import importlib.util
@@ -39,13 +57,8 @@ def triton_backend(monkeypatch):
 
     if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         pytest.skip("needs triton and TRITON_INTERPRET=1")
-    from addnorm.ops import policy
     from addnorm.ops.triton_add_norm import kernels_are_interpreted
 
     if not kernels_are_interpreted():
         pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1")
-    monkeypatch.setenv("ADDNORM_BACKEND", "triton")
-    policy.read_backend_env()
-    yield
-    monkeypatch.undo()
-    policy.read_backend_env()
+    backend_env("triton")

@@ -630,22 +630,6 @@ def test_torch_compile_fullgraph_cpu():
 # --- backend choice and errors ------------------------------------------------------------------
 
 
-@pytest.fixture
-def backend_env(monkeypatch):
-    """Set ADDNORM_BACKEND (read at import, re-read on request) and restore it afterwards."""
-
-    def set_env(value):
-        if value is None:
-            monkeypatch.delenv("ADDNORM_BACKEND", raising=False)
-        else:
-            monkeypatch.setenv("ADDNORM_BACKEND", value)
-        return policy.read_backend_env()
-
-    yield set_env
-    monkeypatch.undo()
-    policy.read_backend_env()
-
-
 def test_backend_resolution(backend_env):
     cpu = torch.device("cpu")
     backend_env(None)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -24,6 +25,9 @@ from addnorm.study.spec import SpecError, load_spec, parse_spec
 from addnorm.study.store import Store
 from addnorm.train import RunConfig, train
 from addnorm.train.launch import launch, launcher_command
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from procs import alive, parent  # noqa: E402  (benchmarks/procs.py)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 
@@ -88,13 +92,13 @@ def rank_pids() -> list[int]:
             if b"addnorm.train.launch" not in cmd or b"torch.distributed.run" in cmd:
                 continue
             pid = int(entry.name)
-            parent = pid
-            while parent > 1:  # descends from this test process
-                parent = int((Path("/proc") / str(parent) / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if parent == mine:
+            up = parent(pid)
+            while up is not None and up > 1:  # descends from this test process
+                if up == mine:
                     found.append(pid)
                     break
-        except (OSError, ValueError, IndexError):
+                up = parent(up)
+        except (OSError, ValueError):
             continue
     return sorted(found)
 
@@ -205,10 +209,6 @@ def test_a_killed_rank_fails_the_run_with_one_line_and_the_next_invocation_rerun
         assert run["status"] == "done"
 
 
-def _parent(pid: int) -> int:
-    return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
-
-
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
 def test_a_killed_torchrun_takes_its_ranks_with_it(tmp_path):
     """torchrun killed with SIGKILL cannot stop its ranks: they die with it (the kernel's parent-death
@@ -221,24 +221,16 @@ def test_a_killed_torchrun_takes_its_ranks_with_it(tmp_path):
             pids = rank_pids()
             if len(pids) == 2:
                 ranks.extend(pids)
-                os.kill(_parent(pids[0]), signal.SIGKILL)
+                os.kill(parent(pids[0]), signal.SIGKILL)
 
     outcome = run_study(plan, tmp_path, executor=Watching(kill_torchrun), progress=False, report=False)
     assert len(ranks) == 2
     (line,) = outcome.failed
     assert "\n" not in line and "distributed run" in line, line
     deadline = time.monotonic() + 20
-    while any(Path(f"/proc/{pid}").exists() and _alive(pid) for pid in ranks) and time.monotonic() < deadline:
+    while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not [pid for pid in ranks if Path(f"/proc/{pid}").exists() and _alive(pid)], "orphaned ranks"
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for its reaper is dead)."""
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    assert not [pid for pid in ranks if alive(pid)], "orphaned ranks"
 
 
 # --- settings, refusals and resources (no processes) --------------------------------------------------
