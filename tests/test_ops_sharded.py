@@ -15,16 +15,14 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import socket
 import sys
 import tempfile
-import time
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from spawned import run_spawned
 
 from addnorm.ops import add_norm, add_norm_reference, dropout_keep_mask
 from addnorm.ops import library as lib
@@ -352,25 +350,11 @@ def _worker(rank: int, port: int, names: list[str], out: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results():
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "results.pt")
-        ctx = mp.start_processes(
-            _worker, args=(_free_port(), list(CASES), out), nprocs=WORLD, join=False, start_method="spawn"
-        )
-        deadline, start = 240.0, time.monotonic()
-        while not ctx.join(timeout=2):
-            if time.monotonic() - start > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                pytest.fail(f"the {WORLD}-process run did not finish in {deadline:.0f} s")
+        run_spawned(_worker, list(CASES), out, nprocs=WORLD, deadline=240.0)
         yield torch.load(out, weights_only=False)
 
 
