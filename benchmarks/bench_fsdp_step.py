@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from machine import machine_info, machine_line, write_results
+from procs import free_port
 from timing import interleaved
 
 import addnorm.hf as anhf
@@ -54,10 +54,7 @@ STEPS_CHECKED = 3
 
 def _init(gpu: bool) -> None:
     if "RANK" not in os.environ:  # not under torchrun: one process of its own
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     dist.init_process_group("nccl" if gpu else "gloo")
     if gpu:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -40,6 +39,7 @@ from torch.distributed.tensor.debug import CommDebugMode
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import machine_info, machine_line, write_results  # noqa: E402
+from procs import run_spawned  # noqa: E402
 
 __all__ = ["CommBytes", "STRATEGIES", "main", "run_rank"]
 
@@ -174,14 +174,9 @@ def _worker(rank: int, port: int, shapes, reps: int, out: str) -> None:
 
 
 def _spawn(shapes, reps: int) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")
-        mp.start_processes(_worker, args=(port, shapes, reps, out), nprocs=WORLD, start_method="spawn")
+        run_spawned(_worker, shapes, reps, out, nprocs=WORLD, deadline=600.0)
         return torch.load(out)
 
 

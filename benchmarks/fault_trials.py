@@ -60,7 +60,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 from machine import machine_info, machine_line, write_results  # noqa: E402
-from procs import interruptible, pool_workers, session  # noqa: E402
+from procs import free_port, interruptible, pool_workers, session  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=30, batch_size=4, seq_len=16, eval_every=10)
@@ -517,10 +517,7 @@ def tracker(ctx: Context, out: Path, fault: str) -> str:
         (out / "tensorboard").write_text("in the way")
         extra = ["--track", "tensorboard"]
     elif fault == "MLflow server refusing connections":
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        extra = ["--track", "mlflow", "--mlflow-uri", f"http://127.0.0.1:{port}"]
+        extra = ["--track", "mlflow", "--mlflow-uri", f"http://127.0.0.1:{free_port()}"]
     elif fault == "MLflow server never answering":
         server = socket.socket()
         server.bind(("127.0.0.1", 0))

@@ -1,13 +1,17 @@
-"""Child processes for the fault trials (``fault_trials.py``) and the tests that interrupt or kill
-drivers and workers (``tests/test_study_faults.py``, ``tests/test_ray.py``): children that take Ctrl-C
-(:func:`interruptible`), and, as Linux's ``/proc`` lists them, a process's parent, children and
-liveness, a session's live members and a driver's pool workers."""
+"""Child processes for the benchmarks and tests: ranks spawned on a free loopback port that leave
+without the interpreter's teardown (:func:`run_spawned`; the multi-process benchmarks and tests);
+children that take Ctrl-C (:func:`interruptible`); and, as Linux's ``/proc`` lists them, a process's
+parent, children and liveness, a session's live members and a driver's pool workers (the fault trials,
+``tests/test_study_faults.py``, ``tests/test_ray.py``)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import socket
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -76,3 +80,39 @@ def interruptible() -> Iterator[None]:
     finally:
         if ignored:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_then_exit(rank: int, worker, *args) -> None:
+    """``worker(rank, *args)``, then leave without the interpreter's teardown: now and then a gloo C++
+    thread still joinable at exit aborts a process whose work is done ("terminate called without an
+    active exception", SIGABRT; seen in 1 of 5 full runs of test_distributed and in a CI run of the
+    communication benchmark's test), as ``addnorm.train.launch`` also avoids. A worker that raises still
+    fails the run."""
+    worker(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def run_spawned(worker, *args, nprocs: int = 2, deadline: float = 150.0) -> None:
+    """``worker(rank, port, *args)`` on ``nprocs`` spawned processes that meet on a free loopback
+    ``port``. A process that fails raises (torch's ``ProcessRaisedException`` / ``ProcessExitedException``);
+    a run longer than ``deadline`` seconds kills them all and raises ``TimeoutError``."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.start_processes(
+        _run_then_exit, args=(worker, free_port(), *args), nprocs=nprocs, join=False, start_method="spawn"
+    )
+    start = time.monotonic()
+    while not ctx.join(timeout=5):
+        if time.monotonic() - start > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"the {nprocs}-process run did not finish in {deadline:.0f} s")

@@ -11,6 +11,10 @@ import torch._inductor.config
 torch._inductor.config.fx_graph_cache = False
 torch._functorch.config.enable_autograd_cache = False
 
+# The benchmarks' helpers (procs.py: spawned ranks, /proc) are the tests' too.
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
 
 @pytest.fixture(autouse=True)
 def _seed():
@@ -21,7 +25,7 @@ def _seed():
 @pytest.fixture
 def bench_module(monkeypatch):
     """``load(name)``: a fresh import of ``benchmarks/<name>.py`` (scripts, not a package)."""
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
 
     def load(name):
         sys.modules.pop(name, None)

@@ -16,7 +16,7 @@ import warnings
 
 import pytest
 import torch
-from spawned import run_spawned
+from procs import run_spawned  # benchmarks/procs.py
 from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawned import run_spawned
+from procs import run_spawned  # benchmarks/procs.py
 
 from addnorm.ops import add_norm, add_norm_reference, dropout_keep_mask
 from addnorm.ops import library as lib

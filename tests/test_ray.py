@@ -8,16 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import yaml
+from procs import interruptible  # benchmarks/procs.py
 
 from addnorm.study import Store, parse_spec, run_study
 from addnorm.study.trackers import Tracker
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from procs import interruptible  # noqa: E402  (benchmarks/procs.py)
 
 pytestmark = pytest.mark.ray
 

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+from procs import alive, parent  # benchmarks/procs.py
 from typer.testing import CliRunner
 
 from addnorm.cli import app
@@ -25,9 +25,6 @@ from addnorm.study.spec import SpecError, load_spec, parse_spec
 from addnorm.study.store import Store
 from addnorm.train import RunConfig, train
 from addnorm.train.launch import launch, launcher_command
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from procs import alive, parent  # noqa: E402  (benchmarks/procs.py)
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 

@@ -14,14 +14,12 @@ from pathlib import Path
 
 import pytest
 import yaml
+from procs import interruptible, pool_workers, session  # benchmarks/procs.py
 from typer.testing import CliRunner
 
 from addnorm.study import Store, parse_spec, run_study
 from addnorm.study import store as store_module
 from addnorm.study.lock import LOCK_NAME, FolderInUse, folder_lock
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from procs import interruptible, pool_workers, session  # noqa: E402  (benchmarks/procs.py)
 
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=3, batch_size=4, seq_len=16, eval_every=0)
 SRC = str(Path(__file__).resolve().parents[1] / "src")
