@@ -82,14 +82,12 @@ def _managed(module: nn.Module | None) -> bool:
         return False
     if hasattr(module, "_hf_hook"):
         return True
-    return torch.distributed.is_available() and isinstance(module, _fsdp_module())
-
-
-@functools.cache
-def _fsdp_module() -> type:
+    if not torch.distributed.is_available():
+        return False
+    # imported here, not cached: Dynamo traces through a functools cache, and warns a compiling user
     from torch.distributed.fsdp import FSDPModule
 
-    return FSDPModule
+    return isinstance(module, FSDPModule)
 
 
 def _plain_on(norm: nn.Module, device: torch.device) -> bool:

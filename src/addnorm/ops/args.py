@@ -4,7 +4,6 @@ torch path and the Triton launchers read. Also the few constants every backend s
 
 from __future__ import annotations
 
-import functools
 import inspect
 import os
 import types
@@ -133,7 +132,8 @@ def _typing_union(hint: object) -> object:
     return hint
 
 
-@functools.cache
 def interpreting() -> bool:
-    """Whether Triton runs its kernels in the CPU interpreter (``TRITON_INTERPRET=1``, read once)."""
+    """Whether Triton runs its kernels in the CPU interpreter (``TRITON_INTERPRET=1``). Read at each
+    call (a few hundred ns, on the CPU path and at trace time only): Dynamo traces through a
+    ``functools`` cache, and warns a compiling user that it does."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
