@@ -1,4 +1,6 @@
+import contextlib
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -57,12 +59,32 @@ def triton_backend(backend_env):
     """``ADDNORM_BACKEND=triton`` (what ``auto`` means on a GPU) for the test, the kernels run by
     Triton's CPU interpreter; skips where they cannot run on CPU tensors. Restored afterwards."""
     import importlib.util
-    import os
 
-    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    from addnorm.ops.args import interpreting
+
+    if importlib.util.find_spec("triton") is None or not interpreting():
         pytest.skip("needs triton and TRITON_INTERPRET=1")
     from addnorm.ops.triton_add_norm import kernels_are_interpreted
 
     if not kernels_are_interpreted():
         pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1")
     backend_env("triton")
+
+
+@pytest.fixture
+def dynamo_cache_warnings():
+    """``with dynamo_cache_warnings() as cached:``, the messages of the warnings raised in the block
+    that Dynamo traced through a ``functools`` (lru_) cache. Dynamo warns once per message and process:
+    its memory of earlier warnings is cleared first."""
+
+    @contextlib.contextmanager
+    def record():
+        if hasattr(torch._dynamo.utils.warn_once, "cache_clear"):
+            torch._dynamo.utils.warn_once.cache_clear()
+        cached: list[str] = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield cached
+        cached.extend(str(c.message) for c in caught if "lru_cache" in str(c.message))
+
+    return record

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 import pytest
+
+from addnorm.ops.args import interpreting
 
 
 @pytest.fixture
@@ -109,7 +110,7 @@ def test_lm_step_models_are_the_same_function(bench_module):
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"),
+    importlib.util.find_spec("triton") is None or not interpreting(),
     reason="needs triton and TRITON_INTERPRET=1 (the kernels built for the interpreter)",
 )
 def test_host_overhead_stub_launch_times_the_triton_path_without_running_a_kernel(bench_module, tmp_path):
@@ -144,7 +145,7 @@ def test_host_overhead_stub_launch_times_the_triton_path_without_running_a_kerne
 def test_stubbed_launches_run_no_kernel_and_the_path_still_returns_its_outputs(bench_module):
     """Under the stub the Triton path allocates and returns outputs of the right shapes and dtypes
     (their values are whatever torch.empty held) and its backward returns gradients for every leaf."""
-    if importlib.util.find_spec("triton") is None or os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if importlib.util.find_spec("triton") is None or not interpreting():
         pytest.skip("needs triton and TRITON_INTERPRET=1")
     import torch
 

@@ -277,34 +277,27 @@ def test_fused_model_on_the_triton_backend_is_the_model(model_type, request):
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
-def test_fused_model_compiles_fullgraph_where_the_model_does(model_type):
+def test_fused_model_compiles_fullgraph_where_the_model_does(model_type, dynamo_cache_warnings):
     """torch.compile(fullgraph=True) traces the fused model as it traces the model: with the op's kernel
     compile path one add_norm node per add (none in the model's graph), the same logits and gradients.
     (The loss is computed outside: the models' own loss functions log a warning, which breaks the graph
     of either.) Dynamo has no cache of addnorm's to warn about tracing through."""
-    import warnings
-
     plain = tiny(model_type)
     fused = anhf.fuse(copy.deepcopy(plain))
     ids = tokens()
     results = {}
     for name, model in (("plain", plain), ("fused", fused)):
         torch._dynamo.reset()
-        if hasattr(torch._dynamo.utils.warn_once, "cache_clear"):
-            torch._dynamo.utils.warn_once.cache_clear()  # Dynamo warns once per message and process
         graphs = []
 
         def backend(gm, example_inputs, graphs=graphs):
             graphs.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
             return gm
 
-        with policy.using_compile_path("kernel"), warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
+        with policy.using_compile_path("kernel"), dynamo_cache_warnings() as cached:
             compiled = torch.compile(model, fullgraph=True, backend=backend)
             logits = compiled(input_ids=ids, use_cache=False).logits
-        ours = [
-            str(c.message) for c in caught if "lru_cache" in str(c.message) and "addnorm" in str(c.message)
-        ]
+        ours = [m for m in cached if "addnorm" in m]
         assert not ours, "\n".join(ours)
         loss = nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
         loss.backward()

@@ -401,28 +401,22 @@ def test_compiled_paths_drop_the_same_elements_as_eager(path, restore_compile_pa
 
 @needs_triton
 @pytest.mark.parametrize("path", ["composite", "kernel"])
-def test_a_triton_call_compiles_into_one_graph(path, restore_compile_path):
+def test_a_triton_call_compiles_into_one_graph(path, restore_compile_path, dynamo_cache_warnings):
     """A Triton-backend call under torch.compile(fullgraph=True) gives eager's outputs. Its trace-time
     plan builds none of the eager path's launch specs: the graph never launches from them, and Dynamo
     cannot trace their making (each launch's autograd.Function subclass is made with ``type`` and
     ``staticmethod``: "Failed to trace builtin operator staticmethod"), nor should it trace the specs'
     lru_caches (it warned about each on the H100)."""
-    import warnings
-
     torch._dynamo.reset()
-    if hasattr(torch._dynamo.utils.warn_once, "cache_clear"):
-        torch._dynamo.utils.warn_once.cache_clear()  # Dynamo warns once per message and process
     x, r, w, b, _ = _inputs(4, 16, device=DEVICE)
     call = lambda x, r, w, b: add_norm(x, r, w, b, prenorm=True, backend="triton")  # noqa: E731
     eager = call(x, r, w, b)
     fn.clear_plans()  # the signature is new to the trace as to a fresh process
     set_compile_path(path)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with dynamo_cache_warnings() as cached:
         got = torch.compile(call, fullgraph=True)(x, r, w, b)
     for a, e in zip(got, eager, strict=True):
         torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
-    cached = [str(c.message) for c in caught if "lru_cache" in str(c.message)]
     assert not cached, "\n".join(cached)
 
 

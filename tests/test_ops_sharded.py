@@ -26,7 +26,7 @@ from procs import run_spawned  # benchmarks/procs.py
 
 from addnorm.ops import add_norm, add_norm_reference, dropout_keep_mask
 from addnorm.ops import library as lib
-from addnorm.ops.args import XHAT_FROM_S
+from addnorm.ops.args import XHAT_FROM_S, interpreting
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
 
@@ -37,10 +37,7 @@ BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
 def _triton_interpreted() -> bool:
-    return importlib.util.find_spec("triton") is not None and os.environ.get("TRITON_INTERPRET", "0") not in (
-        "",
-        "0",
-    )
+    return importlib.util.find_spec("triton") is not None and interpreting()
 
 
 BACKENDS = ["torch"] + (["triton"] if _triton_interpreted() else [])
