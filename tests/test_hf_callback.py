@@ -239,6 +239,39 @@ def test_probe_callback_reports_the_whole_step_before_clipping(model_type, tmp_p
         assert torch.equal(a, b), name
 
 
+def test_probe_callback_under_gradient_checkpointing(tmp_path):
+    """Checkpointed layers recompute their forward inside the backward (reentrant: in nested backward
+    passes, each with its own end): the step's weight gradients and stream RMS are those of the same run
+    without checkpointing, and with transformers' default (non-reentrant) checkpointing the stream
+    gradients too (under reentrant checkpointing the Probe sees no stream gradient: nan)."""
+    torch.set_num_threads(1)
+    options = dict(
+        max_steps=STEPS, gradient_accumulation_steps=K, max_grad_norm=0.01, report_to=[],
+        train_sampling_strategy="sequential", data=_rows(),
+    )  # fmt: skip
+    logged = {}
+    for reentrant in (None, False, True):
+        extra = {} if reentrant is None else {"activation_checkpointing": True}
+        if reentrant is not None:
+            extra["activation_checkpointing_kwargs"] = {"use_reentrant": reentrant}
+        model = _models("llama")[0]
+        trainer = _train(model, tmp_path / str(reentrant), probe=anhf.ProbeCallback(), **options, **extra)
+        logged[reentrant] = [
+            {k: v for k, v in h.items() if k.startswith("probe/")}
+            for h in trainer.state.log_history
+            if "probe/act_rms/layer_0" in h
+        ]
+    reference = logged[None]
+    assert len(reference) == STEPS
+    for reentrant in (False, True):
+        for step, (got, expected) in enumerate(zip(logged[reentrant], reference, strict=True)):
+            for tag, value in expected.items():
+                if reentrant and "stream_grad" in tag:
+                    assert math.isnan(got[tag])
+                else:
+                    assert got[tag] == pytest.approx(value, rel=1e-6), (reentrant, step, tag)
+
+
 def _ddp_worker(rank: int, port: int, out: str) -> None:
     """The Trainer under DDP (2 gloo processes, 2 micro-batches a step, max_grad_norm=0.01): per step the
     logged weight_grad and, read by a Probe at on_pre_optimizer_step (clipped, all-reduced), the same

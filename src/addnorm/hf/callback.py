@@ -34,7 +34,9 @@ autograd engine, behind the backward's own end-of-pass work (DDP's gradient all-
 before ``backward()`` returns to the Trainer; the last backward's read is the step's. Stream statistics
 are folded at ``on_substep_end`` and ``on_pre_optimizer_step`` (clipping does not touch them). Observing
 changes no result (every hook only reads). Works on untouched, fused and re-placed models and on
-addnorm's own models; tested in one process and under DDP (not under FSDP or DeepSpeed).
+addnorm's own models, with activation checkpointing (under the reentrant kind, where each checkpointed
+layer's backward is a nested pass, the last read still comes last; the Probe then records no stream
+gradient: ``stream_grad`` is nan); tested in one process and under DDP (not under FSDP or DeepSpeed).
 """
 
 from __future__ import annotations
