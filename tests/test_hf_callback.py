@@ -40,7 +40,7 @@ class _Oracle(transformers.TrainerCallback):
         }
 
 
-def _train(model, out, callbacks=(), steps=4, probe=None, data=None, **options):
+def _train(model, out, callbacks=(), steps=4, probe=None, data=None, model_init=None, **options):
     ids = tokens(batch=8, seq=8)
     settings = dict(
         output_dir=str(out), max_steps=steps, per_device_train_batch_size=2,
@@ -50,7 +50,12 @@ def _train(model, out, callbacks=(), steps=4, probe=None, data=None, **options):
     args = transformers.TrainingArguments(**(settings | options))
     data = [{"input_ids": r, "labels": r} for r in ids] if data is None else data
     trainer = transformers.Trainer(
-        model=model, args=args, train_dataset=data, callbacks=list(callbacks), data_collator=_collate
+        model=model,
+        model_init=model_init,
+        args=args,
+        train_dataset=data,
+        callbacks=list(callbacks),
+        data_collator=_collate,
     )
     if probe is not None:
         probe.add_to(trainer)
@@ -337,6 +342,28 @@ def test_probe_callback_needs_its_trainer(tmp_path):
     trainer = _train(model, tmp_path / "b", [probe], steps=1, report_to=[], probe=probe)
     assert sum(cb is probe for cb in trainer.callback_handler.callbacks) == 1
     assert sum("probe/act_rms/layer_0" in h for h in trainer.state.log_history) == 1
+
+
+def test_probe_callback_observes_the_model_the_trainer_trains(tmp_path):
+    """With ``model_init`` the Trainer builds its model again in ``train()``, after ``add_to``: the values
+    are those of the same model trained as ``model=``."""
+    torch.set_num_threads(1)
+
+    def probed(trainer) -> list[dict]:
+        return [
+            {k: v for k, v in h.items() if "probe/" in k} for h in trainer.state.log_history if "epoch" in h
+        ]
+
+    built = _train(
+        None, tmp_path / "init", steps=2, probe=anhf.ProbeCallback(), report_to=[],
+        model_init=lambda: anhf.fuse(tiny("llama")),
+    )  # fmt: skip
+    given = _train(
+        anhf.fuse(tiny("llama")), tmp_path / "model", steps=2, probe=anhf.ProbeCallback(), report_to=[]
+    )
+    expected = [h for h in probed(given) if h]
+    assert len(expected) == 2 and all(math.isfinite(v) for h in expected for v in h.values())
+    assert [h for h in probed(built) if h] == expected
 
 
 def test_probe_callback_checks_its_options():

@@ -151,20 +151,17 @@ class ProbeCallback:
             return lambda *args, **kwargs: None
         raise AttributeError(name)
 
-    def on_train_begin(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
+    def on_train_begin(self, args, state, control, model: nn.Module, **kwargs) -> None:
         if self.trainer is None:
             raise RuntimeError(
                 "ProbeCallback: not added with add_to(trainer): transformers gives a callback no Trainer to "
                 "log through; use anhf.ProbeCallback(...).add_to(trainer)"
             )
-        if model is None or model is not self.trainer.model:
-            raise RuntimeError("ProbeCallback: called by another Trainer than the one given to add_to")
         self.probe = Probe(model, self.layers)
 
-    def on_step_begin(self, args, state, control, model: nn.Module | None = None, **kwargs) -> None:
+    def on_step_begin(self, args, state, control, model: nn.Module, **kwargs) -> None:
         if (state.global_step + 1) % self.every != 0 or self._observing:
             return
-        model = self.trainer.model if model is None else model
         self.probe.clear()
         self.probe.attach()
         self._micro, self._tokens, self._weight_grad = [], None, None
