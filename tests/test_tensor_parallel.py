@@ -283,8 +283,13 @@ def _hf_tp(path: str) -> dict:
     import addnorm.hf as anhf
 
     def load():
+        # transformers' current spelling: a deprecated one (``from_pretrained(path, tp_plan="auto")`` warns
+        # of its removal) fails the case with its warning as the error
         config = DistributedConfig(tp_size=WORLD, tp_plan="auto")
-        return AutoModelForCausalLM.from_pretrained(path, distributed_config=config)
+        with warnings.catch_warnings():
+            for category in (FutureWarning, DeprecationWarning):
+                warnings.filterwarnings("error", category=category, module=r"transformers(\.|$)")
+            return AutoModelForCausalLM.from_pretrained(path, distributed_config=config)
 
     unfused = load()
     sharded = type(unfused.model.layers[0].self_attn.q_proj.weight).__name__
