@@ -306,7 +306,7 @@ def cells_of(args, device: str) -> list[tuple[str, str, str, list[str]]]:
 
 
 def warm_compiles(args, device: str) -> dict:
-    """Compile every compiled cell of the run in ``args.warm`` processes at once (``--warm-only``), so
+    """Compile every compiled cell of the run in ``args.warm`` processes at once (``--warm-column``), so
     that the timed compiles load Inductor's and Triton's on-disk caches; the seconds it took and each
     cell's exit status (a cell that fails or runs past ``--warm-timeout`` only costs its cache)."""
     jobs = []
@@ -318,7 +318,7 @@ def warm_compiles(args, device: str) -> dict:
     workers = max(1, min(args.warm, len(jobs)))
     env = dict(os.environ)
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
-    base = [sys.executable, __file__, "--warm-only", "--steps", "1", "--warmup", "1"]
+    base = [sys.executable, __file__, "--steps", "1", "--warmup", "1"]
     base += ["--tiny"] if args.tiny else ["--small"] if args.small else []
     base += ["--cpu"] if args.cpu else []
     base += ["--fp32"] if args.fp32 else []
@@ -329,7 +329,17 @@ def warm_compiles(args, device: str) -> dict:
     while pending or running:
         while pending and len(running) < workers:
             model, placement, mode, col = job = pending.pop(0)
-            argv = [*base, "--models", model, "--placements", placement, "--modes", mode, "--columns", col]
+            argv = [
+                *base,
+                "--models",
+                model,
+                "--placements",
+                placement,
+                "--modes",
+                mode,
+                "--warm-column",
+                col,
+            ]
             log = tempfile.TemporaryFile("w+")
             proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
             running.append((job, proc, log))
@@ -357,12 +367,12 @@ def warm_compiles(args, device: str) -> dict:
 
 
 def warm_only(args, device: str) -> None:
-    """``--warm-only``: build and compile the one requested cell and run a step (fills the caches)."""
-    for model, placement, mode, cols in cells_of(args, device):
-        cfg = model_config(base_config(args, device), model)
-        for col in cols:
-            step, _ = prepare(cfg, placement, mode, col, device, args)
-            step()
+    """``--warm-column COL``: build and compile that column of the one requested (model, placement,
+    mode) cell and run a step (fills the caches)."""
+    (model,), (placement,), (mode,) = args.models, args.placements, args.modes
+    cfg = model_config(base_config(args, device), model)
+    step, _ = prepare(cfg, placement, mode, args.warm_column, device, args)
+    step()
 
 
 def run(args, on_row: Callable[[dict], None] | None = None) -> dict:
@@ -547,7 +557,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--warm", type=int, default=0, help="precompile the compiled cells in N processes")
     ap.add_argument("--warm-timeout", type=float, default=150.0, help="seconds for the precompile")
-    ap.add_argument("--warm-only", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--warm-column", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
@@ -557,7 +567,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    if args.warm_only:
+    if args.warm_column is not None:
         warm_only(args, device)
         return
     stem = f"lm_step_{device_slug(torch.cuda.get_device_name() if device == 'cuda' else 'cpu')}"

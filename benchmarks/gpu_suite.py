@@ -39,8 +39,10 @@ HEAD`` (``results_path.commit_info``); the suite passes it to every step and rec
 
 It runs on a bare device image (torch and Triton preinstalled, the tree copied, ``PYTHONPATH=src``):
 no virtual environment, no network. Optional wheels (Liger-Kernel, flash-attn) may travel beside the
-tree in ``--wheels DIR`` (default ``benchmarks/wheels`` when it exists): installed with ``pip
---no-index --no-deps --target`` into a scratch folder on the children's ``PYTHONPATH``.
+tree in ``--wheels DIR`` (default ``benchmarks/wheels`` when it exists: git-ignored, so name it in
+the device call's ``carry``; ``pip download liger-kernel==0.8.5 --no-deps -d benchmarks/wheels``):
+installed with ``pip --no-index --no-deps --target`` into a scratch folder on the children's
+``PYTHONPATH``.
 
     PYTHONPATH=src python benchmarks/gpu_suite.py [--dry-run] [--only ops lm_step] [--commit SHA]
         [--budget 480] [--out DIR] [--wheels DIR]
@@ -98,103 +100,44 @@ def plan(py: str = sys.executable) -> list[Step]:
     8 processes at once, then time from the caches; the LM step's four compiled cells compile in 4
     processes at once."""
     b = str(BENCH)
+    # fmt: off
     return [
         Step(
-            "gpu_tests",
-            "pytest -m gpu: the tests that need CUDA",
+            "gpu_tests", "pytest -m gpu: the tests that need CUDA",
             [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
-            60,
-            needs=("pytest",),
+            65, needs=("pytest",),
         ),
         Step(
             "ops",
             "op table: bf16, LayerNorm/RMSNorm, Pre-/Post-LN, dropout 0/0.1, hidden 256-16384; eager, "
             "torch.compile, Liger, addnorm; fwd and fwd+bwd vs copy",
-            [
-                py,
-                f"{b}/bench_add_norm.py",
-                "--budget",
-                "120",
-                "--warm",
-                "8",
-                "--warm-timeout",
-                "55",
-                "--reps",
-                "30",
-                "--min-reps",
-                "5",
-                "--out",
-                OUT_TOKEN,
-            ],
-            140,
-            tables=("add_norm",),
-        ),  # fmt: skip
+            [py, f"{b}/bench_add_norm.py", "--budget", "115", "--warm", "8", "--warm-timeout", "50",
+             "--reps", "30", "--min-reps", "5", "--out", OUT_TOKEN],
+            135, tables=("add_norm",),
+        ),
         Step(
-            "host_overhead",
-            "host time per call with real launches",
+            "host_overhead", "host time per call with real launches",
             [py, f"{b}/bench_host_overhead.py", "--label", "gpu", "--samples", "10", "--out", OUT_TOKEN],
-            35,
-            tables=("host_overhead",),
+            35, tables=("host_overhead",),
         ),
         Step(
             "lm_step",
             "LM step, Pre-LN: gelu (LayerNorm+GELU, dropout 0.1) and llama (RMSNorm+SwiGLU); default vs "
             "fused=False; eager and torch.compile; removable time",
-            [
-                py,
-                f"{b}/bench_lm_step.py",
-                "--models",
-                "gelu",
-                "llama",
-                "--placements",
-                "pre",
-                "--modes",
-                "eager",
-                "compile",
-                "--columns",
-                "default",
-                "fused=False",
-                "--compile-paths",
-                "default",
-                "--steps",
-                "6",
-                "--warmup",
-                "2",
-                "--profile",
-                "--profile-steps",
-                "2",
-                "--warm",
-                "4",
-                "--warm-timeout",
-                "70",
-                "--out",
-                OUT_TOKEN,
-            ],
-            170,
-            tables=("lm_step",),
-        ),  # fmt: skip
+            [py, f"{b}/bench_lm_step.py", "--models", "gelu", "llama", "--placements", "pre",
+             "--modes", "eager", "compile", "--columns", "default", "fused=False", "--compile-paths",
+             "default", "--steps", "6", "--warmup", "2", "--profile", "--profile-steps", "2",
+             "--warm", "4", "--warm-timeout", "70", "--out", OUT_TOKEN],
+            170, tables=("lm_step",),
+        ),
         Step(
-            "hf_step",
-            "HF Llama 134M step: plain / addnorm.hf.fuse / Liger, eager; removable time",
-            [
-                py,
-                f"{b}/bench_hf_step.py",
-                "--gpu",
-                "--modes",
-                "eager",
-                "--reps",
-                "8",
-                "--warmup",
-                "3",
-                "--profile",
-                "--out",
-                OUT_TOKEN,
-            ],
-            50,
-            tables=("hf_step",),
-            needs=("transformers",),
-        ),  # fmt: skip
+            "hf_step", "HF Llama 134M step: plain / addnorm.hf.fuse / Liger, eager; removable time",
+            [py, f"{b}/bench_hf_step.py", "--gpu", "--modes", "eager", "--reps", "8", "--warmup", "3",
+             "--profile", "--out", OUT_TOKEN],
+            50, tables=("hf_step",), needs=("transformers",),
+        ),
     ]
+    # fmt: on
 
 
 def install_wheels(wheels: Path, py: str) -> tuple[str | None, str]:
@@ -399,6 +342,7 @@ def main(argv: list[str] | None = None) -> int:
         print("dry run: nothing run")
         return 0
     commit, source = (args.commit, "--commit") if args.commit else commit_info()
+    sys.path.insert(0, str(ROOT / "src"))  # machine reads addnorm's provenance; PYTHONPATH=src or not
     import torch
     from machine import device_slug, package_version
 
@@ -411,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         target, log = install_wheels(args.wheels, sys.executable)
         wheels = f"installed from {args.wheels}" if target else f"not installed ({log.strip()[-200:]})"
         paths += [target] if target else []
+        sys.path[:0] = [target] if target else []  # so that the extras below are looked up there too
     env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     device = torch.cuda.get_device_name()
     extras = {"triton": "triton", "liger-kernel": "liger_kernel", "flash-attn": "flash_attn"}

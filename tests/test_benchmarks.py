@@ -51,6 +51,18 @@ def test_add_norm_benchmark_sizes_its_table_to_the_budget(bench, tmp_path):
     assert all(3 <= r["reps"] <= 50 for r in report["results"])
 
 
+def test_add_norm_warm_up_runs_every_shape_in_parallel_processes_first(bench, tmp_path):
+    """--warm N: N processes, each given the same grid, run their slice of it once before the timed
+    run (what fills the compile caches on a GPU; eager implementations here, so nothing compiles)."""
+    argv = ["--cpu", "--impls", "addnorm", "eager", "--hidden", "8", "16", "--elements", "64", "--reps", "2"]
+    report = bench.main(
+        [*argv, "--norms", "rmsnorm", "--prenorm", "on", "--warm", "2", "--out", str(tmp_path)]
+    )
+    assert report["warm"]["processes"] == 2 and report["warm"]["status"] == {0: "ok", 1: "ok"}
+    assert len(report["results"]) == 2 * 2  # dropout x hidden
+    assert "Warm-up: every shape run once in 2 processes" in (tmp_path / "add_norm_cpu.md").read_text()
+
+
 def test_add_norm_missing_extras_are_one_line_each(bench):
     """Liger and flash-attn asked for on a device where they do not import: a line each, no column."""
     impls, missing = bench.implementations(["addnorm", "eager", "liger", "flash_attn"], "cuda")
@@ -133,6 +145,46 @@ def test_lm_step_benchmark_runs_on_tiny_shapes(bench_module, tmp_path):
         assert all(c["tokens_per_s"] > 0 for c in r["cells"].values())
     md = (tmp_path / "lm_step_cpu.md").read_text()
     assert "## Targets" in md and "default / fused=False" in md and "RMSNorm + SwiGLU, d_ff 96" in md
+
+
+def test_lm_step_warm_compiles_each_compiled_cell_in_its_own_process(bench_module, monkeypatch, tmp_path):
+    """--warm: one process per compiled (model, placement, mode, column) cell, at most N at a time, each
+    told its cell; a worker's command line runs that cell's step (here in eager mode, so that nothing
+    compiles on the CPU)."""
+    import subprocess
+
+    lm = bench_module("bench_lm_step")
+    started = []
+
+    class Done:
+        returncode = 0
+
+        def __init__(self, argv, **kwargs):
+            started.append(argv)
+
+        def poll(self):
+            return 0
+
+        def wait(self, timeout=None):
+            return 0
+
+    monkeypatch.setattr(subprocess, "Popen", Done)
+    import argparse
+
+    args = argparse.Namespace(
+        tiny=True, small=False, cpu=True, fp32=False, models=["gelu", "llama"], placements=["pre"],
+        modes=["eager", "compile"], columns=["default", "fused=False"], compile_paths="default", warm=3,
+        warm_timeout=60.0,
+    )  # fmt: skip
+    status = lm.warm_compiles(args, "cpu")
+    assert len(started) == 4 and set(status["cells"].values()) == {"ok"}
+    cells = {(a[a.index("--models") + 1], a[a.index("--warm-column") + 1]) for a in started}
+    assert cells == {(m, c) for m in ("gelu", "llama") for c in ("default", "fused=False")}
+    assert all(a[a.index("--modes") + 1] == "compile" for a in started)
+    monkeypatch.undo()
+    worker = [a if a != "compile" else "eager" for a in started[0][2:]]
+    lm.main([*worker, "--out", str(tmp_path)])  # runs the one cell's step, writes nothing
+    assert not list(tmp_path.iterdir())
 
 
 def test_lm_step_llama_model_is_rmsnorm_swiglu_without_dropout(bench_module):
