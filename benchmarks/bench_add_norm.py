@@ -53,6 +53,7 @@ bandwidth (issue 10); on the CPU, add + RMSNorm fwd+bwd no slower than eager.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import subprocess
@@ -105,36 +106,20 @@ def fused_add_norm(x, r, w, b, norm: str, prenorm: bool, p: float = 0.0, eps: fl
     )
 
 
-def compiled_eager() -> Callable:
-    """torch.compile of the composite, one compiled function per dropout rate (a constant in its
-    graph), static shapes."""
-    compiled: dict[float, Callable] = {}
+def compiled(impl: Callable, path: str | None = None) -> Callable:
+    """torch.compile of ``impl`` (static shapes), one compiled function per dropout rate (a constant in
+    its graph), run under compile path ``path`` when given ("kernel": our op's registered Triton op)."""
+    by_rate: dict[float, Callable] = {}
 
     def fn(x, r, w, b, norm: str, prenorm: bool, p: float = 0.0):
-        if p not in compiled:
+        if p not in by_rate:
 
             def at_rate(x, r, w, b, norm, prenorm, _p=p):
-                return eager_add_norm(x, r, w, b, norm, prenorm, _p)
+                return impl(x, r, w, b, norm, prenorm, _p)
 
-            compiled[p] = torch.compile(at_rate, dynamic=False)
-        return compiled[p](x, r, w, b, norm, prenorm)
-
-    return fn
-
-
-def compiled_kernel_add_norm() -> Callable:
-    """Our op under torch.compile with its Triton kernels (the triton_op, compile path "kernel")."""
-    compiled: dict[float, Callable] = {}
-
-    def fn(x, r, w, b, norm: str, prenorm: bool, p: float = 0.0):
-        if p not in compiled:
-
-            def at_rate(x, r, w, b, norm, prenorm, _p=p):
-                return fused_add_norm(x, r, w, b, norm, prenorm, _p)
-
-            compiled[p] = torch.compile(at_rate, dynamic=False)
-        with using_compile_path("kernel"):
-            return compiled[p](x, r, w, b, norm, prenorm)
+            by_rate[p] = torch.compile(at_rate, dynamic=False)
+        with using_compile_path(path) if path else contextlib.nullcontext():
+            return by_rate[p](x, r, w, b, norm, prenorm)
 
     return fn
 
@@ -201,7 +186,9 @@ def implementations(names, device: str) -> tuple[dict[str, Callable], dict[str, 
             if device == "cuda" and not has_triton:
                 missing[name] = "not installed: torch.compile on CUDA needs triton"
                 continue
-            impls[name] = compiled_eager() if name == "compiled" else compiled_kernel_add_norm()
+            impls[name] = (
+                compiled(eager_add_norm) if name == "compiled" else compiled(fused_add_norm, "kernel")
+            )
         elif device != "cuda":
             continue  # Liger and flash-attn are GPU kernels: no CPU column, and nothing to report
         else:
