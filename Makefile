@@ -38,9 +38,11 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/bench_encoder_layer.py
 
-# Everything the GPU measures, in one process tree of at most 10 minutes, on a bare device image (torch
-# and Triton preinstalled, no venv): tests, op bandwidth, host time, LM and HF steps, tables with the
-# device name in benchmarks/results/. GPU_BENCH_ARGS=--dry-run prints the plan and runs nothing.
+# Everything the GPU measures, in one device call of at most 8 minutes, on a bare device image (torch
+# and Triton preinstalled, no venv): GPU tests, op table, host time, LM and HF steps, each step with its
+# own budget; tables named by device in $OUT when set, else benchmarks/results/.
+# GPU_BENCH_ARGS="--commit $(git rev-parse --short HEAD)" names the code that ran when the device's copy
+# of the tree has no .git; --dry-run prints the plan and its budgets; --only STEP reruns one step.
 gpu-bench:
 	PYTHONPATH=src $(PYTHON) benchmarks/gpu_suite.py $(GPU_BENCH_ARGS)
 

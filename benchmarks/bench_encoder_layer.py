@@ -16,10 +16,10 @@ import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 from machine import cpu_model, write_results
+from results_path import add_out_argument
 from timing import interleaved
 from torch import nn
 
@@ -74,7 +74,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_argument(parser)
     parser.add_argument("--tag", default="cpu", help="results file suffix: encoder_layer_<tag>.md/json")
     args = parser.parse_args()
     if args.threads:

@@ -19,12 +19,12 @@ import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from machine import machine_info, machine_line, write_results
 from procs import free_port
+from results_path import add_out_argument
 from timing import interleaved
 
 import addnorm.hf as anhf
@@ -108,7 +108,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--reps", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_argument(parser)
     args = parser.parse_args()
     torch.set_num_threads(1)
     _init(args.gpu)

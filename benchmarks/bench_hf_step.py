@@ -10,27 +10,28 @@ step after a warmup, medians, best of ``--rounds`` rounds. Writes ``hf_step_cpu.
 
 GPU (``--gpu``): the issue's 134M Llama (hidden 768, 12 layers, 12 heads, intermediate 2048, vocab 32000,
 batch 8 x seq 1024), bf16 autocast, fused AdamW, eager and ``torch.compile``; each variant on its own
-(built, warmed up, peak-memory counter reset, timed). Writes ``hf_step_gpu.{md,json}``.
+(built, warmed up, peak-memory counter reset, timed). Writes ``hf_step_<device>.{md,json}`` (``h100``,
+``h200``, ...); Liger missing is a line in the table, "liger: not installed". Targets (issue 30): fused
+>= 1.05x plain and >= Liger, peak memory no more than plain's.
 
-    python benchmarks/bench_hf_step.py [--reps 30] [--rounds 3] [--out benchmarks/results]
-    python benchmarks/bench_hf_step.py --gpu [--modes eager,compile]
+``--profile`` (eager): the removable time of the plain step (``step_profile.py``: its RMSNorms, hand-written
+in transformers, scoped by module; the residual adds by shape) and the share of it the fused step saves.
+
+    python benchmarks/bench_hf_step.py [--reps 30] [--rounds 3] [--profile] [--out DIR | --record]
+    python benchmarks/bench_hf_step.py --gpu [--modes eager,compile] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import importlib.util
 import json
-import os
-import platform
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
-from machine import cpu_model, write_results
+from machine import device_slug, machine_info, machine_line, package_version, write_results
+from results_path import add_out_argument
 from timing import interleaved
 
 import addnorm.hf as anhf
@@ -105,7 +106,36 @@ def tokens_for(setup: Setup, device: torch.device) -> torch.Tensor:
     return torch.randint(3, setup.vocab, (setup.batch, setup.seq), generator=gen).to(device)
 
 
-def run_cpu(setup: Setup, reps: int, warmup: int, rounds: int) -> dict:
+def _profile(step, model, setup: Setup, device: str) -> dict:
+    import step_profile
+
+    return step_profile.profile_steps(
+        step,
+        device=device,
+        steps=2,
+        model=model,
+        d_model=setup.hidden,
+        stream_shape=(setup.batch, setup.seq, setup.hidden),
+    )
+
+
+def realised(row: dict) -> dict | None:
+    """The fused step's saving over plain as a share of plain's removable time (None unprofiled)."""
+    prof = row.get("profile", {})
+    if "plain" not in prof or "fused" not in row["ms"]:
+        return None
+    saving = row["ms"]["plain"] - row["ms"]["fused"]
+    removable = prof["plain"]["removable_ms"]
+    return {
+        "removable_ms": removable,
+        "saving_ms": saving,
+        "share": saving / removable if removable > 0 else None,
+        "fused_remaining_ms": sum(prof.get("fused", {}).get("ms", {}).get(k, 0.0) for k in
+                                  ("norm", "dropout", "add", "fused")),
+    }  # fmt: skip
+
+
+def run_cpu(setup: Setup, reps: int, warmup: int, rounds: int, profile: bool = False) -> dict:
     """Plain and fused, interleaved step by step; per variant the best round's median wall time of a
     step, and the median CPU time of this process in a step (which time spent descheduled while other
     work runs on the machine does not inflate)."""
@@ -124,7 +154,9 @@ def run_cpu(setup: Setup, reps: int, warmup: int, rounds: int) -> dict:
     tok = setup.batch * setup.seq
     best = {v: min(m) for v, m in medians.items()}
     best_cpu = {v: min(m) for v, m in cpu_medians.items()}
+    profiles = {v: _profile(steps[v], models[v], setup, "cpu") for v in steps} if profile else {}
     return {
+        "profile": profiles,
         "mode": "eager",
         "params": sum(p.numel() for p in models["plain"].parameters()),
         "ms": {v: best[v] * 1e3 for v in best},
@@ -136,14 +168,27 @@ def run_cpu(setup: Setup, reps: int, warmup: int, rounds: int) -> dict:
     }
 
 
-def run_gpu(setup: Setup, reps: int, warmup: int, modes: list[str]) -> list[dict]:
-    """Each variant on its own per mode: tokens/s (median step) and peak memory of the timed steps."""
+def liger_missing() -> str | None:
+    """Why Liger-Kernel's Llama patch cannot run here, or None."""
+    try:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama  # noqa: F401
+    except Exception as e:  # not installed, or built for another torch / Triton
+        return "not installed" if isinstance(e, ModuleNotFoundError) else f"does not import ({e})"
+    return None
+
+
+def run_gpu(setup: Setup, reps: int, warmup: int, modes: list[str], profile: bool = False) -> list[dict]:
+    """Each variant on its own per mode: tokens/s (median step) and peak memory of the timed steps;
+    with ``profile`` (eager rows) the removable time of plain and what fused still spends."""
     device = torch.device("cuda")
     tokens = tokens_for(setup, device)
-    variants = [v for v in VARIANTS if v != "liger" or importlib.util.find_spec("liger_kernel")]
+    missing = liger_missing()
+    variants = [v for v in VARIANTS if v != "liger" or missing is None]
     rows = []
     for mode in modes:
-        row = {"mode": mode, "tokens_per_s": {}, "peak_gib": {}, "ms": {}}
+        row = {"mode": mode, "tokens_per_s": {}, "peak_gib": {}, "ms": {}, "profile": {}}
+        if missing:
+            row["missing"] = {"liger": missing}
         for variant in variants:
             torch._dynamo.reset()
             model = build(variant, setup, device)
@@ -156,22 +201,38 @@ def run_gpu(setup: Setup, reps: int, warmup: int, modes: list[str]) -> list[dict
             row["tokens_per_s"][variant] = setup.batch * setup.seq / median
             row["peak_gib"][variant] = torch.cuda.max_memory_allocated() / 2**30
             row["params"] = sum(p.numel() for p in model.parameters())
+            if profile and mode == "eager" and variant in ("plain", "fused"):
+                row["profile"][variant] = _profile(step, model, setup, "cuda")
             del model, step
             torch.cuda.empty_cache()
         rows.append(row)
     return rows
 
 
-def _machine(gpu: bool) -> str:
-    import transformers
+def _machine(gpu: bool) -> dict:
+    return machine_info("cuda" if gpu else "cpu") | {"transformers": package_version("transformers")}
 
-    where = torch.cuda.get_device_name() if gpu else f"{cpu_model()}, {os.cpu_count()} logical cores"
-    versions = f"torch {torch.__version__}, transformers {transformers.__version__}"
-    return f"{where}; {versions}, Python {platform.python_version()}"
+
+def check_targets(rows: list[dict], gpu: bool) -> list[dict]:
+    """Issue 30 on a GPU, per mode: fused >= 1.05x plain, fused >= Liger (where it ran), peak memory
+    fused <= plain; on the CPU fused no slower than plain."""
+    out = []
+    for row in rows:
+        t = row["tokens_per_s"]
+        checks = [(f"fused / plain >= {1.05 if gpu else 1.0}", t["fused"] / t["plain"], 1.05 if gpu else 1.0)]
+        if gpu and "liger" in t:
+            checks.append(("fused / Liger >= 1.0", t["fused"] / t["liger"], 1.0))
+        if gpu and row.get("peak_gib"):
+            checks.append(
+                ("peak memory plain / fused >= 1.0", row["peak_gib"]["plain"] / row["peak_gib"]["fused"], 1.0)
+            )
+        for name, value, bound in checks:
+            out.append({"mode": row["mode"], "target": name, "value": value, "met": value >= bound})
+    return out
 
 
 def report(
-    setup: Setup, rows: list[dict], machine: str, *, gpu: bool, reps: int, warmup: int, rounds: int
+    setup: Setup, rows: list[dict], machine: dict | str, *, gpu: bool, reps: int, warmup: int, rounds: int
 ) -> str:
     """The Markdown table of ``rows`` (one per mode)."""
     s = setup
@@ -197,7 +258,9 @@ def report(
     lines = [
         f"# Hugging Face Llama training step: untouched vs addnorm.hf.fuse ({'GPU' if gpu else 'CPU'})",
         "",
-        f"Machine: {machine}; {dt.date.today().isoformat()}.",
+        machine_line(machine) + f" transformers {machine.get('transformers', '?')}."
+        if isinstance(machine, dict)
+        else f"Machine: {machine}.",
         "",
         what,
         "",
@@ -214,6 +277,33 @@ def report(
             cells += [f"{row['cpu_ms'][v]:.1f}" for v in variants]
             cells.append(f"{row['fused_over_plain_cpu_time']:.3f}x")
         lines.append(f"| {row['mode']} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for row in rows:
+        for name, why in row.get("missing", {}).items():
+            lines.append(f"- {row['mode']}: {name}: {why}")
+    profiled = [(row, realised(row)) for row in rows if realised(row)]
+    if profiled:
+        lines += [
+            "",
+            "## What fusion can remove (torch profiler)",
+            "",
+            "Removable: what the plain step spends in its RMSNorms and residual adds, forward and backward "
+            f"({'kernel' if gpu else 'CPU'} time, mean of 2 profiled steps; `benchmarks/step_profile.py`). "
+            "Saving: plain step - fused step (the timed medians). Remaining: what the fused step still "
+            "spends in add & norm.",
+            "",
+            "| mode | removable ms/step | saving ms/step | realised | remaining ms/step |",
+            "| --- | --- | --- | --- | --- |",
+        ]
+        for row, r in profiled:
+            share = f"{r['share']:.0%}" if r["share"] is not None else "n/a"
+            lines.append(
+                f"| {row['mode']} | {r['removable_ms']:.2f} | {r['saving_ms']:.2f} | {share} "
+                f"| {r['fused_remaining_ms']:.2f} |"
+            )
+    lines += ["", "## Targets", "", "| mode | target | value | met |", "| --- | --- | --- | --- |"]
+    for t in check_targets(rows, gpu):
+        lines.append(f"| {t['mode']} | {t['target']} | {t['value']:.3f} | {'yes' if t['met'] else 'NO'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -225,7 +315,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=None, help="warmup steps (CPU 5, GPU 5)")
     parser.add_argument("--rounds", type=int, default=3, help="CPU: rounds, best median kept")
     parser.add_argument("--setup", type=json.loads, default=None, help="JSON overriding Setup fields")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--profile", action="store_true", help="removable time and the share fused saves")
+    add_out_argument(parser)
     args = parser.parse_args(argv)
     setup = GPU if args.gpu else CPU
     if args.setup:
@@ -235,13 +326,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.gpu:
         if not torch.cuda.is_available():
             raise SystemExit("--gpu: no CUDA device")
-        rows = run_gpu(setup, reps, warmup, [m for m in args.modes.split(",") if m])
+        rows = run_gpu(setup, reps, warmup, [m for m in args.modes.split(",") if m], args.profile)
     else:
-        rows = [run_cpu(setup, reps, warmup, args.rounds)]
+        rows = [run_cpu(setup, reps, warmup, args.rounds, args.profile)]
     machine = _machine(args.gpu)
     text = report(setup, rows, machine, gpu=args.gpu, reps=reps, warmup=warmup, rounds=args.rounds)
     print(text)
-    name = "hf_step_gpu" if args.gpu else "hf_step_cpu"
+    name = f"hf_step_{device_slug(machine['device'])}"
+    for row in rows:
+        row["realised"] = realised(row)
     payload = {"machine": machine, "setup": asdict(setup), "reps": reps, "results": rows}
     write_results(args.out, name, text, payload)
     return payload

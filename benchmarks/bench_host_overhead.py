@@ -39,7 +39,6 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 if "--stub-launch" in sys.argv:  # the kernels must be built for the interpreter: before triton imports
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -47,6 +46,7 @@ if "--stub-launch" in sys.argv:  # the kernels must be built for the interpreter
 import torch
 import torch.nn.functional as F
 from machine import machine_info, machine_line, write_results
+from results_path import add_out_argument
 from timing import interleaved
 
 from addnorm.ops import add_norm, policy
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=5, help="LM steps per timed batch")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cpu", action="store_true", help="the CPU even when CUDA is present")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_argument(ap)
     ap.add_argument("--note", default="", help="a line recorded with the run (e.g. machine load)")
     ap.add_argument(
         "--stub-launch",

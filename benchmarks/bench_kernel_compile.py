@@ -17,10 +17,10 @@ import datetime as dt
 import os
 import sys
 import time
-from pathlib import Path
 
 import triton
 from machine import cpu_model, write_results
+from results_path import add_out_argument
 from triton_variants import ARCHS, compile_all, variants
 
 
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--full", action="store_true", help="every option, not only the register-heaviest")
     ap.add_argument("--workers", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     vs = variants(full=args.full)
     t0 = time.perf_counter()

@@ -1,61 +1,89 @@
 """Training-step throughput of ``addnorm.LanguageModel``: the model's default (fused Add & Norm where
-the policy picks it) against ``fused=False`` and against the same LM built on ``nn.TransformerEncoder``.
+the policy picks it) against ``fused=False`` (and the same LM built on ``nn.TransformerEncoder``), and
+how much of what fusion can remove the fused step removes.
 
-The issue-10 configuration (GPU): d_model 1024, 12 layers, 16 heads, d_ff 4096, GELU, vocab 32,000,
-batch 8 x seq 1024, dropout 0.1, bf16 autocast, fused AdamW. For Pre-LN and Post-LN, in three modes
-(eager, ``torch.compile``, ``torch.compile(mode="reduce-overhead")``: CUDA graphs), one step =
-forward + cross-entropy + backward + AdamW; tokens/s of the median step and peak memory.
+Two models (``--models``), both with the issue-30 sizes on a GPU (d_model 1024, 12 layers, 16 heads,
+vocab 32,000, batch 8 x seq 1024, bf16 autocast, fused AdamW):
 
-Under ``torch.compile`` the op hands Inductor either its traceable composite (the default) or the
-registered Triton kernels (:func:`addnorm.ops.policy.set_compile_path`): ``--compile-paths both`` adds
-a column for the non-default one, so a GPU run can decide which wins.
+- ``gelu``: addnorm's LayerNorm + GELU LM, d_ff 4096, biases, dropout 0.1 (issue 10's configuration);
+- ``llama``: a Llama-style LM, RMSNorm + SwiGLU (d_ff 2816, 8/3 d rounded up to 256), no biases, no
+  dropout.
 
-``--small`` is a CPU-sized model (fp32, no autocast, eager and torch.compile); ``--tiny`` a smoke test.
+Per (model, placement, mode) row: tokens/s of the median step (forward + cross-entropy + backward +
+AdamW) and, on a GPU, peak memory, in ``eager`` or ``compile`` (``torch.compile``; ``reduce-overhead``:
+CUDA graphs). Under ``torch.compile`` the op hands Inductor its traceable composite (the default) or the
+registered Triton kernels: ``--compile-paths both`` adds a column for the non-default one.
 
-    python benchmarks/bench_lm_step.py [--small] [--placements pre post] [--modes eager compile]
-        [--steps 15] [--compile-paths both] [--out benchmarks/results]
+``--profile``: the removable time (``step_profile.py``): the torch profiler over a few steps of the
+``fused=False`` model, the time of the dropout, add and norm ops that the fused op replaces; the fused
+step's saving (fused=False step time - default step time) as a share of it ("realised"), and what the
+fused step still spends in add & norm. Issue 30's targets, per row: default >= 1.0x fused=False,
+realised >= 70%, peak memory <= fused=False's; on the CPU the default no slower than fused=False.
 
-Targets (issue 10), checked per row: on a GPU the default >= 1.05x ``fused=False`` in eager and
->= 1.0x under both compile modes, >= 1.0x nn.TransformerEncoder everywhere, peak memory <= unfused;
-on the CPU the default no slower than ``fused=False``.
+``--warm N``: before timing, the compiled cells are compiled in N processes at once (each builds its
+model, compiles it and runs one step, filling Inductor's and Triton's on-disk caches); the timed
+compile then loads them. A whole-model compile is 20-40 s on an H100 host, most of it in lowering and
+kernel compiles that the caches keep (on the CPU a cached compile took 18 s against 190 s cold).
+
+``--small`` is a CPU-sized model (fp32, no autocast); ``--tiny`` a smoke test. The table is written
+after every row, so a run stopped early keeps the rows it finished.
+
+    python benchmarks/bench_lm_step.py [--models gelu llama] [--placements pre post]
+        [--modes eager compile] [--columns default fused=False] [--profile] [--warm 4]
+        [--steps 15] [--compile-paths both] [--out DIR | --record]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from machine import machine_info, machine_line, write_results
+from machine import device_slug, machine_info, machine_line, write_results
+from results_path import add_out_argument
 from timing import interleaved
 from torch import nn
 
 import addnorm as an
 from addnorm.ops import policy
 
-GPU = {
-    "d_model": 1024,
-    "n_layers": 12,
-    "n_heads": 16,
-    "d_ff": 4096,
-    "vocab": 32000,
-    "batch": 8,
-    "seq": 1024,
-    "dropout": 0.1,
-}
+GPU = {"d_model": 1024, "n_layers": 12, "n_heads": 16, "d_ff": 4096, "vocab": 32000, "batch": 8, "seq": 1024}
 SMALL = {"d_model": 256, "n_layers": 4, "n_heads": 4, "d_ff": 1024, "vocab": 4096, "batch": 8, "seq": 128}
-SMALL["dropout"] = 0.1
 TINY = {"d_model": 32, "n_layers": 2, "n_heads": 2, "d_ff": 64, "vocab": 64, "batch": 2, "seq": 8}
-TINY["dropout"] = 0.1
+for _cfg in (GPU, SMALL, TINY):
+    _cfg["dropout"] = 0.1
 # the host-overhead benchmark's tiny Pre-LN step: d_model 64, 4 layers, dropout 0.1
 SMALL_HOST = {"d_model": 64, "n_layers": 4, "n_heads": 4, "d_ff": 256, "vocab": 256, "batch": 8, "seq": 16}
 SMALL_HOST["dropout"] = 0.1
+MODELS = {
+    "gelu": {"norm": "layernorm", "activation": "gelu", "bias": True, "dropout": 0.1},
+    "llama": {"norm": "rmsnorm", "activation": "swiglu", "bias": False, "dropout": 0.0},
+}
 COLUMNS = ("nn.TransformerEncoder", "fused=False", "default")
+
+
+def llama_ff(d_model: int) -> int:
+    """Llama's FFN width: 8/3 d rounded up to a multiple of 256 (of d below 256): 2816 for 1024."""
+    multiple = min(256, d_model)
+    return multiple * math.ceil(8 * d_model / 3 / multiple)
+
+
+def model_config(cfg: dict, model: str) -> dict:
+    """``cfg``'s sizes with ``model``'s choices (norm, activation, bias, dropout, d_ff)."""
+    if model not in MODELS:
+        raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
+    out = {**cfg, **MODELS[model]}
+    out["d_ff"] = cfg["d_ff"] if model == "gelu" else llama_ff(cfg["d_model"])
+    return out
 
 
 def set_fused(model: nn.Module, fused: bool) -> None:
@@ -70,14 +98,17 @@ def set_fused(model: nn.Module, fused: bool) -> None:
 
 
 def build_lm(cfg: dict, placement: str, *, fused: bool | None, device: str) -> nn.Module:
-    """An ``addnorm.LanguageModel`` of ``cfg`` (GELU); ``fused`` None keeps the model's default."""
+    """An ``addnorm.LanguageModel`` of ``cfg`` (GELU, LayerNorm, biases unless ``cfg`` says otherwise:
+    see ``model_config``); ``fused`` None keeps the model's default."""
     tc = an.TransformerConfig(
         d_model=cfg["d_model"],
         n_heads=cfg["n_heads"],
         d_ff=cfg["d_ff"],
         n_layers=cfg["n_layers"],
         dropout=cfg["dropout"],
-        activation="gelu",
+        activation=cfg.get("activation", "gelu"),
+        norm=cfg.get("norm", "layernorm"),
+        bias=cfg.get("bias", True),
         placement=placement,
         max_len=cfg["seq"],
     )
@@ -149,13 +180,15 @@ def time_steps(step: Callable[[], None], device: str, warmup: int, steps: int) -
     return out
 
 
-def prepare(cfg, placement, mode, column, device, args) -> Callable[[], None]:
+def _compile_path(column: str) -> str | None:
+    return column.split("compile path ")[-1].rstrip(")") if "compile path" in column else None
+
+
+def prepare(cfg, placement, mode, column, device, args) -> tuple[Callable[[], None], nn.Module]:
     """One (placement, mode, column) cell's training step, built (and compiled) from seed 0, run under
-    the column's compile path."""
+    the column's compile path; and the (uncompiled) model it trains."""
     torch.manual_seed(0)
-    path = None
-    if column.startswith("default") and "compile path" in column:
-        path = column.split("compile path ")[-1].rstrip(")")
+    path = _compile_path(column)
     if column == "nn.TransformerEncoder":
         model: nn.Module = TorchEncoderLM(cfg, placement, device)
     else:
@@ -167,13 +200,13 @@ def prepare(cfg, placement, mode, column, device, args) -> Callable[[], None]:
     gpu = device == "cuda"
     step = make_step(fwd, tokens, cfg["vocab"], fused_adamw=gpu, autocast=gpu and not args.fp32)
     if path is None:
-        return step
+        return step, model
 
     def on_path() -> None:
         with policy.using_compile_path(path):
             step()
 
-    return on_path
+    return on_path, model
 
 
 def cell(times: list[float], cfg: dict, peak: float | None) -> dict:
@@ -181,151 +214,329 @@ def cell(times: list[float], cfg: dict, peak: float | None) -> dict:
     return {"tokens_per_s": cfg["batch"] * cfg["seq"] / med, "median_s": med, "peak_mib": peak}
 
 
+def _profile(step, model, cfg, mode, device, args) -> dict:
+    import step_profile
+
+    eager = mode == "eager"
+    return step_profile.profile_steps(
+        step,
+        device=device,
+        steps=args.profile_steps,
+        model=model if eager else None,
+        d_model=cfg["d_model"],
+        stream_shape=(cfg["batch"], cfg["seq"], cfg["d_model"]),
+    )
+
+
 def run_cells(cfg, placement, mode, cols, device, args) -> dict:
-    """tokens/s (and on a GPU peak memory) of every column of one row. On a GPU one column at a time
-    (each model freed before the next, so peak memory is its own); on the CPU the columns' steps
-    interleaved, so that load from other processes hits them alike."""
+    """tokens/s (and on a GPU peak memory) of every column of one row, and with ``--profile`` the
+    profile of the fused=False and default columns. On a GPU one column at a time (each model freed
+    before the next, so peak memory is its own); on the CPU the columns' steps interleaved, so that
+    load from other processes hits them alike."""
+    profiled = {"fused=False", "default"} if args.profile else set()
+    out: dict = {}
     if device == "cuda":
-        out = {}
         for col in cols:
             torch._dynamo.reset()  # the previous column's graphs (and CUDA graph pools) go
-            step = prepare(cfg, placement, mode, col, device, args)
+            step, model = prepare(cfg, placement, mode, col, device, args)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
             times = time_steps(step, device, args.warmup, args.steps)
             out[col] = cell(times, cfg, torch.cuda.max_memory_allocated() / 2**20)
-            del step
+            if col in profiled:
+                out[col]["profile"] = _profile(step, model, cfg, mode, device, args)
+            del step, model
             torch.cuda.empty_cache()
         return out
     torch._dynamo.reset()
-    steps = {col: prepare(cfg, placement, mode, col, device, args) for col in cols}
-    timers = {col: (lambda step=step: time_steps(step, device, 0, 1)[0]) for col, step in steps.items()}
+    prepared = {col: prepare(cfg, placement, mode, col, device, args) for col in cols}
+    timers = {col: (lambda step=s: time_steps(step, device, 0, 1)[0]) for col, (s, _) in prepared.items()}
     times, _ = interleaved(timers, args.steps, args.warmup)
-    return {col: cell(times[col], cfg, None) for col in cols}
+    for col, (step, model) in prepared.items():
+        out[col] = cell(times[col], cfg, None)
+        if col in profiled:
+            out[col]["profile"] = _profile(step, model, cfg, mode, device, args)
+    return out
 
 
-def columns(args) -> list[str]:
-    cols = list(COLUMNS)
+def realised(cells: dict) -> dict | None:
+    """The fused step's saving as a share of the unfused step's removable time (None unprofiled)."""
+    prof = cells.get("fused=False", {}).get("profile")
+    if prof is None or "default" not in cells:
+        return None
+    saving_ms = (cells["fused=False"]["median_s"] - cells["default"]["median_s"]) * 1e3
+    removable = prof["removable_ms"]
+    fused_prof = cells["default"].get("profile") or {}
+    remaining = sum(fused_prof.get("ms", {}).get(k, 0.0) for k in ("norm", "dropout", "add", "fused"))
+    return {
+        "removable_ms": removable,
+        "by_class_ms": {k: prof["ms"][k] for k in ("norm", "dropout", "add")},
+        "saving_ms": saving_ms,
+        "share": saving_ms / removable if removable > 0 else None,
+        "fused_remaining_ms": remaining if fused_prof else None,
+    }
+
+
+def columns(args, model: str) -> list[str]:
+    cols = [c for c in COLUMNS if c in args.columns]
+    if model != "gelu":  # nn.TransformerEncoderLayer has LayerNorm and GELU/ReLU only
+        cols = [c for c in cols if c != "nn.TransformerEncoder"]
     if args.compile_paths == "both":
         other = "kernel" if policy.compile_path() == "composite" else "composite"
         cols.append(f"default (compile path {other})")
     return cols
 
 
-def run(args) -> dict:
-    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
-    cfg = TINY if args.tiny else SMALL if (args.small or device == "cpu") else GPU
+def base_config(args, device: str) -> dict:
+    return TINY if args.tiny else SMALL if (args.small or device == "cpu") else GPU
+
+
+def cells_of(args, device: str) -> list[tuple[str, str, str, list[str]]]:
+    """The (model, placement, mode, columns) rows of this run, in order."""
     modes = args.modes or (
         ["eager", "compile", "reduce-overhead"] if device == "cuda" else ["eager", "compile"]
     )
     rows = []
-    for placement in args.placements:
-        for mode in modes:
-            cols = [c for c in columns(args) if mode != "eager" or not c.startswith("default (compile path")]
-            row = {
-                "placement": placement,
-                "mode": mode,
-                "cells": run_cells(cfg, placement, mode, cols, device, args),
-            }
-            for col, c in row["cells"].items():
-                mem = f"{c['peak_mib']:.0f} MiB" if c["peak_mib"] is not None else "-"
-                print(
-                    f"{placement:4s} {mode:15s} {col:36s} {c['tokens_per_s']:12,.0f} tok/s  {mem}", flush=True
-                )
-            rows.append(row)
-    machine = machine_info(device)
-    dtype = "fp32" if device == "cpu" or args.fp32 else "bf16 autocast"
-    return {
-        "machine": machine,
+    for model in args.models:
+        for placement in args.placements:
+            for mode in modes:
+                cols = [c for c in columns(args, model) if mode != "eager" or not _compile_path(c)]
+                rows.append((model, placement, mode, cols))
+    return rows
+
+
+def warm_compiles(args, device: str) -> dict:
+    """Compile every compiled cell of the run in ``args.warm`` processes at once (``--warm-column``), so
+    that the timed compiles load Inductor's and Triton's on-disk caches; the seconds it took and each
+    cell's exit status (a cell that fails or runs past ``--warm-timeout`` only costs its cache)."""
+    jobs = []
+    for model, placement, mode, cols in cells_of(args, device):
+        if mode != "eager":
+            jobs += [(model, placement, mode, col) for col in cols]
+    if not jobs:
+        return {"seconds": 0.0, "cells": {}}
+    workers = max(1, min(args.warm, len(jobs)))
+    env = dict(os.environ)
+    env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
+    base = [sys.executable, __file__, "--steps", "1", "--warmup", "1"]
+    base += ["--tiny"] if args.tiny else ["--small"] if args.small else []
+    base += ["--cpu"] if args.cpu else []
+    base += ["--fp32"] if args.fp32 else []
+    t0 = time.monotonic()
+    status: dict = {}
+    pending = list(jobs)
+    running: list = []
+    while pending or running:
+        while pending and len(running) < workers:
+            model, placement, mode, col = job = pending.pop(0)
+            argv = [
+                *base,
+                "--models",
+                model,
+                "--placements",
+                placement,
+                "--modes",
+                mode,
+                "--warm-column",
+                col,
+            ]
+            log = tempfile.TemporaryFile("w+")
+            proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+            running.append((job, proc, log))
+        time.sleep(0.2)
+        for entry in list(running):
+            job, proc, log = entry
+            over = time.monotonic() - t0 > args.warm_timeout
+            if proc.poll() is None and not over:
+                continue
+            if proc.poll() is None:
+                proc.kill()
+            rc = proc.wait()
+            log.seek(0)
+            err = log.read().strip()[-300:]
+            log.close()
+            status["/".join(job)] = "ok" if rc == 0 else f"exit {rc}: {err}"
+            running.remove(entry)
+        if time.monotonic() - t0 > args.warm_timeout:
+            for job in pending:
+                status["/".join(job)] = "not started (warm timeout)"
+            pending = []
+    seconds = time.monotonic() - t0
+    print(f"warm compiles: {len(jobs)} cells in {workers} processes, {seconds:.0f} s", flush=True)
+    return {"seconds": seconds, "cells": status}
+
+
+def warm_only(args, device: str) -> None:
+    """``--warm-column COL``: build and compile that column of the one requested (model, placement,
+    mode) cell and run a step (fills the caches)."""
+    (model,), (placement,), (mode,) = args.models, args.placements, args.modes
+    cfg = model_config(base_config(args, device), model)
+    step, _ = prepare(cfg, placement, mode, args.warm_column, device, args)
+    step()
+
+
+def run(args, on_row: Callable[[dict], None] | None = None) -> dict:
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    report = {
+        "machine": machine_info(device),
         "device": device,
-        "config": cfg,
-        "dtype": dtype,
+        "configs": {m: model_config(base_config(args, device), m) for m in args.models},
+        "dtype": "fp32" if device == "cpu" or args.fp32 else "bf16 autocast",
         "compile_path_default": policy.compile_path(),
         "steps": args.steps,
         "warmup": args.warmup,
-        "rows": rows,
+        "profile_steps": args.profile_steps if args.profile else None,
+        "rows": [],
     }
+    if args.warm:
+        report["warm"] = warm_compiles(args, device)
+    for model, placement, mode, cols in cells_of(args, device):
+        cfg = report["configs"][model]
+        row = {"model": model, "placement": placement, "mode": mode}
+        row["cells"] = run_cells(cfg, placement, mode, cols, device, args)
+        row["realised"] = realised(row["cells"])
+        for col, c in row["cells"].items():
+            mem = f"{c['peak_mib']:.0f} MiB" if c["peak_mib"] is not None else "-"
+            print(
+                f"{model:5s} {placement:4s} {mode:15s} {col:36s} {c['tokens_per_s']:12,.0f} tok/s  {mem}",
+                flush=True,
+            )
+        if row["realised"]:
+            r = row["realised"]
+            share = f"{r['share']:.0%}" if r["share"] is not None else "n/a"
+            print(f"      removable {r['removable_ms']:.2f} ms/step, saving {r['saving_ms']:.2f} ms: {share}")
+        report["rows"].append(row)
+        if on_row is not None:
+            on_row(report)
+    return report
 
 
 def check_targets(report: dict) -> list[dict]:
-    """Per row: default / fused=False (>= 1.05 in GPU eager, else >= 1.0), default / TransformerEncoder
-    >= 1.0 (GPU), peak memory default <= fused=False (GPU)."""
+    """Per row: default / fused=False >= 1.0; on a GPU also default / nn.TransformerEncoder >= 1.0
+    (where that column ran), peak memory default <= fused=False, and with a profile the realised share
+    of the removable time >= 70%."""
     out = []
     gpu = report["device"] == "cuda"
     for r in report["rows"]:
         c = r["cells"]
+        if "default" not in c or "fused=False" not in c:
+            continue
         d = c["default"]["tokens_per_s"]
-        need = 1.05 if gpu and r["mode"] == "eager" else 1.0
-        checks = [(f"default / fused=False >= {need}", d / c["fused=False"]["tokens_per_s"], need)]
+        checks = [("default / fused=False >= 1.0", d / c["fused=False"]["tokens_per_s"], 1.0, "{:.3f}x")]
+        if gpu and "nn.TransformerEncoder" in c:
+            te = d / c["nn.TransformerEncoder"]["tokens_per_s"]
+            checks.append(("default / nn.TransformerEncoder >= 1.0", te, 1.0, "{:.3f}x"))
         if gpu:
-            checks.append(
-                (
-                    "default / nn.TransformerEncoder >= 1.0",
-                    d / c["nn.TransformerEncoder"]["tokens_per_s"],
-                    1.0,
-                )
-            )
             mem = c["fused=False"]["peak_mib"] / c["default"]["peak_mib"]
-            checks.append(("peak memory unfused / default >= 1.0", mem, 1.0))
-        for name, value, bound in checks:
+            checks.append(("peak memory fused=False / default >= 1.0", mem, 1.0, "{:.3f}"))
+        share = (r.get("realised") or {}).get("share")
+        if gpu and share is not None:
+            checks.append(("realised share of removable time >= 70%", share, 0.7, "{:.0%}"))
+        for name, value, bound, fmt in checks:
             out.append(
                 {
+                    "model": r.get("model", "gelu"),
                     "placement": r["placement"],
                     "mode": r["mode"],
                     "target": name,
                     "value": value,
+                    "shown": fmt.format(value),
                     "met": value >= bound,
                 }
             )
     return out
 
 
+def _model_line(name: str, cfg: dict) -> str:
+    act = {"gelu": "GELU", "swiglu": "SwiGLU"}.get(cfg["activation"], cfg["activation"])
+    norm = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(cfg["norm"], cfg["norm"])
+    return (
+        f"- `{name}`: d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['n_heads']} heads, {norm} + "
+        f"{act}, d_ff {cfg['d_ff']}, {'biases' if cfg['bias'] else 'no biases'}, dropout {cfg['dropout']}, "
+        f"vocab {cfg['vocab']}, batch {cfg['batch']} x seq {cfg['seq']}"
+    )
+
+
 def to_markdown(report: dict) -> str:
-    m, cfg = report["machine"], report["config"]
-    title = "GPU" if report["device"] == "cuda" else "CPU"
+    m = report["machine"]
+    gpu = report["device"] == "cuda"
     cols = list(dict.fromkeys(k for r in report["rows"] for k in r["cells"]))
     lines = [
-        f"# Training step: addnorm.LanguageModel default vs fused=False vs nn.TransformerEncoder ({title})",
+        f"# Training step: addnorm.LanguageModel default vs fused=False ({'GPU' if gpu else 'CPU'})",
         "",
         machine_line(m),
         "",
-        f"LM: d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['n_heads']} heads, "
-        f"d_ff {cfg['d_ff']}, "
-        f"GELU, vocab {cfg['vocab']}, batch {cfg['batch']} x seq {cfg['seq']}, dropout {cfg['dropout']}, "
-        f"{report['dtype']}; AdamW{' (fused)' if report['device'] == 'cuda' else ''}. Step = forward + "
-        f"cross-entropy + backward + optimizer; tokens/s of the median of {report['steps']} steps after "
-        f"{report['warmup']} warmup steps. Default compile path of the op: {report['compile_path_default']}.",
+        *[_model_line(name, cfg) for name, cfg in report["configs"].items()],
+        "",
+        f"{report['dtype']}; AdamW{' (fused)' if gpu else ''}. Step = forward + cross-entropy + backward + "
+        f"optimizer; tokens/s of the median of {report['steps']} steps after {report['warmup']} warmup "
+        f"steps. Default compile path of the op: {report['compile_path_default']}.",
         "",
     ]
+    if report.get("warm"):
+        w = report["warm"]
+        failed = {k: v for k, v in w["cells"].items() if v != "ok"}
+        lines += [
+            f"Compiled cells precompiled in parallel ({w['seconds']:.0f} s); failed: {failed or 'none'}.",
+            "",
+        ]
     if report.get("note"):
         lines += [report["note"], ""]
-    head = ["placement", "mode"] + [f"{c} tokens/s" for c in cols] + ["default / fused=False"]
+    head = ["model", "placement", "mode"] + [f"{c} tokens/s" for c in cols] + ["default / fused=False"]
     head += ["default / nn.TransformerEncoder"]
-    if report["device"] == "cuda":
+    if gpu:
         head += [f"{c} peak MiB" for c in cols]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in report["rows"]:
         c = r["cells"]
-        cells = [r["placement"], r["mode"]]
+        cells = [r.get("model", "gelu"), r["placement"], r["mode"]]
         cells += [f"{c[k]['tokens_per_s']:,.0f}" if k in c else "-" for k in cols]
-        d = c["default"]["tokens_per_s"]
-        cells += [
-            f"{d / c['fused=False']['tokens_per_s']:.3f}x",
-            f"{d / c['nn.TransformerEncoder']['tokens_per_s']:.3f}x",
-        ]
-        if report["device"] == "cuda":
+        d = c["default"]["tokens_per_s"] if "default" in c else None
+        for other in ("fused=False", "nn.TransformerEncoder"):
+            cells.append(f"{d / c[other]['tokens_per_s']:.3f}x" if d and other in c else "-")
+        if gpu:
             cells += [f"{c[k]['peak_mib']:,.0f}" if k in c else "-" for k in cols]
         lines.append("| " + " | ".join(cells) + " |")
+    profiled = [r for r in report["rows"] if r.get("realised")]
+    if profiled:
+        lines += [
+            "",
+            "## What fusion can remove (torch profiler)",
+            "",
+            f"Removable time: what the fused=False step spends in the branch dropout, the residual add and "
+            f"the norms, forward and backward ({'kernel time' if gpu else 'CPU time of the ops'}, mean of "
+            f"{report['profile_steps']} profiled steps; how ops are classified: "
+            "`benchmarks/step_profile.py`). "
+            "Saving: fused=False step time - default step time (the timed medians). Realised = saving / "
+            "removable. Remaining: what the default step still spends in add & norm (the fused op's kernels "
+            "included).",
+            "",
+            "| model | placement | mode | removable ms/step | norm | dropout | add | saving ms/step "
+            "| realised | remaining ms/step |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in profiled:
+            x = r["realised"]
+            share = f"{x['share']:.0%}" if x["share"] is not None else "n/a (nothing classified)"
+            rem = f"{x['fused_remaining_ms']:.2f}" if x["fused_remaining_ms"] is not None else "-"
+            by = x["by_class_ms"]
+            lines.append(
+                f"| {r.get('model', 'gelu')} | {r['placement']} | {r['mode']} | {x['removable_ms']:.2f} | "
+                f"{by['norm']:.2f} | {by['dropout']:.2f} | {by['add']:.2f} | {x['saving_ms']:.2f} | {share} "
+                f"| {rem} |"
+            )
     lines += [
         "",
         "## Targets",
         "",
-        "| placement | mode | target | value | met |",
-        "| --- | --- | --- | --- | --- |",
+        "| model | placement | mode | target | value | met |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for t in check_targets(report):
         met = "yes" if t["met"] else "NO"
-        lines.append(f"| {t['placement']} | {t['mode']} | {t['target']} | {t['value']:.3f} | {met} |")
+        lines.append(
+            f"| {t['model']} | {t['placement']} | {t['mode']} | {t['target']} | {t['shown']} | {met} |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -335,21 +546,38 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tiny", action="store_true", help="smoke-test shapes")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU even when CUDA is present")
     ap.add_argument("--fp32", action="store_true", help="no bf16 autocast on the GPU")
+    ap.add_argument("--models", nargs="+", default=["gelu"], choices=list(MODELS))
     ap.add_argument("--placements", nargs="+", default=["pre", "post"], choices=["pre", "post"])
     ap.add_argument("--modes", nargs="+", default=None, choices=["eager", "compile", "reduce-overhead"])
+    ap.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=list(COLUMNS))
     ap.add_argument("--compile-paths", choices=["default", "both"], default="both")
+    ap.add_argument(
+        "--profile", action="store_true", help="removable time and the share the fused step gains"
+    )
+    ap.add_argument("--profile-steps", type=int, default=2)
+    ap.add_argument("--warm", type=int, default=0, help="precompile the compiled cells in N processes")
+    ap.add_argument("--warm-timeout", type=float, default=150.0, help="seconds for the precompile")
+    ap.add_argument("--warm-column", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_argument(ap)
     ap.add_argument("--note", default="", help="a line recorded with the results (e.g. machine load)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    report = run(args)
-    report["note"] = args.note
-    stem = "lm_step_cuda" if report["device"] == "cuda" else "lm_step_cpu"
-    write_results(args.out, stem, to_markdown(report), report)
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    if args.warm_column is not None:
+        warm_only(args, device)
+        return
+    stem = f"lm_step_{device_slug(torch.cuda.get_device_name() if device == 'cuda' else 'cpu')}"
+
+    def write(report: dict, quiet: bool = True) -> None:
+        report["note"] = args.note
+        write_results(args.out, stem, to_markdown(report), report, quiet=quiet)
+
+    report = run(args, on_row=write)
+    write(report, quiet=False)
 
 
 if __name__ == "__main__":

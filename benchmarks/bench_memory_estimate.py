@@ -23,6 +23,7 @@ sys.path.insert(0, str(HERE))
 
 import torch  # noqa: E402
 from machine import machine_info, machine_line, write_results  # noqa: E402
+from results_path import add_record_argument, out_dir  # noqa: E402
 
 from addnorm.study.limits import estimate_memory, fmt_bytes  # noqa: E402
 from addnorm.train import RunConfig  # noqa: E402
@@ -94,6 +95,7 @@ def measure(settings: dict) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help=f"only {len(QUICK)} configs")
+    add_record_argument(parser)
     args = parser.parse_args()
     rows = []
     for name, settings in CONFIGS.items():
@@ -132,7 +134,7 @@ def main() -> None:
     under = [r["config"] for r in rows if r["ratio"] < 1]
     lines += ["", f"Estimate below the measured peak: {', '.join(under) if under else 'none'}."]
     name = "memory_estimate_cpu" + ("_quick" if args.quick else "")
-    write_results(HERE / "results", name, "\n".join(lines) + "\n", {"machine": machine, "runs": rows})
+    write_results(out_dir(args), name, "\n".join(lines) + "\n", {"machine": machine, "runs": rows})
     print("\n".join(lines))
 
 

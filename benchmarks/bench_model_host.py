@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 from machine import cpu_model, write_results
+from results_path import add_out_argument
 from timing import interleaved
 
 D_MODEL, HEADS, D_FF, LAYERS, BATCH, SEQ, DROPOUT = 64, 4, 128, 4, 4, 32, 0.1
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--baseline", type=Path, default=None, help="an older checkout to compare with")
     parser.add_argument("--label", default="this tree")
     parser.add_argument("--baseline-label", default="baseline")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_argument(parser)
     parser.add_argument("--measure-only", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.measure_only:  # a child of --baseline: one JSON line

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from machine import machine_info, machine_line, write_results  # noqa: E402
 from procs import run_spawned  # noqa: E402
+from results_path import add_out_argument  # noqa: E402
 
 __all__ = ["CommBytes", "STRATEGIES", "main", "run_rank"]
 
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", nargs="+", default=list(DEFAULT_SHAPES), help="BxTxH, e.g. 8x512x1024")
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results")
+    add_out_argument(ap)
     args = ap.parse_args(argv)
     shapes = [_shape(s) for s in args.shapes]
     world = WORLD

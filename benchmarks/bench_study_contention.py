@@ -26,10 +26,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import torch
 from machine import cpu_model
+from results_path import add_out_argument
 
 RIVALS = {
     "busy": [sys.executable, "-c", "while True: pass"],
@@ -69,7 +69,7 @@ def main() -> None:
     parser.add_argument("--preset", default="quick")
     parser.add_argument("--rivals", default="busy,torch", help="comma-separated: busy, torch")
     parser.add_argument("--single", action="store_true", help="also time one run at 1 and 2 threads")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_argument(parser)
     args = parser.parse_args()
     rivals = [None] + [r for r in args.rivals.split(",") if r]
     rows = []

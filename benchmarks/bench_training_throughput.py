@@ -19,11 +19,11 @@ import datetime as dt
 import os
 import statistics
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from machine import cpu_model, write_results
+from results_path import add_out_argument
 from torch import nn
 
 import addnorm as an
@@ -107,7 +107,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", default=str(torch.get_num_threads()), help="comma-separated counts")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_argument(parser)
     args = parser.parse_args()
     counts = [int(t) for t in args.threads.split(",")]
     results = [bench(p, args.reps, args.warmup, t) for t in counts for p in ("post", "pre")]

@@ -61,6 +61,7 @@ sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 from machine import machine_info, machine_line, write_results  # noqa: E402
 from procs import free_port, interruptible, pool_workers, session  # noqa: E402
+from results_path import add_record_argument, out_dir  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=30, batch_size=4, seq_len=16, eval_every=10)
@@ -665,7 +666,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=2, help="trials per kill phase and worker count (2)")
     parser.add_argument("--only", default="", help="comma-separated substrings of the faults to run")
     parser.add_argument("--list", action="store_true", help="list the faults and exit")
-    parser.add_argument("--no-record", action="store_true", help="do not write benchmarks/results/")
+    parser.add_argument("--no-record", action="store_true", help="write no results at all")
+    add_record_argument(parser)
     args = parser.parse_args()
     table = trials(args.repeat)
     if args.list:
@@ -742,7 +744,7 @@ def main() -> None:
     text = "\n".join(lines) + "\n"
     print(text)
     if not args.no_record:
-        write_results(HERE / "results", "fault_trials", text, {"machine": machine, "trials": details})
+        write_results(out_dir(args), "fault_trials", text, {"machine": machine, "trials": details})
 
 
 if __name__ == "__main__":

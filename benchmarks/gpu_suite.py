@@ -1,37 +1,62 @@
-"""Everything the GPU measures, in one command: ``make gpu-bench`` or ``python benchmarks/gpu_suite.py``.
+"""Everything the GPU measures, in one device call of at most 8 minutes: ``make gpu-bench`` or
+``PYTHONPATH=src python benchmarks/gpu_suite.py --out $OUT``.
 
-One process tree, at most ``--budget`` seconds (600 by default, an H100's ten minutes), steps in
-order, each a child process with its own time limit (killed with its process group when it runs
-over; the next step still runs):
+Steps in order, each a child process in its own process group with its own budget (killed with its
+group when it runs over; the next step still runs):
 
-1. ``pytest -m gpu``: the tests that need CUDA;
-2. the op bandwidth table (``bench_add_norm.py``: eager, torch.compile, Liger-Kernel and flash-attn's
-   Triton layer norm where they import, addnorm eager and compiled);
-3. host time per call with real launches (``bench_host_overhead.py`` on CUDA tensors);
-4. the LM training step (``bench_lm_step.py``: default / ``fused=False`` / ``nn.TransformerEncoder``;
-   eager, torch.compile with both compile paths, reduce-overhead; tokens/s and peak memory);
-5. the Hugging Face Llama step (``bench_hf_step.py --gpu``: plain / fused / Liger).
+1. ``gpu_tests``: ``pytest -m gpu``, the tests that need CUDA;
+2. ``ops``: the op table (``bench_add_norm.py``: bf16, LayerNorm and RMSNorm, Pre-LN and Post-LN,
+   dropout 0 and 0.1, hidden 256 ... 16384; eager, torch.compile, Liger where it imports, addnorm; fwd
+   and fwd+bwd as % of the same run's copy bandwidth), shapes compiled first in parallel processes and
+   reps sized to the step's budget;
+3. ``host_overhead``: host time per call with real launches (``bench_host_overhead.py``);
+4. ``lm_step``: the two LMs (addnorm's LayerNorm + GELU with dropout 0.1, Llama-style RMSNorm + SwiGLU
+   without), Pre-LN, default vs ``fused=False``, eager and torch.compile, with the profiler's removable
+   time and the share the fused step realises (``bench_lm_step.py``);
+5. ``hf_step``: the Hugging Face Llama step, plain / ``addnorm.hf.fuse`` / Liger, eager, with the
+   removable time (``bench_hf_step.py``).
 
-Each benchmark writes its table with the device name into ``benchmarks/results/``; the suite adds
-``gpu_suite_<device>.md`` / ``.json``: every step's command, exit status, seconds and log tail.
+**Budgets.** Each step's limit is in ``plan()``; with ``STARTUP_S`` for the suite's own start (Python,
+torch, the device query, optional wheels) they sum to at most ``CALL_S`` = 480 s, and ``--dry-run``
+(tested in CI) prints the plan and fails if they do not fit ``--budget``. The op table and the LM step
+also get an inner budget a little under their limit, so that they finish and write on their own.
+
+**What is written.** Every step writes into its own scratch folder; as each step ends the suite
+copies its Markdown tables into ``--out`` (default ``$OUT`` when that variable is set, as on the device
+machine, else ``benchmarks/results``), named by device (``add_norm_h100.md``, ``lm_step_h200.md``;
+a table a step names ``_cuda`` / ``_gpu`` is renamed so), and rewrites the suite's own two files:
+``gpu_suite_<device>.md`` (each step's budget, status, seconds and log tail; the GPU tests' result;
+which extras were not installed) and ``gpu_suite_<device>.json`` (that summary, and every file each
+step wrote, Markdown and JSON, by name). Six files in all, within what a device call returns (8 files).
+``--unpack gpu_suite_h100.json --out benchmarks/results`` writes the bundled files out to commit them.
+A step past its budget leaves one line in its table, "timed out after N s" (under the rows it
+finished, or alone); a missing extra (Liger, flash-attn, transformers, Triton) is one line, "not
+installed", never a lost table. Nothing here changes a result of the library.
+
+**The commit** each table names is the code that ran: ``--commit SHA`` (the lead's tree's HEAD, since
+the device's copy of the tree may have no ``.git``), else ``benchmarks/.commit``, else ``git rev-parse
+HEAD`` (``results_path.commit_info``); the suite passes it to every step and records where it came from.
 
 It runs on a bare device image (torch and Triton preinstalled, the tree copied, ``PYTHONPATH=src``):
 no virtual environment, no network. Optional wheels (Liger-Kernel, flash-attn) may travel beside the
-tree in ``--wheels DIR`` (default ``benchmarks/wheels`` when it exists): they are installed with
-``pip --no-index --no-deps --target`` into a scratch folder on the children's ``PYTHONPATH``, leaving
-the image's packages alone. ``--dry-run`` plans every step and prints it, launching nothing (CI).
+tree in ``--wheels DIR`` (default ``benchmarks/wheels`` when it exists: git-ignored, so name it in
+the device call's ``carry``; ``pip download liger-kernel==0.8.5 --no-deps -d benchmarks/wheels``):
+installed with ``pip --no-index --no-deps --target`` into a scratch folder on the children's
+``PYTHONPATH``.
 
-Measured on an H100: the default plan's whole-model compiles and the op table for four dtypes did not
-fit in ten minutes; ``--full`` plans them (about 20 minutes: two device calls, or one long session).
-
-    python benchmarks/gpu_suite.py [--dry-run] [--full] [--budget 600] [--only ops lm_step] [--wheels DIR]
+    PYTHONPATH=src python benchmarks/gpu_suite.py [--dry-run] [--only ops lm_step] [--commit SHA]
+        [--budget 480] [--out DIR] [--wheels DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime as dt
+import importlib.util
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,108 +64,80 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from shlex import split
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
+sys.path.insert(0, str(BENCH))
+from results_path import RESULTS, commit_info  # noqa: E402
+
+CALL_S = 480  # one device call: 8 minutes
+STARTUP_S = 25  # the suite's own: Python and torch import, the device query, wheels, writing
+OUT_TOKEN = "{out}"  # replaced in a step's argv by its scratch folder
 
 
 @dataclass
 class Step:
-    """One child process of the suite: ``argv`` run in the repository root within ``timeout_s``."""
+    """One child process of the suite: ``argv`` run in the repository root within ``timeout_s``; it
+    writes the tables ``tables`` (stems, before the device suffix) into ``{out}``; ``needs``: modules
+    without which it cannot run (a missing one is a "not installed" line instead)."""
 
     name: str
     what: str
     argv: list[str]
     timeout_s: int
+    tables: tuple[str, ...] = ()
+    needs: tuple[str, ...] = ()
     result: dict = field(default_factory=dict)
 
 
-def plan(py: str = sys.executable, out: Path = BENCH / "results", full: bool = False) -> list[Step]:
-    """The suite's steps, in order, with their time limits (seconds; 505 in all, so that the suite
-    with its start-up fits ten minutes on an H100, measured there 2026-11-24). ``full`` adds what does
-    not fit in ten minutes (whole-model compiles take 20-40 s each on an H100): the op table for every
-    dtype and Post-LN, the LM step's second compile path ("kernel"), reduce-overhead and Post-LN, the
-    HF step compiled; about 20 minutes."""
-    o = ["--out", str(out)]
-    if full:
-        return [
-            Step("gpu_tests", "pytest -m gpu", [py, *split("-m pytest -m gpu -q -p no:cacheprovider")], 90),
-            Step(
-                "ops",
-                "op bandwidth, every dtype, Pre-LN and Post-LN",
-                [py, str(BENCH / "bench_add_norm.py"), *split("--reps 10 --warmup 2"), *o],
-                600,
-            ),  # fmt: skip
-            Step(
-                "host_overhead",
-                "host time per call, real launches",
-                [py, str(BENCH / "bench_host_overhead.py"), *split("--label gpu --samples 15"), *o],
-                60,
-            ),  # fmt: skip
-            Step(
-                "lm_step",
-                "LM step: eager, compile (both paths), reduce-overhead; Pre-LN and Post-LN",
-                [
-                    py,
-                    str(BENCH / "bench_lm_step.py"),
-                    *split("--modes eager compile reduce-overhead"),
-                    *split("--compile-paths both --steps 8 --warmup 2"),
-                    *o,
-                ],
-                480,
-            ),  # fmt: skip
-            Step(
-                "hf_step",
-                "HF Llama step: plain / fused / Liger; eager and compile",
-                [py, str(BENCH / "bench_hf_step.py"), *split("--gpu --reps 10 --warmup 3"), *o],
-                240,
-            ),  # fmt: skip
-        ]
+def plan(py: str = sys.executable) -> list[Step]:
+    """The suite's steps in order with their limits (seconds; with ``STARTUP_S`` at most ``CALL_S``).
+
+    Sized from the H100 runs of 2026-11-24 (``gpu_h100.md``: ``pytest -m gpu`` 54 s, host time 32 s at
+    15 samples, one LM's eager + compiled columns 140 s with three cold whole-model compiles, the HF
+    step eager 37 s) and the CPU measurements of compile cost in ``bench_add_norm.py`` and
+    ``bench_lm_step.py`` (cached compiles ~10x cheaper than cold): the op table's 56 shapes compile in
+    8 processes at once, then time from the caches; the LM step's four compiled cells compile in 4
+    processes at once."""
+    b = str(BENCH)
+    # fmt: off
     return [
         Step(
-            "gpu_tests",
-            "pytest -m gpu",
-            [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider"],
-            75,
+            "gpu_tests", "pytest -m gpu: the tests that need CUDA",
+            [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
+            65, needs=("pytest",),
         ),
         Step(
             "ops",
-            "op bandwidth, bf16 Pre-LN, hidden 1K/4K/16K: eager, torch.compile, Liger, flash-attn, addnorm",
-            [
-                py,
-                str(BENCH / "bench_add_norm.py"),
-                *split("--dtypes bfloat16 --prenorm on --hidden 1024 4096 16384"),
-                *split("--reps 10 --warmup 2"),
-                *o,
-            ],  # fmt: skip
-            170,
+            "op table: bf16, LayerNorm/RMSNorm, Pre-/Post-LN, dropout 0/0.1, hidden 256-16384; eager, "
+            "torch.compile, Liger, addnorm; fwd and fwd+bwd vs copy",
+            [py, f"{b}/bench_add_norm.py", "--budget", "115", "--warm", "8", "--warm-timeout", "50",
+             "--reps", "30", "--min-reps", "5", "--out", OUT_TOKEN],
+            135, tables=("add_norm",),
         ),
         Step(
-            "host_overhead",
-            "host time per call, real launches",
-            [py, str(BENCH / "bench_host_overhead.py"), "--label", "gpu", "--samples", "15", *o],
-            40,
+            "host_overhead", "host time per call with real launches",
+            [py, f"{b}/bench_host_overhead.py", "--label", "gpu", "--samples", "10", "--out", OUT_TOKEN],
+            35, tables=("host_overhead",),
         ),
         Step(
             "lm_step",
-            "LM step, Pre-LN: default / fused=False / nn.TransformerEncoder; eager, torch.compile",
-            [
-                py,
-                str(BENCH / "bench_lm_step.py"),
-                *split("--placements pre --modes eager compile"),
-                *split("--compile-paths default --steps 8 --warmup 2"),
-                *o,
-            ],  # fmt: skip
-            160,
+            "LM step, Pre-LN: gelu (LayerNorm+GELU, dropout 0.1) and llama (RMSNorm+SwiGLU); default vs "
+            "fused=False; eager and torch.compile; removable time",
+            [py, f"{b}/bench_lm_step.py", "--models", "gelu", "llama", "--placements", "pre",
+             "--modes", "eager", "compile", "--columns", "default", "fused=False", "--compile-paths",
+             "default", "--steps", "6", "--warmup", "2", "--profile", "--profile-steps", "2",
+             "--warm", "4", "--warm-timeout", "70", "--out", OUT_TOKEN],
+            170, tables=("lm_step",),
         ),
         Step(
-            "hf_step",
-            "HF Llama step: plain / fused / Liger; eager",
-            [py, str(BENCH / "bench_hf_step.py"), *split("--gpu --modes eager --reps 10 --warmup 3"), *o],
-            60,
+            "hf_step", "HF Llama 134M step: plain / addnorm.hf.fuse / Liger, eager; removable time",
+            [py, f"{b}/bench_hf_step.py", "--gpu", "--modes", "eager", "--reps", "8", "--warmup", "3",
+             "--profile", "--out", OUT_TOKEN],
+            50, tables=("hf_step",), needs=("transformers",),
         ),
     ]
+    # fmt: on
 
 
 def install_wheels(wheels: Path, py: str) -> tuple[str | None, str]:
@@ -155,44 +152,99 @@ def install_wheels(wheels: Path, py: str) -> tuple[str | None, str]:
     return (target if out.returncode == 0 else None), (out.stdout + out.stderr)[-2000:]
 
 
-def run_step(step: Step, env: dict[str, str], deadline: float) -> dict:
-    """Run one step in its own process group, within its limit and the suite's deadline; kill the
-    group when it runs over. Its exit status, seconds and the tail of its output."""
-    limit = max(1.0, min(step.timeout_s, deadline - time.monotonic()))
+def run_step(step: Step, env: dict[str, str], limit: float, out: Path) -> dict:
+    """Run one step in its own process group within ``limit`` seconds, its output folder ``out``; kill
+    the group when it runs over. Its exit status, seconds and the tail of its output."""
+    argv = [str(out) if a == OUT_TOKEN else a for a in step.argv]
     t0 = time.monotonic()
-    proc = subprocess.Popen(
-        step.argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
+    log = tempfile.TemporaryFile("w+")
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
     try:
-        log, _ = proc.communicate(timeout=limit)
+        proc.wait(timeout=limit)
         timed_out = False
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        log, _ = proc.communicate()
+        proc.wait()
         timed_out = True
+    try:  # whatever the step left running in its group goes with it
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    log.seek(0)
+    text = log.read()
+    log.close()
     return {
         "rc": proc.returncode,
         "timed_out": timed_out,
+        "limit_s": round(limit, 1),
         "seconds": round(time.monotonic() - t0, 1),
-        "log_tail": (log or "")[-3000:],
+        "log_tail": text[-3000:],
+        "summary": _pytest_summary(text),
     }
+
+
+def _pytest_summary(text: str) -> str | None:
+    found = re.findall(r"^=*\s*(\d+ (?:passed|failed|error|skipped|deselected).*?)\s*=*$", text, flags=re.M)
+    return found[-1] if found else None
+
+
+def table_name(file: str, slug: str) -> str:
+    """A step's file named by device: ``x_cuda.md`` / ``x_gpu.md`` become ``x_<slug>.md``."""
+    return re.sub(r"_(cuda|gpu)(\.\w+)$", rf"_{slug}\2", file)
+
+
+def status_line(step: Step) -> str:
+    r = step.result
+    if r.get("skipped"):
+        return r["skipped"]
+    if r.get("timed_out"):
+        return f"timed out after {r['limit_s']:.0f} s"
+    return "ok" if r.get("rc") == 0 else f"exit {r.get('rc')}"
+
+
+def collect(step: Step, scratch: Path, out: Path, slug: str, header: str, files: dict[str, str]) -> None:
+    """Copy the step's Markdown tables into ``out`` (named by device) and every file it wrote into
+    ``files``; a step that timed out, failed or was skipped says so in one line of each table it
+    owns (under the rows it finished, or alone in a table of its own)."""
+    for path in sorted(scratch.glob("*")) if scratch.is_dir() else []:
+        if not path.is_file():
+            continue
+        name = table_name(path.name, slug)
+        files[name] = path.read_text()
+        if path.suffix == ".md":
+            shutil.copyfile(path, out / name)
+    status = status_line(step)
+    if status == "ok":
+        return
+    for stem in step.tables:
+        name = f"{stem}_{slug}.md"
+        line = f"**{step.name}: {status}**" + (
+            " (the rows above are those it finished)" if name in files else " before writing a table."
+        )
+        text = files.get(name) or f"# {step.what}\n\n{header}\n"
+        files[name] = text.rstrip("\n") + f"\n\n{line}\n"
+        (out / name).write_text(files[name])
 
 
 def to_markdown(report: dict) -> str:
     lines = [
         "# GPU suite",
         "",
-        f"Device: {report['device']}; torch {report['torch']}; commit {report['commit']}; {report['date']}; "
-        f"{report['seconds']:.0f} s of a {report['budget_s']} s budget. Wheels: {report['wheels']}.",
+        f"Device: {report['device']}; torch {report['torch']}, Triton {report['triton']}; commit "
+        f"{report['commit']} ({report['commit_source']}); {report['date']}. {report['seconds']:.0f} s of a "
+        f"{report['budget_s']} s budget (start-up {report['startup_s']:.0f} s). Wheels: {report['wheels']}.",
         "",
-        "| step | what | exit | seconds | limit |",
-        "| --- | --- | --- | --- | --- |",
     ]
+    for name, why in report.get("missing", {}).items():
+        lines.append(f"- {name}: {why}")
+    lines += ["", "| step | what | status | seconds | budget |", "| --- | --- | --- | --- | --- |"]
     for s in report["steps"]:
         r = s["result"]
-        status = "timed out" if r.get("timed_out") else str(r.get("rc", "skipped"))
-        lines.append(f"| {s['name']} | {s['what']} | {status} | {r.get('seconds', 0)} | {s['timeout_s']} |")
+        status = status_line(Step(**s)) if r else "not run"
+        if r.get("summary"):
+            status += f" ({r['summary']})"
+        lines.append(f"| {s['name']} | {s['what']} | {status} | {r.get('seconds', '-')} | {s['timeout_s']} |")
     lines.append("")
     for s in report["steps"]:
         if s["result"].get("log_tail"):
@@ -200,69 +252,129 @@ def to_markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def run_suite(
+    steps: list[Step], *, out: Path, slug: str, report: dict, env: dict[str, str], budget: float, start: float
+) -> dict:
+    """Run ``steps`` in order within ``budget`` seconds from ``start`` (monotonic), each within its own
+    limit; after each, collect its files and rewrite the suite's summary and bundle in ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    scratch_root = Path(tempfile.mkdtemp(prefix="addnorm-gpu-suite-"))
+    files: dict[str, str] = {}
+    deadline = start + budget
+    header = (
+        f"Device: {report['device']}; torch {report['torch']}, Triton {report['triton']}; commit "
+        f"{report['commit']} ({report['commit_source']}); {report['date']}."
+    )
+    report["steps"] = [asdict(s) for s in steps]
+    for i, s in enumerate(steps):
+        missing = [m for m in s.needs if importlib.util.find_spec(m) is None]
+        left = deadline - time.monotonic()
+        scratch = scratch_root / s.name
+        scratch.mkdir()
+        if missing:
+            s.result = {"skipped": f"not installed: {', '.join(missing)}"}
+        elif left < 5:
+            s.result = {"skipped": f"not run: the suite's budget of {budget:.0f} s was spent"}
+        else:
+            print(f"[{s.name}] <= {min(s.timeout_s, left):.0f} s: {s.what}", flush=True)
+            s.result = run_step(s, env, min(s.timeout_s, left), scratch)
+        print(f"[{s.name}] {status_line(s)} in {s.result.get('seconds', 0)} s", flush=True)
+        collect(s, scratch, out, slug, header, files)
+        report["steps"][i] = asdict(s)
+        report["seconds"] = time.monotonic() - start
+        summary = to_markdown(report)
+        files[f"gpu_suite_{slug}.md"] = summary
+        (out / f"gpu_suite_{slug}.md").write_text(summary)
+        bundle = {"summary": report, "files": files}
+        (out / f"gpu_suite_{slug}.json").write_text(json.dumps(bundle, indent=1) + "\n")
+    shutil.rmtree(scratch_root, ignore_errors=True)
+    print(f"wrote {out}/gpu_suite_{slug}.md and .json (every file: --unpack the .json)", flush=True)
+    return report
+
+
+def unpack(bundle: Path, out: Path) -> list[Path]:
+    """Write every file of a suite's bundle (``gpu_suite_<device>.json``) into ``out``."""
+    files = json.loads(bundle.read_text())["files"]
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, text in files.items():
+        if Path(name).name != name:
+            raise SystemExit(f"--unpack: {bundle} names a file outside the folder: {name!r}")
+        (out / name).write_text(text)
+        written.append(out / name)
+    return written
+
+
+def default_out() -> Path:
+    return Path(os.environ["OUT"]) if os.environ.get("OUT") else RESULTS
+
+
 def main(argv: list[str] | None = None) -> int:
+    t_start = time.monotonic()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="plan and print every step, launch nothing")
-    ap.add_argument("--full", action="store_true", help="every mode, dtype and compile path (~20 min)")
-    ap.add_argument("--budget", type=int, default=None, help="seconds for the whole suite (600; --full 1500)")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and its budgets, run nothing")
+    ap.add_argument("--budget", type=int, default=CALL_S, help=f"seconds for the whole suite ({CALL_S})")
     ap.add_argument("--only", nargs="+", default=None, help="run only these steps (by name)")
+    ap.add_argument("--commit", default=None, help="the commit of the tree that runs (default: see --help)")
     ap.add_argument("--wheels", type=Path, default=BENCH / "wheels", help="optional wheels to install")
-    ap.add_argument("--out", type=Path, default=BENCH / "results")
+    ap.add_argument("--out", type=Path, default=None, help="default: $OUT when set, else benchmarks/results")
+    ap.add_argument("--unpack", type=Path, default=None, help="write a bundle's files into --out and stop")
     args = ap.parse_args(argv)
-    steps = plan(out=args.out, full=args.full)
-    args.budget = args.budget or (1500 if args.full else 600)
+    out = args.out or default_out()
+    if args.unpack is not None:
+        for path in unpack(args.unpack, args.out or RESULTS):
+            print(f"wrote {path}")
+        return 0
+    steps = plan()
     names = [s.name for s in steps]
     if args.only:
         unknown = sorted(set(args.only) - set(names))
         if unknown:
             raise SystemExit(f"--only: expected step names from {names}, got {unknown}")
         steps = [s for s in steps if s.name in args.only]
+    total = STARTUP_S + sum(s.timeout_s for s in steps)
     for s in steps:
         print(f"[{s.name}] <= {s.timeout_s} s: {s.what}\n    {' '.join(s.argv)}", flush=True)
+    print(f"start-up <= {STARTUP_S} s; {len(steps)} steps; {total} s of a {args.budget} s budget; out {out}")
+    if total > args.budget:
+        raise SystemExit(f"--budget: the plan needs {total} s, more than the budget of {args.budget} s")
     if args.dry_run:
-        print(
-            f"dry run: {len(steps)} steps planned, {sum(s.timeout_s for s in steps)} s of limits; nothing run"
-        )
+        print("dry run: nothing run")
         return 0
-    import datetime as dt
-
+    commit, source = (args.commit, "--commit") if args.commit else commit_info()
+    sys.path.insert(0, str(ROOT / "src"))  # machine reads addnorm's provenance; PYTHONPATH=src or not
     import torch
+    from machine import device_slug, package_version
 
     if not torch.cuda.is_available():
-        raise SystemExit("gpu_suite: no CUDA device (use --dry-run to see the plan)")
-    start = time.monotonic()
-    deadline = start + args.budget - 5
-    env = dict(os.environ)
+        raise SystemExit("gpu_suite: no CUDA device (--dry-run shows the plan)")
+    env = dict(os.environ, ADDNORM_BENCH_COMMIT=commit, ADDNORM_BENCH_COMMIT_SOURCE=source)
     paths = [str(ROOT / "src")]
     wheels = "none"
     if args.wheels.is_dir():
         target, log = install_wheels(args.wheels, sys.executable)
         wheels = f"installed from {args.wheels}" if target else f"not installed ({log.strip()[-200:]})"
         paths += [target] if target else []
+        sys.path[:0] = [target] if target else []  # so that the extras below are looked up there too
     env["PYTHONPATH"] = os.pathsep.join([*paths, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    for s in steps:
-        if time.monotonic() > deadline - 10:
-            s.result = {"rc": None, "skipped": "out of budget"}
-            continue
-        s.result = run_step(s, env, deadline)
-        print(f"[{s.name}] exit {s.result['rc']} in {s.result['seconds']} s", flush=True)
     device = torch.cuda.get_device_name()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    extras = {"triton": "triton", "liger-kernel": "liger_kernel", "flash-attn": "flash_attn"}
+    extras |= {"transformers": "transformers", "pytest": "pytest"}
+    missing = {name: "not installed" for name, mod in extras.items() if importlib.util.find_spec(mod) is None}
     report = {
         "device": device,
         "torch": torch.__version__,
-        "commit": commit.stdout.strip() or "unknown",
+        "triton": package_version("triton"),
+        "commit": commit,
+        "commit_source": source,
         "date": dt.date.today().isoformat(),
         "budget_s": args.budget,
-        "seconds": time.monotonic() - start,
+        "startup_s": time.monotonic() - t_start,
         "wheels": wheels,
-        "steps": [asdict(s) for s in steps],
+        "missing": missing,
     }
-    slug = "".join(c if c.isalnum() else "_" for c in device.lower()).strip("_")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"gpu_suite_{slug}.md").write_text(to_markdown(report))
-    (args.out / f"gpu_suite_{slug}.json").write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}/gpu_suite_{slug}.md and .json")
+    run_suite(steps, out=out, slug=device_slug(device), report=report, env=env, budget=args.budget - 5,
+              start=t_start)  # fmt: skip
     return 0 if all(s.result.get("rc") == 0 for s in steps) else 1
 
 

@@ -1,58 +1,89 @@
-"""What the benchmarks record: the machine they ran on (the study's provenance reads it the same way) and
-their results, one Markdown table and one JSON file per benchmark under ``benchmarks/results/``."""
+"""What the benchmarks record: the machine they ran on (the study's provenance reads it the same way), the
+commit of the code that ran, and their results, one Markdown table and one JSON file per benchmark.
+
+The commit of the code that ran is ``results_path.commit_info``'s (with where it came from).
+"""
 
 from __future__ import annotations
 
 import datetime as dt
+import importlib.metadata
 import json
 import os
 import platform
-import subprocess
+import re
 from pathlib import Path
 
 import torch
+from results_path import SCRATCH, commit_info
 
 from addnorm.study.provenance import cpu_model
 
-__all__ = ["cpu_model", "machine_info", "machine_line", "write_results"]
+__all__ = [
+    "commit_info",
+    "cpu_model",
+    "device_slug",
+    "machine_info",
+    "machine_line",
+    "package_version",
+    "write_results",
+]
 
 
-def _commit() -> str:
+def package_version(name: str) -> str:
+    """An installed distribution's version without importing it, or "not installed"."""
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-        return out.stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def device_slug(name: str) -> str:
+    """A device name as a file-name suffix: the GPU model ("NVIDIA H100 80GB HBM3" -> "h100",
+    "NVIDIA H200" -> "h200"), "cpu" for the CPU, else the name in lower case with "_" for the rest."""
+    if name.lower() == "cpu":
+        return "cpu"
+    found = re.search(r"\b([A-Z]{1,2}\d{2,4}[A-Z]?)\b", name)
+    if found:
+        return found.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_") or "device"
 
 
 def machine_info(device: str) -> dict:
     """The device, CPU, cores, torch threads, versions, commit and date of a benchmark run."""
+    commit, source = commit_info()
     return {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "cpu": cpu_model(),
         "logical_cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
+        "triton": package_version("triton"),
         "python": platform.python_version(),
-        "commit": _commit(),
+        "commit": commit,
+        "commit_source": source,
         "date": dt.date.today().isoformat(),
     }
 
 
 def machine_line(m: dict) -> str:
     """``machine_info`` as the sentence a results table starts with."""
+    source = f" ({m['commit_source']})" if m.get("commit_source") else ""
     return (
         f"Machine: {m['device']}; CPU {m['cpu']}, {m['logical_cores']} logical cores, torch threads "
-        f"{m['torch_threads']}; torch {m['torch']}, Python {m['python']}; commit {m.get('commit', '?')}; "
-        f"{m['date']}."
+        f"{m['torch_threads']}; torch {m['torch']}, Triton {m.get('triton', '?')}, Python {m['python']}; "
+        f"commit {m.get('commit', '?')}{source}; {m['date']}."
     )
 
 
-def write_results(out: Path, name: str, markdown: str, payload: dict) -> Path:
-    """Write ``out/name.md`` (the table) and ``out/name.json`` (the numbers behind it); the JSON's path."""
+def write_results(out: Path, name: str, markdown: str, payload: dict, *, quiet: bool = False) -> Path:
+    """Write ``out/name.md`` (the table) and ``out/name.json`` (the numbers behind it); the JSON's path.
+    A write to the scratch folder says how to record instead."""
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.md").write_text(markdown)
     path = out / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {out / name}.md and .json")
+    if not quiet:
+        hint = " (scratch: --record writes benchmarks/results/)" if out.resolve() == SCRATCH else ""
+        print(f"wrote {out / name}.md and .json{hint}", flush=True)
     return path

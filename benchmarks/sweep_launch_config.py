@@ -15,12 +15,12 @@ import argparse
 import functools
 import json
 import statistics
-from pathlib import Path
 
 import torch
 import triton
 from bench_add_norm import make_calls, min_bytes, time_once
 from machine import machine_info, machine_line
+from results_path import add_out_argument
 
 import addnorm.ops.triton_add_norm as tk
 from addnorm.ops import add_norm, policy
@@ -72,7 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    add_out_argument(ap)
     args = ap.parse_args()
     rows_out = []
     print(machine_line(machine_info("cuda")), flush=True)

@@ -63,3 +63,32 @@ def test_gpu_table_has_tokens_and_peak_memory_per_variant(bench):
     md = bench.report(bench.GPU, rows, "NVIDIA H100", gpu=True, reps=20, warmup=5, rounds=1)
     assert "| eager | 100 | 110 | 102 | 1.100x | 1.020x | 8.80 | 8.00 | 8.20 |" in md
     assert "bf16 autocast, fused AdamW" in md and "134,105,856 parameters" in md
+
+
+def test_gpu_table_states_the_targets_and_a_missing_liger(bench):
+    rows = [
+        {
+            "mode": "eager",
+            "params": 1,
+            "tokens_per_s": {"plain": 100.0, "fused": 104.0},
+            "peak_gib": {"plain": 8.0, "fused": 8.1},
+            "missing": {"liger": "not installed"},
+        }
+    ]
+    md = bench.report(bench.GPU, rows, "NVIDIA H100", gpu=True, reps=20, warmup=5, rounds=1)
+    assert "- eager: liger: not installed" in md
+    assert "| eager | fused / plain >= 1.05 | 1.040 | NO |" in md
+    assert "| eager | peak memory plain / fused >= 1.0 | 0.988 | NO |" in md
+
+
+def test_cpu_profile_finds_the_llama_residual_adds_and_norms(bench, tmp_path):
+    """--profile on the CPU: the plain Llama's removable time holds its 2L residual adds, forward and
+    backward, and its hand-written RMSNorms (found through their modules' scopes)."""
+    argv = ["--setup", json.dumps(TINY), "--reps", "1", "--warmup", "1", "--rounds", "1", "--profile"]
+    payload = bench.main([*argv, "--out", str(tmp_path)])
+    (row,) = payload["results"]
+    plain = row["profile"]["plain"]
+    assert plain["units"]["add"] == 2 * 2 * TINY["layers"]
+    assert plain["ms"]["norm"] > 0 and plain["units"]["norm"] >= 2 * TINY["layers"] + 1
+    assert row["realised"]["removable_ms"] == pytest.approx(plain["removable_ms"])
+    assert "## What fusion can remove" in (tmp_path / "hf_step_cpu.md").read_text()
