@@ -20,11 +20,12 @@ from rich.table import Table
 
 from ..cli_errors import handle_errors
 from .executors import Executor, max_nproc, plan_workers
+from .export import write_csv
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
 from .limits import check_eval, check_plan, estimate_memory, fmt_bytes
 from .lock import folder_lock
 from .report import build_report
-from .runner import estimate_seconds, fmt_time, prepare, resolved_base, run_study
+from .runner import estimate_seconds, fmt_time, prepare, run_study
 from .spec import (
     OVERRIDE_HELP,
     SMOKE_HELP,
@@ -93,7 +94,8 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
     it is already stored, an estimated wall time and peak memory; refuses what this machine cannot run
     (:mod:`.limits`). ``where``: the Ray cluster's description (its size is unknown until connected),
     or None for the local executor (``local``: workers, threads, memory limit)."""
-    runs = plan.expand()
+    resolved = plan.resolved()
+    runs = list(resolved.runs)
     db = folder / "study.sqlite"
     stored = stored_finished(db)
     todo = [r for r in runs if r.run_id not in stored]
@@ -114,7 +116,7 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
     else:
         check_eval(todo)
         estimate = f"estimated {fmt_time(total)} of {unit}, shared over the cluster"
-    base = resolved_base(plan)
+    base = resolved.base
     console.print(
         f"study {plan.name!r} ({plan.source}): {len(runs)} runs, {len(runs) - len(todo)} already stored in "
         f"{db}, {len(todo)} to run {where}; {estimate}",
@@ -127,7 +129,7 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
     columns = ("experiment", "label", "run id", "stored", "est.", "memory", "settings different from base")
     for column in columns:
         table.add_column(column, overflow="fold", no_wrap=column in ("run id", "est.", "memory"))
-    members = plan.memberships()
+    members = resolved.memberships
     for run in runs:
         diff = {k: v for k, v in run.config.to_dict().items() if base.get(k) != v}
         also = [f"{e}: {lab}" for e, lab in members[run.run_id][1:]]
@@ -303,7 +305,7 @@ def study(
                 console.print(findings_table(compute_findings(store)))
                 console.print(f"Rule: {RULE}.", markup=False, highlight=False, style="dim")
             if csv:
-                store.export_csv(folder / "csv")
+                write_csv(store, folder / "csv")
     stale = f", {outcome.stale} stored runs not part of this spec" if outcome.stale else ""
     typer.echo(f"{outcome.total} runs ({outcome.skipped} already stored, {outcome.ran} run now{stale})")
     typer.echo(f"report: {outcome.report}")
@@ -335,9 +337,10 @@ def export(
     to: Path = typer.Option(None, "--to", help="folder for the CSV files (default <out>/csv)"),
 ) -> None:
     """Export the current spec's runs as tidy CSV: runs.csv (one column per config key and provenance
-    field), experiments.csv, metrics.csv and layer_metrics.csv (long format)."""
+    field), experiments.csv, metrics.csv and layer_metrics.csv (long format), and layer_profiles.csv (one
+    value per run, step, layer, part and metric, as the report and the findings read them)."""
     with Store(_database(out), readonly=True) as store:
-        for path in store.export_csv(to or out / "csv"):
+        for path in write_csv(store, to or out / "csv"):
             typer.echo(str(path))
 
 

@@ -47,6 +47,7 @@ ADDED_COLUMNS = (
     ("runs", "provenance", "TEXT"),
     ("studies", "base", "TEXT"),
     ("runs", "tokens_per_s", "REAL"),
+    ("studies", "not_applicable", "TEXT"),
 )
 
 RUN_COLUMNS = (
@@ -122,13 +123,21 @@ class Store:
         except sqlite3.Error as err:
             raise type(err)(f"{self.path}: {err}") from None
 
-    def save_plan(self, name: str, spec: dict, base: dict, members: list[tuple[str, str, str]]) -> None:
-        """The current spec (as given and its resolved base config) and its runs as (run id,
-        experiment, label) rows, replacing the previous plan in one transaction."""
+    def save_plan(
+        self,
+        name: str,
+        spec: dict,
+        base: dict,
+        members: list[tuple[str, str, str]],
+        not_applicable: list[tuple[str, str, str]] = (),
+    ) -> None:
+        """The current spec (as given and its resolved base config), its runs as (run id, experiment,
+        label) rows and the runs it leaves out as (experiment, label, why), replacing the previous plan in
+        one transaction."""
         with self._writing():
             self.db.execute(
-                "INSERT OR REPLACE INTO studies (name, spec, updated, base) VALUES (?, ?, ?, ?)",
-                (name, json.dumps(spec), time.time(), json.dumps(base)),
+                "INSERT OR REPLACE INTO studies (name, spec, updated, base, not_applicable) VALUES (?, ?, ?, ?, ?)",
+                (name, json.dumps(spec), time.time(), json.dumps(base), json.dumps(list(not_applicable))),
             )
             self.db.execute("DELETE FROM plan")
             self.db.executemany(
@@ -224,6 +233,16 @@ class Store:
         row = self.db.execute("SELECT base FROM studies ORDER BY updated DESC LIMIT 1").fetchone()
         return json.loads(row["base"]) if row and row["base"] else {}
 
+    def not_applicable(self) -> list[tuple[str, str, str]] | None:
+        """The current spec's runs left out of the plan as not applicable, (experiment, label, why); None
+        for a database written before they were kept."""
+        row = self.db.execute("SELECT not_applicable FROM studies ORDER BY updated DESC LIMIT 1").fetchone()
+        if row is None:
+            return []
+        return (
+            None if row["not_applicable"] is None else [tuple(x) for x in json.loads(row["not_applicable"])]
+        )
+
     def runs(self) -> list[dict]:
         """The current plan's stored runs in the spec's order, each with ``config`` and ``provenance`` decoded and
         ``experiments`` as its (experiment, label) memberships in the plan. A database without a plan
@@ -281,6 +300,11 @@ class Store:
             query += " AND step = ?"
             args.append(step)
         return [dict(r) for r in self.db.execute(query + " ORDER BY step, layer", args)]
+
+    def layer_rows(self, run_id: str) -> list[dict]:
+        """Every per-layer row of a run (all metrics), by step and layer."""
+        query = "SELECT * FROM layer_metrics WHERE run_id = ? ORDER BY step, layer"
+        return [dict(r) for r in self.db.execute(query, (run_id,))]
 
     def export_csv(self, folder: str | Path) -> list[Path]:
         """Tidy CSV of the current plan's runs in ``folder``: ``runs.csv`` (one row per run, one column
