@@ -2,7 +2,9 @@
 
 Everything here reads the store and computes; nothing draws or formats HTML (:mod:`.figures` and
 :mod:`.report` do, from the records). Per-layer values come from the profile rule of :mod:`.profiles`,
-verdicts from :mod:`.findings`, rankings from :mod:`.ranking`.
+verdicts from :mod:`.findings`, rankings from :mod:`.ranking`. Failed runs (an error, a killed worker)
+are missing data, not outcomes: they are listed in the runs table and counted beside a ranking, and
+never ranked, drawn or judged (a diverged run is an outcome: it trained and its loss blew up).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from .records import (
     RunRow,
     StudyRecords,
 )
-from .rule import outcome
+from .rule import FINISHED, finished, outcome
 from .store import Store
 
 # The per-layer panels: metric -> the part of the layer it is read at (see profiles.PARTS).
@@ -107,6 +109,7 @@ def mean_curve(store: Store, group: list[dict], name: str) -> tuple | None:
 def curves(store: Store, runs: list[dict], experiment: str) -> list[Curve]:
     """Training and held-out loss per variant, mean over its seeds (metrics no run has two points of are
     left out: runs of one step that only probe the initialisation make no curve)."""
+    runs = finished(runs)
     names = [n for n in ("train_loss", "val_loss") if any(len(store.metric(r["id"], n)) >= 2 for r in runs)]
     out = []
     for variant, group in by_variant(runs, experiment).items():
@@ -124,7 +127,7 @@ def layer_panels(store: Store, runs: list[dict], experiment: str, metrics, when:
     or at the last probed step (``"end"``: runs probed at step 0 only have none), one series per variant,
     the mean over its seeds on the layers every seed has."""
     series, seen = [], set()
-    for variant, group in by_variant(runs, experiment).items():
+    for variant, group in by_variant(finished(runs), experiment).items():
         for m in metrics:
             profiles = []
             for r in group:
@@ -162,7 +165,7 @@ def growth_profiles(store: Store, runs: list[dict]) -> tuple[int, list[LayerSeri
 def finals_vs(runs: list[dict], experiment: str, axis: str, log: bool) -> FinalsVs:
     """Final held-out loss against ``axis``, one line per other setting (without the seed)."""
     lines: dict[str, dict[float, list[float]]] = defaultdict(lambda: defaultdict(list))
-    for r in runs:
+    for r in finished(runs):
         name = ", ".join(
             p for p in seedless(label(r, experiment)).split(", ") if not p.startswith(axis + "=")
         )
@@ -173,7 +176,7 @@ def finals_vs(runs: list[dict], experiment: str, axis: str, log: bool) -> Finals
 def residual_bars(store: Store, runs: list[dict], experiment: str) -> ResidualBars | None:
     """RMS of x, F(x) and x + F(x) at the middle layer's FFN connection, at init and after training."""
     rows = []
-    for variant, group in by_variant(runs, experiment).items():
+    for variant, group in by_variant(finished(runs), experiment).items():
         measured = [{n: store.metric(r["id"], n) for n in RESIDUAL_METRICS} for r in group]
         measured = [m for m in measured if all(len(v) >= 2 for v in m.values())]
         if measured:  # mean over seeds of (value at init, value at the end)
@@ -207,7 +210,7 @@ def experiment(store: Store, name: str, spec_exp: dict, runs: list[dict]) -> Exp
     finals = [
         finals_vs(runs, name, axis, log)
         for axis, log in (("lr", True), ("warmup", False), ("n_layers", False))
-        if axis in axes and len({r["config"][axis] for r in runs}) > 1
+        if axis in axes and len({r["config"][axis] for r in finished(runs)}) > 1
     ]
     layers = [
         layer_panels(store, runs, name, INIT_PANELS, "init"),
@@ -255,6 +258,7 @@ def lr_tolerance(runs: list[dict]) -> list[tuple[str, list[float]]]:
     """Per placement, the learning rates of the sweeps at which its loss (any seed) is within 10% of the
     best loss any placement reached at that rate; most tolerant first."""
     best_at: dict[float, float] = {}
+    runs = finished(runs)
     for r in runs:
         best_at[r["config"]["lr"]] = min(best_at.get(r["config"]["lr"], math.inf), outcome(r))
     tolerant: dict[str, set[float]] = defaultdict(set)
@@ -268,7 +272,8 @@ def lr_tolerance(runs: list[dict]) -> list[tuple[str, list[float]]]:
 
 
 def ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> RankingRecord | None:
-    """Placements ranked per setting by final held-out loss over seeds, the settings side by side, the
+    """Placements ranked per setting by final held-out loss over the seeds that finished (a failed run is
+    counted in :attr:`RankingTable.failed`, not ranked), the settings side by side, the
     learning-rate tolerance in the sweeps, and the residual stream's RMS per layer at the end of training."""
     placements = sorted({str(r["config"]["placement"]) for r in runs})
     if len(placements) < 3:
@@ -277,10 +282,14 @@ def ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> Ranking
     tables = []
     for title, group in settings([r for r in runs if not only_sweep(r)]):
         samples: dict[str, list[float]] = defaultdict(list)
+        failed: dict[str, int] = defaultdict(int)
         for r in group:
-            samples[str(r["config"]["placement"])].append(outcome(r))
+            if r["status"] in FINISHED:
+                samples[str(r["config"]["placement"])].append(outcome(r))
+            else:  # missing data, not an outcome: counted beside the ranking
+                failed[str(r["config"]["placement"])] += 1
         if len(samples) >= 3:
-            tables.append(RankingTable(title, rank(samples)))
+            tables.append(RankingTable(title, rank(samples), dict(failed)))
     ranks = [{r.name: r.rank for r in t.rows} for t in tables]
     rho = [math.nan] + [spearman(ranks[0], ranks[i]) for i in range(1, len(tables))]
     best = [{r.name for r in t.rows if r.best} for t in tables]

@@ -19,7 +19,15 @@ from .figures import MAX_INLINE, palette  # noqa: F401 - the report's figure set
 from .figures import facets as _facets  # noqa: F401
 from .figures import robust_top as _robust_top  # noqa: F401
 from .ranking import ALPHA
-from .records import Configuration, ExperimentRecord, Finding, RankingRecord, RunRow, StudyRecords
+from .records import (
+    Configuration,
+    ExperimentRecord,
+    Finding,
+    RankingRecord,
+    RankingTable,
+    RunRow,
+    StudyRecords,
+)
 from .rule import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED
 from .store import Store, write_atomic
 
@@ -114,13 +122,27 @@ def findings(found: list[Finding]) -> str:
 
 
 # --- ranking --------------------------------------------------------------------------------------------
-def ranking_rows(rows) -> str:
-    return "".join(
+def seeds_cell(n: int, diverged: int, failed: int) -> str:
+    """The seeds a placement's rank rests on: those that finished, with how many of them diverged and
+    how many runs failed (left out)."""
+    notes = [f"{diverged} diverged"] * bool(diverged) + [f"{failed} failed, left out"] * bool(failed)
+    return f"{n} ({'; '.join(notes)})" if notes else str(n)
+
+
+def ranking_table(table: RankingTable) -> str:
+    rows = "".join(
         f"<tr><td>{r.rank}</td><td>{esc(r.name)}</td><td>{r.text()}</td>"
         f"<td>{'' if math.isnan(r.low) or math.isinf(r.low) else f'{r.low:.3f} to {r.high:.3f}'}</td>"
         f"<td>{r.groups}</td><td>{'yes' if r.best else ''}</td>"
-        f"<td>{r.n}{f' ({r.diverged} diverged)' if r.diverged else ''}</td></tr>"
-        for r in rows
+        f"<td>{seeds_cell(r.n, r.diverged, table.failed.get(r.name, 0))}</td></tr>"
+        for r in table.rows
+    )
+    ranked = {r.name for r in table.rows}
+    unranked = [f"{esc(p)} ({n} failed)" for p, n in table.failed.items() if p not in ranked]
+    note = f"<p class='note'>Not ranked, no run finished: {', '.join(unranked)}.</p>" if unranked else ""
+    return (
+        f"<h3>{esc(table.title)}</h3><table><tr><th>rank</th><th>placement</th><th>final loss</th>"
+        f"<th>95% interval</th><th>groups</th><th>tied with the best</th><th>seeds</th></tr>{rows}</table>{note}"
     )
 
 
@@ -174,15 +196,12 @@ def ranking(record: RankingRecord | None) -> str:
         "not the same as equal), two that share none differ (Welch's t-test between every pair, "
         f"Holm-corrected at {ALPHA:g}); letters follow the rank order, and a placement with a wide spread "
         "may carry the letters of neighbours that differ from each other. Tied with the best: shares a "
-        "letter with rank 1. A placement with a diverged seed ranks last. Few seeds separate little "
+        "letter with rank 1. A placement with a diverged seed ranks last. A failed run (an error, a "
+        "killed worker) is missing data, not an outcome: it is left out and counted in the seeds column; "
+        "the placement is ranked on the seeds that finished. Few seeds separate little "
         "(one seed: nothing): sweep more seeds for a ranking to cite.</p>"
     ]
-    for table in record.tables:
-        parts.append(
-            f"<h3>{esc(table.title)}</h3><table><tr><th>rank</th><th>placement</th><th>final loss</th>"
-            f"<th>95% interval</th><th>groups</th><th>tied with the best</th><th>seeds</th></tr>"
-            f"{ranking_rows(table.rows)}</table>"
-        )
+    parts += [ranking_table(table) for table in record.tables]
     if record.tables:
         parts.append(img(figures.ranking(record.tables)))
     if len(record.tables) > 1:
