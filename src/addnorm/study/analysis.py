@@ -15,7 +15,7 @@ from collections import defaultdict
 
 from .findings import compute_findings
 from .profiles import layer_profile, profile_steps
-from .ranking import rank, spearman
+from .ranking import rank, sensitivity, spearman
 from .records import (
     Configuration,
     Curve,
@@ -27,10 +27,11 @@ from .records import (
     RankingRecord,
     RankingTable,
     ResidualBars,
+    RuleAsTest,
     RunRow,
     StudyRecords,
 )
-from .rule import FINISHED, finished, outcome
+from .rule import FINISHED, NOT_TESTED, as_t_test, finished, outcome
 from .store import Store
 
 # The per-layer panels: metric -> the part of the layer it is read at (see profiles.PARTS).
@@ -289,7 +290,8 @@ def ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> Ranking
             else:  # missing data, not an outcome: counted beside the ranking
                 failed[str(r["config"]["placement"])] += 1
         if len(samples) >= 3:
-            tables.append(RankingTable(title, rank(samples), dict(failed)))
+            rows = rank(samples)
+            tables.append(RankingTable(title, rows, dict(failed), sensitivity(samples, rows)))
     ranks = [{r.name: r.rank for r in t.rows} for t in tables]
     rho = [math.nan] + [spearman(ranks[0], ranks[i]) for i in range(1, len(tables))]
     best = [{r.name for r in t.rows if r.best} for t in tables]
@@ -352,6 +354,15 @@ def _legacy_not_applicable(spec: dict) -> list[tuple[str, str, str]]:
         return []
 
 
+def rule_as_test(findings) -> RuleAsTest | None:
+    """The findings' rule as a t-test at the most common number of seeds among the judged findings."""
+    counts = sorted(len(f.seeds) for f in findings if f.verdict != NOT_TESTED and len(f.seeds) >= 2)
+    if not counts:
+        return None
+    seeds = max(set(counts), key=lambda c: (counts.count(c), -c))
+    return RuleAsTest(seeds, *as_t_test(seeds))
+
+
 def analyse(store: Store) -> StudyRecords:
     """Every record of the report from ``store``'s current plan."""
     name, spec = store.study_spec() or ("study", {"experiments": {}})
@@ -368,6 +379,7 @@ def analyse(store: Store) -> StudyRecords:
     counts: dict[str, int] = defaultdict(int)
     for r in runs:
         counts[r["status"]] += 1
+    findings = compute_findings(store)
     return StudyRecords(
         name=name,
         description=" ".join(str(spec.get("description") or "").split()),
@@ -376,7 +388,8 @@ def analyse(store: Store) -> StudyRecords:
         planned=len({run_id for run_id, _, _ in store.planned()}) or len(runs),
         stale=len(store.stale_ids()) if store.planned() else 0,
         configuration=configuration(spec, store.base_config(), runs),
-        findings=compute_findings(store),
+        findings=findings,
+        rule=rule_as_test(findings),
         ranking=ranking(store, ranked_runs, lr_experiments) if ranked_runs else None,
         not_applicable=not_applicable(store, spec),
         experiments=sections,

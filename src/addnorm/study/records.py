@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .ranking import Ranked
+from .ranking import Ranked, Sensitivity
 
 
 @dataclass
@@ -119,6 +119,7 @@ class RankingTable:
     title: str
     rows: list[Ranked]
     failed: dict[str, int] = field(default_factory=dict)
+    sensitivity: Sensitivity | None = None  # what the ranking could detect, and the seeds it would need
 
 
 @dataclass
@@ -152,6 +153,18 @@ class Configuration:
 
 
 @dataclass
+class RuleAsTest:
+    """The findings' rule (:mod:`.rule`) as the t-test it amounts to at the study's usual number of seeds
+    per arm: its critical value, its level (uncorrected) and the difference, in standard deviations, it
+    detects with 80% power."""
+
+    seeds: int
+    crit: float
+    alpha: float
+    detectable_sd: float
+
+
+@dataclass
 class StudyRecords:
     """Everything the report shows, read from one study database."""
 
@@ -163,6 +176,7 @@ class StudyRecords:
     stale: int
     configuration: Configuration
     findings: list[Finding]
+    rule: RuleAsTest | None
     ranking: RankingRecord | None
     not_applicable: list[str]
     experiments: list[ExperimentRecord]

@@ -18,13 +18,14 @@ from .analysis import analyse, value
 from .figures import MAX_INLINE, palette  # noqa: F401 - the report's figure settings, importable here
 from .figures import facets as _facets  # noqa: F401
 from .figures import robust_top as _robust_top  # noqa: F401
-from .ranking import ALPHA
+from .ranking import ALPHA, POWER, Sensitivity
 from .records import (
     Configuration,
     ExperimentRecord,
     Finding,
     RankingRecord,
     RankingTable,
+    RuleAsTest,
     RunRow,
     StudyRecords,
 )
@@ -105,7 +106,21 @@ def configuration(config: Configuration) -> str:
 
 
 # --- findings -------------------------------------------------------------------------------------------
-def findings(found: list[Finding]) -> str:
+def rule_note(rule: RuleAsTest | None) -> str:
+    """The findings' rule as the test it amounts to, and how it differs from the ranking's."""
+    if rule is None:
+        return ""
+    return (
+        f" As a test: with {rule.seeds} seeds per arm the rule is a two-sided t-test with |t| > {rule.crit:.2f} "
+        f"(df {2 * (rule.seeds - 1)}), a level of about {rule.alpha:.3f} per claim, not corrected for the "
+        "number of claims (each is one comparison stated in advance); it finds a true difference of "
+        f"{rule.detectable_sd:.1f} standard deviations {POWER:.0%} of the time. The ranking asks another "
+        "question, which placements differ among every pair at once, with a stricter test: a pair can count "
+        "here and be tied there."
+    )
+
+
+def findings(found: list[Finding], rule: RuleAsTest | None = None) -> str:
     css = {SUPPORTED: "supported", NOT_SUPPORTED: "not", INCONCLUSIVE: "inconclusive"}
     rows = "".join(
         f"<tr><td>{esc(f.claim)}<br><small>{esc(f.source)}</small></td>"
@@ -114,8 +129,8 @@ def findings(found: list[Finding]) -> str:
         for f in found
     )
     return (
-        f"<h2 id='findings'>Findings</h2><p class='note'>Rule: {esc(RULE)}. Numbers are held-out "
-        "cross-entropy in nats, mean ± standard deviation over seeds.</p>"
+        f"<h2 id='findings'>Findings</h2><p class='note'>Rule: {esc(RULE)}.{esc(rule_note(rule))} Numbers "
+        "are held-out cross-entropy in nats, mean ± standard deviation over seeds.</p>"
         "<table class='findings'><tr><th>claim</th><th>measured at</th><th>what this study measured</th>"
         f"<th>verdict</th><th>what would change it</th></tr>{rows}</table>"
     )
@@ -127,6 +142,34 @@ def seeds_cell(n: int, diverged: int, failed: int) -> str:
     how many runs failed (left out)."""
     notes = [f"{diverged} diverged"] * bool(diverged) + [f"{failed} failed, left out"] * bool(failed)
     return f"{n} ({'; '.join(notes)})" if notes else str(n)
+
+
+def detectable_note(sens: Sensitivity | None) -> str:
+    """What a ranking could tell apart, under which test, and the seeds a tie with the best would need."""
+    if sens is None:
+        return ""
+    if not math.isfinite(sens.detectable):
+        return (
+            "<p class='note'>What this ranking can detect: nothing, one seed per placement leaves no "
+            "spread to judge by (every placement is tied); sweep <code>seed</code>.</p>"
+        )
+    test = (
+        f"pooled sd {sens.sd:.3f} over {sens.seeds} seeds; Welch's t-test at Holm's first step, "
+        f"α = {ALPHA:g} / {sens.pairs} pair{'s' if sens.pairs != 1 else ''} = {sens.alpha:.2g}"
+    )
+    text = (
+        f"What this ranking can detect: placements {sens.detectable:.3f} nats apart or more are told apart "
+        f"{POWER:.0%} of the time ({test})."
+    )
+    if sens.gap_name:
+        need = (
+            f"{sens.seeds_needed} seeds per placement would tell a gap of {sens.gap:.3f} apart {POWER:.0%} "
+            "of the time"
+            if sens.seeds_needed
+            else "more than 1000 seeds per placement would be needed to tell that gap apart"
+        )
+        text += f" Tied with the best though {sens.gap:.3f} behind it: {sens.gap_name}; {need}."
+    return f"<p class='note'>{esc(text)}</p>"
 
 
 def ranking_table(table: RankingTable) -> str:
@@ -142,7 +185,8 @@ def ranking_table(table: RankingTable) -> str:
     note = f"<p class='note'>Not ranked, no run finished: {', '.join(unranked)}.</p>" if unranked else ""
     return (
         f"<h3>{esc(table.title)}</h3><table><tr><th>rank</th><th>placement</th><th>final loss</th>"
-        f"<th>95% interval</th><th>groups</th><th>tied with the best</th><th>seeds</th></tr>{rows}</table>{note}"
+        f"<th>95% interval</th><th>groups</th><th>tied with the best</th><th>seeds</th></tr>{rows}</table>"
+        f"{detectable_note(table.sensitivity)}{note}"
     )
 
 
@@ -275,7 +319,7 @@ def page(records: StudyRecords) -> str:
 <p>{records.runs} runs ({summary}). {". ".join(notes) + ". " if notes else ""}Every number below is read from <code>study.sqlite</code>;
 built {datetime.now().astimezone().isoformat(timespec="seconds")}.</p>
 {configuration(records.configuration)}
-{findings(records.findings)}
+{findings(records.findings, records.rule)}
 {ranking(records.ranking)}
 {not_applicable(records.not_applicable)}
 {"".join(experiment(e) for e in records.experiments)}

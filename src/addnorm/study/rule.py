@@ -17,6 +17,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from .ranking import POWER, detectable_shift, t_two_sided_p
+
 SUPPORTED, NOT_SUPPORTED, INCONCLUSIVE = "supported", "not supported", "inconclusive"
 NOT_TESTED = "not tested by this study"
 K = 2.0  # a difference counts when it exceeds K pooled standard deviations
@@ -176,3 +178,12 @@ def arms(
         group[_hashable(cfg.get(vary))].add(value(run), cfg.get("seed", 0))
     out = [(rest, dict(v)) for rest, v in groups.values() if len(v) > 1]
     return sorted(out, key=lambda g: (g[0].get("n_layers", 0), repr(sorted(g[0].items()))))
+
+
+def as_t_test(n: int, power: float = POWER) -> tuple[float, float, float]:
+    """The rule between two arms of ``n`` seeds each as a two-sided t-test: a difference counts when
+    ``|d| > K s_pooled``, that is ``|t| > K sqrt(n / 2)`` with ``df = 2(n - 1)``. Returns (that critical
+    value, the level it implies, uncorrected for the number of claims, and the true difference in
+    standard deviations it detects with ``power``)."""
+    crit, df = K * math.sqrt(n / 2.0), 2.0 * (n - 1)
+    return crit, t_two_sided_p(crit, df), detectable_shift(df, crit, power) * math.sqrt(2.0 / n)
