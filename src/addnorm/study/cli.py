@@ -22,6 +22,8 @@ from ..cli_errors import handle_errors
 from .executors import Executor, max_nproc, plan_workers
 from .export import write_csv
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
+from .keys import markdown as keys_markdown
+from .keys import text as keys_text
 from .limits import check_eval, check_plan, estimate_memory, fmt_bytes
 from .lock import folder_lock
 from .report import build_report
@@ -34,8 +36,6 @@ from .spec import (
     load_spec,
     preset_names,
     preset_text,
-    spec_keys,
-    spec_keys_markdown,
 )
 from .store import Store, stored_finished
 from .trackers import TRACKERS, make_trackers
@@ -225,7 +225,11 @@ def study(
     show: str = typer.Option(
         None, "--show", metavar="PRESET", help="print a preset's YAML (a template) and exit"
     ),
-    keys: bool = typer.Option(False, "--keys", help="list every key a spec may set, with defaults, and exit"),
+    keys: bool = typer.Option(
+        False,
+        "--keys",
+        help="list every key a spec may hold (run keys with defaults, the structure) and exit",
+    ),
     markdown: bool = typer.Option(
         False, "--markdown", help="with --keys: as the Markdown of docs/study-spec.md"
     ),
@@ -243,11 +247,9 @@ def study(
         return
     if keys:
         if markdown:
-            typer.echo(spec_keys_markdown(), nl=False)
+            typer.echo(keys_markdown(), nl=False)
             return
-        width = max(len(k) for k, _, _ in spec_keys())
-        for key, default, text in spec_keys():
-            typer.echo(f"{key:<{width}}  {text} (default {default})")
+        typer.echo(keys_text(), nl=False)
         return
     n_workers = _workers(workers or "auto")
     if threads is not None and threads < 1:

@@ -28,9 +28,7 @@ from pathlib import Path
 import yaml
 
 from ..train.config import RunConfig
-
-SPEC_KEYS = ("name", "description", "base", "experiments")
-EXPERIMENT_KEYS = ("set", "sweep", "description", "rank")
+from .keys import EXPERIMENT_KEYS, SPEC_KEYS, generated, markdown
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -434,39 +432,17 @@ def spec_keys() -> list[tuple[str, str, str]]:
     return rows
 
 
+def write_run_keys() -> Path:
+    """Regenerate ``study/_run_keys.py`` (the run keys ``addnorm study --keys`` lists without torch) from
+    :func:`spec_keys`; returns its path."""
+    path = Path(__file__).with_name("_run_keys.py")
+    path.write_text(generated(spec_keys()))
+    return path
+
+
 def spec_keys_markdown() -> str:
-    """The spec reference (``docs/study-spec.md``), generated from the run config."""
-    lines = [
-        "# Study spec keys",
-        "",
-        "Generated from `RunConfig` and `TransformerConfig` by `addnorm study --keys --markdown`; the",
-        "tests check that this file matches the code. A spec is YAML:",
-        "",
-        "```yaml",
-        "name: my-study",
-        "description: what it measures",
-        "base: {n_layers: 6, steps: 300}        # every run starts from these",
-        "experiments:",
-        "  warmup:",
-        "    description: shown in the report",
-        "    set: {lr: 0.003}                    # this experiment's fixed settings",
-        "    sweep: {placement: [post, pre], warmup: [0, 100], seed: [0, 1, 2]}   # cartesian product",
-        "  ablations:",
-        "    sweep:",
-        "      variant:                          # several keys at once, named by label",
-        "        - {label: layernorm}",
-        "        - {label: no residual, residual: false}",
-        "    rank: false                         # true: rank this experiment's placements in the report",
-        "```",
-        "",
-        "Names are canonicalised before a run's id is computed (`Post-LN` is `post`), so an alias never",
-        "splits a run. `addnorm study --set KEY=VALUE` sets a key everywhere (see `addnorm study --help`).",
-        "",
-        "| key | default | meaning |",
-        "| --- | --- | --- |",
-    ]
-    lines += [f"| `{k}` | `{d}` | {h} |" for k, d, h in spec_keys()]
-    return "\n".join(lines) + "\n"
+    """The spec reference (``docs/study-spec.md``): the spec's structure and every run key."""
+    return markdown()
 
 
 def load_spec(
