@@ -143,7 +143,9 @@ def test_export_writes_the_profiles_the_report_reads(tmp_path):
     result = CliRunner().invoke(app, ["export", str(tmp_path / "x"), "--to", str(tmp_path / "csv")])
     assert result.exit_code == 2 and "no study database" in result.output
     (tmp_path / "s.sqlite").rename(tmp_path / "study.sqlite")
-    result = CliRunner().invoke(app, ["export", str(tmp_path), "--to", str(tmp_path / "csv")])
+    result = CliRunner().invoke(app, ["export", str(tmp_path), "--to", str(tmp_path / "plain")])
+    assert result.exit_code == 0 and not (tmp_path / "plain" / "layer_profiles.csv").exists()
+    result = CliRunner().invoke(app, ["export", str(tmp_path), "--to", str(tmp_path / "csv"), "--profiles"])
     assert result.exit_code == 0, result.output
     with (tmp_path / "csv" / "layer_profiles.csv").open() as fh:
         rows = list(csv.DictReader(fh))
@@ -185,3 +187,35 @@ def test_analysis_and_views_stay_below_the_model():
         assert not bad, f"{name}.py imports {bad}"
         assert len(path.read_text().splitlines()) <= 600, f"{name}.py is over 600 lines"
     assert module_imports(STUDY / "report.py") >= {"addnorm.study.analysis", "addnorm.study.figures"}
+
+
+def test_readers_leave_no_wal_or_shm_files_and_write_nothing(tmp_path):
+    """``export`` and ``--dry-run`` read a WAL database; they used to leave its ``-wal`` and ``-shm``
+    files in the study folder (a ``mode=ro`` connection cannot remove them). A study still writing keeps
+    its files, and the reader's connection refuses writes."""
+    path, out = tmp_path / "spec.yaml", tmp_path / "out"
+    path.write_text(yaml.safe_dump({"name": "r", "base": TINY, "experiments": {"a": None}}))
+    runner = CliRunner()
+    assert (
+        runner.invoke(app, ["study", str(path), "--out", str(out), "--quiet", "--workers", "1"]).exit_code
+        == 0
+    )
+    (out / ".addnorm.lock").unlink()
+    before = sorted(p.name for p in out.iterdir())
+    assert "study.sqlite-wal" not in before and "study.sqlite-shm" not in before
+    for args in (
+        ["export", str(out), "--to", str(tmp_path / "csv")],
+        ["study", str(path), "--out", str(out), "--dry-run"],
+    ):
+        assert runner.invoke(app, args).exit_code == 0
+        assert sorted(p.name for p in out.iterdir()) == before, args
+    with Store(out / "study.sqlite", readonly=True) as reader:
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            reader.db.execute("DELETE FROM runs")
+    with Store(out / "study.sqlite") as writer:  # a study holding the database open
+        assert runner.invoke(app, ["export", str(out), "--to", str(tmp_path / "csv2")]).exit_code == 0
+        assert (out / "study.sqlite-wal").exists()  # the writer's files stay while it holds them
+        writer.db.execute("UPDATE runs SET wall_s = 1.5")
+        writer.db.commit()
+    with Store(out / "study.sqlite", readonly=True) as reader:
+        assert [r["wall_s"] for r in reader.runs()] == [1.5]

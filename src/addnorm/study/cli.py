@@ -337,12 +337,17 @@ def report(
 def export(
     out: Path = typer.Argument(..., help="a study folder holding study.sqlite"),
     to: Path = typer.Option(None, "--to", help="folder for the CSV files (default <out>/csv)"),
+    profiles: bool = typer.Option(
+        False,
+        "--profiles",
+        help="also layer_profiles.csv: one value per run, step, layer, part (ffn, stream) and metric, a "
+        "layer's rows combined as the report and the findings read them",
+    ),
 ) -> None:
     """Export the current spec's runs as tidy CSV: runs.csv (one column per config key and provenance
-    field), experiments.csv, metrics.csv and layer_metrics.csv (long format), and layer_profiles.csv (one
-    value per run, step, layer, part and metric, as the report and the findings read them)."""
+    field), experiments.csv, metrics.csv and layer_metrics.csv (long format)."""
     with Store(_database(out), readonly=True) as store:
-        for path in write_csv(store, to or out / "csv"):
+        for path in write_csv(store, to or out / "csv", profiles):
             typer.echo(str(path))
 
 

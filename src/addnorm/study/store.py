@@ -369,20 +369,31 @@ def _schema_complete(db: sqlite3.Connection) -> bool:
 
 
 def _open_readonly(path: Path) -> sqlite3.Connection:
-    """``path`` opened for reading only. A WAL database needs its ``-shm`` file, which a read-only
-    folder cannot hold: there nothing can write either, so it is opened as immutable. A database
-    without the study's tables (a study killed between creating the file and writing its schema)
-    reads as an empty study; one written by an older version, without the tables or columns added
-    since, is read from a copy in memory that has them."""
+    """``path`` opened for reading only. Where the file and its folder can be written, it is opened
+    read-write with ``PRAGMA query_only`` (no statement can change it): a WAL database's reader creates
+    ``-wal`` and ``-shm`` files, and only a read-write connection, the last to close, removes them (a
+    ``mode=ro`` one leaves them in the study folder). Elsewhere it is opened ``mode=ro``, and where even
+    that cannot create its ``-shm`` (a read-only folder: nothing can write there either), as immutable.
+    A database without the study's tables (a study killed between creating the file and writing its
+    schema) reads as an empty study; one written by an older version, without the tables or columns
+    added since, is read from a copy in memory that has them."""
     if not path.is_file():
         raise sqlite3.OperationalError("no such database file")
     uri = path.absolute().as_uri()
-    try:
-        db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
-        complete = _schema_complete(db)
-    except sqlite3.OperationalError:
-        db = sqlite3.connect(f"{uri}?immutable=1", uri=True)
-        complete = _schema_complete(db)
+    writable = os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+    for mode in ("mode=rw", "mode=ro", "immutable=1")[0 if writable else 1 :]:
+        db = None
+        try:
+            db = sqlite3.connect(f"{uri}?{mode}", uri=True)
+            if mode == "mode=rw":
+                db.execute("PRAGMA query_only = ON")
+            complete = _schema_complete(db)
+            break
+        except sqlite3.OperationalError:
+            if db is not None:
+                db.close()
+            if mode == "immutable=1":
+                raise
     if complete:
         return db
     copy = sqlite3.connect(":memory:")
