@@ -11,13 +11,14 @@ from __future__ import annotations
 import base64
 import io
 import math
+import textwrap
 from collections import defaultdict
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import FormatStrFormatter, MaxNLocator, NullFormatter  # noqa: E402
+from matplotlib.ticker import FormatStrFormatter, LogLocator, MaxNLocator, NullFormatter  # noqa: E402
 
 from .ranking import DIVERGED  # noqa: E402
 from .records import Curve, FinalsVs, LayerPanels, LayerSeries, RankingTable, ResidualBars  # noqa: E402
@@ -77,7 +78,9 @@ def layer_axis(ax) -> None:
 
 def log_axis(ax, values: list[float]) -> None:
     """A log y axis with plain tick labels that spans at least a factor of 2, so a constant profile
-    reads as flat instead of magnifying rounding noise into a zigzag."""
+    reads as flat instead of magnifying rounding noise into a zigzag, and labels at least three ticks:
+    evenly spaced ones within a factor of 3, the minor ticks within a decade, 2x and 5x of each power
+    of ten within three decades, the powers of ten beyond."""
     ax.set_yscale("log")
     positive = [v for v in values if v > 0 and math.isfinite(v)]
     if positive:
@@ -87,27 +90,70 @@ def log_axis(ax, values: list[float]) -> None:
             ax.set_ylim(min(lo, mid / 1.42) / 1.05, max(hi, mid * 1.42) * 1.05)
     ax.yaxis.set_major_formatter(FormatStrFormatter("%.3g"))
     low, high = ax.get_ylim()
-    if high / low < 12:  # within about a decade the minor ticks need labels; beyond, they would collide
+    if high / low < 3:  # less than half a decade: evenly spaced labels, as on a linear axis
+        ax.yaxis.set_major_locator(MaxNLocator(nbins=5, steps=[1, 2, 2.5, 5, 10]))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+    elif high / low < 12:  # within about a decade the minor ticks need labels; beyond, they would collide
+        ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
+        ax.tick_params(axis="y", which="minor", labelsize=7)
+    elif high / low < 1000:  # one to three decades: two or three powers of ten; label 2x and 5x too
+        ax.yaxis.set_minor_locator(LogLocator(base=10, subs=(2.0, 5.0)))
         ax.yaxis.set_minor_formatter(FormatStrFormatter("%.3g"))
         ax.tick_params(axis="y", which="minor", labelsize=7)
     else:
         ax.yaxis.set_minor_formatter(NullFormatter())
 
 
+CLIP_AFTER = 0.05  # the first 5% of the steps may be clipped off a loss axis, never a later point
+CLIP_MIN_STEPS = 10  # ... and only on a curve of at least this many later steps
+
+
 def robust_top(values: list[float], steps: list[int]) -> tuple[float, float] | None:
-    """(clip, highest) when the first steps' spike would squash the rest of a loss axis, else None."""
+    """(clip, highest) when the first steps' spike would squash the rest of a loss axis, else None. The
+    clip sits above every point after the first :data:`CLIP_AFTER` of the steps, so no later point is
+    hidden, and a curve with fewer than :data:`CLIP_MIN_STEPS` such steps (a held-out loss evaluated a
+    few times) is never clipped."""
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return None
-    late = sorted(
-        v for v, s in zip(values, steps, strict=True) if math.isfinite(v) and s >= max(steps) * 0.05
-    )
-    if not late:
+    late = [
+        (v, s)
+        for v, s in zip(values, steps, strict=True)
+        if math.isfinite(v) and s >= max(steps) * CLIP_AFTER
+    ]
+    if len({s for _, s in late}) < CLIP_MIN_STEPS:
         return None
-    q = late[int(0.98 * (len(late) - 1))]
-    lo = min(finite)
-    clip = q + 0.25 * (q - lo)
+    top, lo = max(v for v, _ in late), min(finite)
+    clip = top + 0.25 * (top - lo)
     return (clip, max(finite)) if max(finite) > clip * 1.05 else None
+
+
+def coincident(series: list[tuple[str, list[float], list[float]]]) -> list[list[str]]:
+    """Groups (of two or more) of the named series (name, xs, ys) whose points are the same (to 1e-9
+    relative): drawn on top of each other, only the last would show."""
+    groups: list[tuple[tuple[list[float], list[float]], list[str]]] = []
+
+    def same(a: list[float], b: list[float]) -> bool:
+        return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-9) for x, y in zip(a, b, strict=True))
+
+    for name, xs, ys in series:
+        for (gx, gy), names in groups:
+            if same(xs, gx) and same(ys, gy):
+                names.append(name)
+                break
+        else:
+            groups.append(((list(xs), list(ys)), [name]))
+    return [names for _, names in groups if len(names) > 1]
+
+
+def title_with_overlaps(ax, title: str, series: list[tuple[str, list[float], list[float]]], **kwargs) -> None:
+    """``title``, and below it the series that coincide in this panel (one line would hide the others)."""
+    groups = coincident(series)
+    if groups:
+        note = "identical, drawn on top of each other: " + "; ".join(" ≡ ".join(g) for g in groups)
+        title += "\n" + textwrap.fill(note, 55)
+        kwargs = {**kwargs, "fontsize": min(kwargs.get("fontsize", 8), 8)}
+    ax.set_title(title, **kwargs)
 
 
 def clip_note(ax, top: tuple[float, float] | None) -> None:
@@ -180,6 +226,7 @@ def curves(experiment: str, records: list[Curve]) -> list[tuple[str, str]]:
             for j, f in enumerate(panel_facets)
         }
         spans: dict = defaultdict(lambda: ([], []))
+        drawn: dict = defaultdict(list)
         for c in records:
             if c.metric not in metrics:
                 continue
@@ -199,10 +246,11 @@ def curves(experiment: str, records: list[Curve]) -> list[tuple[str, str]]:
                 ax.fill_between(c.steps, c.low, c.high, alpha=0.15, color=colour)
             spans[ax][0].extend(c.high)
             spans[ax][1].extend(c.steps)
+            drawn[ax].append((name_, c.steps, c.mean))
         for (m, facet), ax in panel.items():
             ax.set_xlabel("step")
             ax.set_ylabel(f"{TITLES[m]} (nats)")
-            ax.set_title(f"{TITLES[m]}" + (f": {facet}" if facet else ""))
+            title_with_overlaps(ax, f"{TITLES[m]}" + (f": {facet}" if facet else ""), drawn[ax])
             ax.grid(alpha=0.3)
             if ax in spans:
                 clip_note(ax, robust_top(*spans[ax]))
@@ -227,13 +275,13 @@ def layer_panels(experiment: str, record: LayerPanels) -> tuple[str, str]:
         panel[(facet, s.metric)].plot(
             s.layers, s.values, color=colour, marker=marker, ms=3.5, label=name_ + seeds
         )
-        plotted[(facet, s.metric)] += s.values
+        plotted[(facet, s.metric)].append((name_, s.layers, s.values))
     moment = "at initialisation" if record.when == "init" else f"at step {record.step}"
     for (facet, m), ax in panel.items():
         layer_axis(ax)
-        log_axis(ax, plotted[(facet, m)])
+        log_axis(ax, [y for _, _, ys in plotted[(facet, m)] for y in ys])
         ax.set_ylabel(LAYER_TITLES[m] + " (log)")
-        ax.set_title(LAYER_TITLES[m] + (f"\n{facet}" if facet else ""))
+        title_with_overlaps(ax, LAYER_TITLES[m] + (f"\n{facet}" if facet else ""), plotted[(facet, m)])
         ax.grid(alpha=0.3, which="both")
     legend(fig, axes, len(series))
     fig.suptitle(f"{experiment}: per layer {moment}, mean over seeds", fontsize=10)
@@ -250,6 +298,7 @@ def finals_vs(experiment: str, record: FinalsVs) -> tuple[str, str]:
     styles = dict(zip(series, palette(len(series)), strict=True))
     fig, axes = grid(len(facet_list), width=7.5 if len(facet_list) == 1 else 5.2, height=4.2, max_cols=2)
     panel = dict(zip(facet_list, axes, strict=True))
+    drawn: dict = defaultdict(list)
     for name, pts in lines.items():
         facet, series_name = split[name]
         ax, (colour, marker) = panel[facet], styles[series_name]
@@ -264,6 +313,7 @@ def finals_vs(experiment: str, record: FinalsVs) -> tuple[str, str]:
             if len(ok) < len(ys):
                 ax.annotate("diverged", (x, cap), fontsize=7, ha="center", va="bottom")
         ax.plot(xs, means, color=colour, marker=marker, label=series_name)
+        drawn[ax].append((series_name, xs, means))
     for facet, ax in panel.items():
         if record.log:
             ax.set_xscale("log")
@@ -271,7 +321,7 @@ def finals_vs(experiment: str, record: FinalsVs) -> tuple[str, str]:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel(axis)
         ax.set_ylabel("final held-out loss (nats)")
-        ax.set_title(facet)
+        title_with_overlaps(ax, facet, drawn[ax])
         ax.grid(alpha=0.3)
     fig.suptitle(f"{experiment}: final loss vs {axis} (mean over seeds; diverged runs drawn at the top)")
     legend(fig, axes, len(series))
@@ -296,12 +346,13 @@ def residual_bars(experiment: str, record: ResidualBars) -> tuple[str, str]:
                     label=("x", "F(x)", "x + F(x)")[j] if i == 0 else None,
                 )
         ax.set_yticks(range(len(rows)), [lab for lab, _ in rows])
-        ax.invert_yaxis()
         ax.set_xlabel("RMS")
         ax.set_title(f"at {when}")
         ax.grid(alpha=0.3, axis="x")
+    axes[0].invert_yaxis()  # the first variant on top (the axes share y: invert it once)
     axes[1].tick_params(labelleft=False)
-    axes[1].legend(loc="lower right")
+    handles, labels = axes[0].get_legend_handles_labels()  # below both panels: never over a bar
+    fig.legend(handles, labels, loc="outside lower center", ncol=3, frameon=False)
     fig.suptitle(
         f"{experiment}: the Add of Add & Norm, RMS of x, F(x) and x + F(x) at the middle layer's FFN"
     )
@@ -358,7 +409,8 @@ def growth(placements: list[str], depth: int, series: list[LayerSeries]) -> tupl
     log_axis(ax, [y for s in series for y in s.values])
     layer_axis(ax)
     ax.set_ylabel("residual-stream RMS (log)")
-    ax.set_title(f"activation growth per layer at the end of training, {depth} layers (first seed)")
+    title = f"activation growth per layer at the end of training, {depth} layers (first seed)"
+    title_with_overlaps(ax, title, [(s.label, s.layers, s.values) for s in series])
     ax.grid(alpha=0.3, which="both")
     legend(fig, [ax], len(series), title="placement")
     return "activation growth per layer", png(fig)
