@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import ast
 import csv
+import html
 import math
+import re
 import sqlite3
 import time
 from collections import Counter
@@ -17,9 +19,10 @@ import yaml
 from typer.testing import CliRunner
 
 from addnorm.cli import app
-from addnorm.study import Store, parse_spec, run_study, spec
+from addnorm.study import Store, build_report, parse_spec, run_study, spec
 from addnorm.study.analysis import analyse, layer_panels
 from addnorm.study.profiles import combine, ffn_grad_profile, layer_profile
+from addnorm.study.rule import VERDICTS
 from addnorm.study.trackers import layer_values
 from addnorm.train import RunConfig, RunResult
 
@@ -219,3 +222,28 @@ def test_readers_leave_no_wal_or_shm_files_and_write_nothing(tmp_path):
         writer.db.commit()
     with Store(out / "study.sqlite", readonly=True) as reader:
         assert [r["wall_s"] for r in reader.runs()] == [1.5]
+
+
+def test_the_page_shows_every_finding_of_the_records_and_explains_every_verdict(tmp_path):
+    """The page's findings table has one row per finding record (docs/report-quick.png once showed 11
+    of a report's 14: the screenshots are rebuilt from reports by `make report-screenshots`), and every
+    verdict is explained beside it."""
+    with Store(tmp_path / "study.sqlite") as store:
+        for seed, top in enumerate((3.0, 3.3, 2.7)):
+            save(store, "post", [[1.0], [1.5], [2.0], [top]], "ff", seed)
+        store.save_plan(
+            "s", {"experiments": {"main": None}}, {}, [(r["id"], "main", "x") for r in store.runs()]
+        )
+        records = analyse(store)
+    page = build_report(tmp_path).read_text()
+    table = page[
+        page.index("<table class='findings'>") : page.index(
+            "</table>", page.index("<table class='findings'>")
+        )
+    ]
+    rows = re.findall(r"<tr><td>(.*?)<br><small>.*?</small></td>.*?<td class='[a-z]+'>([^<]*)</td>", table)
+    assert len(rows) == len(records.findings) == 10  # one per claim here: one measured, nine not tested
+    assert [(html.escape(f.claim), f.verdict) for f in records.findings] == rows
+    assert {v for _, v in rows} == {"supported", "not tested by this study"}
+    for verdict, meaning in VERDICTS.items():
+        assert f">{verdict}</span>: {html.escape(meaning)}</li>" in page

@@ -29,7 +29,7 @@ from .records import (
     RunRow,
     StudyRecords,
 )
-from .rule import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED
+from .rule import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, VERDICTS
 from .store import Store, write_atomic
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222;line-height:1.4}
@@ -120,6 +120,16 @@ def rule_note(rule: RuleAsTest | None) -> str:
     )
 
 
+def verdicts() -> str:
+    """What each verdict means."""
+    css = {SUPPORTED: "supported", NOT_SUPPORTED: "not", INCONCLUSIVE: "inconclusive"}
+    items = "".join(
+        f"<li><span class='{css.get(v, 'untested')}'>{esc(v)}</span>: {esc(meaning)}</li>"
+        for v, meaning in VERDICTS.items()
+    )
+    return f"<p class='note'>The verdicts:</p><ul class='note verdicts'>{items}</ul>"
+
+
 def findings(found: list[Finding], rule: RuleAsTest | None = None) -> str:
     css = {SUPPORTED: "supported", NOT_SUPPORTED: "not", INCONCLUSIVE: "inconclusive"}
     rows = "".join(
@@ -132,7 +142,7 @@ def findings(found: list[Finding], rule: RuleAsTest | None = None) -> str:
         f"<h2 id='findings'>Findings</h2><p class='note'>Rule: {esc(RULE)}.{esc(rule_note(rule))} Numbers "
         "are held-out cross-entropy in nats, mean ± standard deviation over seeds.</p>"
         "<table class='findings'><tr><th>claim</th><th>measured at</th><th>what this study measured</th>"
-        f"<th>verdict</th><th>what would change it</th></tr>{rows}</table>"
+        f"<th>verdict</th><th>what would change it</th></tr>{rows}</table>{verdicts()}"
     )
 
 

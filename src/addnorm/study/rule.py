@@ -30,6 +30,16 @@ RULE = (
     f"between, judged when the mean log-ratio clears the threshold by {K:g} standard deviations; "
     "otherwise the verdict is inconclusive"
 )
+# What each verdict means, as the report and the README explain it.
+VERDICTS = {
+    SUPPORTED: "the study measured what the claim predicts: its difference counts under the rule (the "
+    "evidence column says when, for each claim)",
+    NOT_SUPPORTED: "the opposite difference counts under the rule: this study measured the reverse of the "
+    "claim (at the settings shown, which may be far from the source's)",
+    INCONCLUSIVE: "neither difference counts: the seeds disagree, there is one seed, or divergence is "
+    "mixed; more seeds (or a setting closer to the source's) could settle it",
+    NOT_TESTED: "the study has no runs that bear on the claim; the evidence column says which runs it needs",
+}
 FINISHED = ("done", "diverged")  # runs that are evidence; a failed run (an error, killed) is missing data
 
 
