@@ -247,3 +247,33 @@ def test_the_page_shows_every_finding_of_the_records_and_explains_every_verdict(
     assert {v for _, v in rows} == {"supported", "not tested by this study"}
     for verdict, meaning in VERDICTS.items():
         assert f">{verdict}</span>: {html.escape(meaning)}</li>" in page
+
+
+def test_the_provenance_table_names_every_stored_field(tmp_path):
+    """Runs of a Hugging Face model store the transformers version (and every run its precision and
+    whether it compiled): the report's provenance table shows them, saying which runs a field is from."""
+    prov = {
+        "addnorm": "0.1.0",
+        "torch": "2.13.0",
+        "device": "AMD EPYC",
+        "precision": "fp32",
+        "compile": False,
+    }
+    with Store(tmp_path / "study.sqlite") as store:
+        members = []
+        for model, extra in (("addnorm", {}), ("hf-llama", {"transformers": "5.23.0", "tp_plan": "auto"})):
+            cfg = RunConfig(model=model).to_dict()
+            result = RunResult(status="done", final={"val_loss": 2.0}, provenance={**prov, **extra})
+            run_id = RunConfig(**cfg).run_id
+            store.save_run("s", run_id, [("main", model)], cfg, result, time.time())
+            members.append((run_id, "main", model))
+        store.save_plan("s", {"experiments": {"main": None}}, {}, members)
+    page = build_report(tmp_path).read_text()
+    table = page[
+        page.index("<h3>Provenance</h3>") : page.index("</table>", page.index("<h3>Provenance</h3>"))
+    ]
+    cells = dict(re.findall(r"<tr><th>([^<]*)</th><td>([^<]*)</td></tr>", table))
+    assert cells["transformers"] == "5.23.0 (1 of 2 runs)"
+    assert cells["torch"] == "2.13.0" and cells["precision"] == "fp32" and cells["compiled"] == "false"
+    assert cells["tp_plan"] == "auto (1 of 2 runs)"  # a field the report does not know, under its own name
+    assert list(cells)[:5] == ["addnorm", "torch", "transformers", "device", "precision"]

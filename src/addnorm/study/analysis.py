@@ -46,15 +46,20 @@ ARCH_KEYS = (
     "fused",
 )  # fmt: skip
 HF_ONLY_KEYS = ("hf_init",)  # shown for Hugging Face families only (addnorm's model has one value)
-# Provenance fields in the order the report lists them, with their titles.
+# Provenance fields in the order the report lists them, with their titles; a field not named here (one
+# a newer training loop stores) follows under its own name.
 PROVENANCE_FIELDS = (
     ("addnorm", "addnorm"),
     ("git_commit", "git commit"),
     ("git_dirty", "uncommitted changes"),
     ("torch", "torch"),
+    ("transformers", "transformers"),
     ("python", "Python"),
     ("device", "device"),
     ("threads", "torch threads per run"),
+    ("precision", "precision"),
+    ("compile", "compiled"),
+    ("distributed", "distributed"),
     ("platform", "platform"),
 )
 
@@ -304,13 +309,23 @@ def ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> Ranking
 
 # --- what was run ---------------------------------------------------------------------------------
 def provenance(runs: list[dict]) -> list[tuple[str, str]]:
-    """(field, the values the runs stored) in :data:`PROVENANCE_FIELDS` order, then any other field, the
+    """(field, the values the runs stored) in :data:`PROVENANCE_FIELDS` order, then any other field (a
+    field only some runs stored says how many: transformers, for the runs of Hugging Face models), the
     run dates as a range, and the runs stored without provenance."""
     prov: dict[str, set] = defaultdict(set)
+    count: dict[str, int] = defaultdict(int)
     for r in runs:
         for k, v in (r.get("provenance") or {}).items():
             prov[k].add(value(v))
-    rows = [(title, ", ".join(sorted(prov[key]))) for key, title in PROVENANCE_FIELDS if prov.get(key)]
+            count[k] += 1
+    with_provenance = sum(1 for r in runs if r.get("provenance"))
+    titles = dict(PROVENANCE_FIELDS)
+    keys = [k for k, _ in PROVENANCE_FIELDS] + sorted(k for k in prov if k not in titles and k != "date")
+    rows = []
+    for key in keys:
+        if prov.get(key):
+            some = f" ({count[key]} of {with_provenance} runs)" if count[key] < with_provenance else ""
+            rows.append((titles.get(key, key), ", ".join(sorted(prov[key])) + some))
     if prov.get("date"):
         dates = sorted(prov["date"])
         rows.append(("run dates (UTC)", dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"))
