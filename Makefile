@@ -10,7 +10,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.addnorm-installed
 ARGS ?= study
 
-.PHONY: run test lint format bench gpu-bench install clean
+.PHONY: run test lint format bench gpu-bench install clean report-screenshots
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,11 @@ bench: $(STAMP)
 # of the tree has no .git; --dry-run prints the plan and its budgets; --only STEP reruns one step.
 gpu-bench:
 	PYTHONPATH=src $(PYTHON) benchmarks/gpu_suite.py $(GPU_BENCH_ARGS)
+
+# The README's report screenshots (docs/report-*.png), rebuilt from the quick, literature and llama studies'
+# reports under addnorm-out/ (run those studies first); needs chromium (apt-get install chromium).
+report-screenshots: $(STAMP)
+	$(PY) benchmarks/report_screenshot.py --docs addnorm-out
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,10 +1,15 @@
-"""Screenshot one section of a study report as headless Chromium renders it (the `docs/report-*.png`).
+"""Screenshot a study report, or one section of it, as headless Chromium renders it (the `docs/report-*.png`).
 
     python benchmarks/report_screenshot.py OUT/report.html docs/report-llama.png --section ranking \
         --height 2400
+    python benchmarks/report_screenshot.py --docs addnorm-out   # every docs/report-*.png
 
 The page is the report cut to its title and intro plus the named section (``<h2 id=SECTION>`` up to the
-next ``<h2 id=...>``), everything else of it untouched (styles, embedded plots). Chromium runs with a fresh
+next ``<h2 id=...>``; ``--section all``: the whole report), everything else of it untouched (styles,
+embedded plots). ``--docs ROOT`` regenerates the README's screenshots (:data:`DOCS`) from the reports of
+the ``quick``, ``literature`` and ``llama`` studies under ROOT (run them first: ``addnorm study quick``,
+``addnorm study literature``, ``addnorm study llama``; ``make report-screenshots``), so a screenshot
+always shows a report as built. Chromium runs with a fresh
 profile and no network services; the PNG is then reduced to a 128-colour palette (the report's flat
 colours survive it) so the file stays small. Needs ``chromium`` on PATH (Debian: ``apt-get install
 chromium``) and Pillow (a matplotlib dependency).
@@ -31,9 +36,20 @@ CHROMIUM_FLAGS = (
 )
 
 
+# The README's screenshots: (study, output, section, width, height).
+DOCS = (
+    ("quick", "docs/report-quick.png", "all", 1280, 3420),
+    ("literature", "docs/report-literature.png", "ranking", 1200, 2440),
+    ("llama", "docs/report-llama.png", "ranking", 1200, 3020),
+)
+
+
 def section_page(report: str, section: str) -> str:
     """The report's HTML cut to everything before its first section (head, title, intro) and the section
-    ``<h2 id='SECTION'>`` up to the next ``<h2 id=``; a missing section is an error naming it."""
+    ``<h2 id='SECTION'>`` up to the next ``<h2 id=``; a missing section is an error naming it. ``all``: the
+    report as it is."""
+    if section == "all":
+        return report
     marker = f"<h2 id='{section}'>"
     if marker not in report:
         raise ValueError(f"section: the report has no section {section!r}")
@@ -75,15 +91,37 @@ def screenshot(report: Path, out: Path, section: str, width: int, height: int, c
     print(f"{out}: {width}x{height}, {out.stat().st_size // 1024} KB")
 
 
+def docs_plan(root: Path, docs: Path) -> list[tuple[Path, Path, str, int, int]]:
+    """(report, png, section, width, height) of each README screenshot whose study report is under
+    ``root``; a missing report is an error naming the study to run."""
+    plan = []
+    for study, png, section, width, height in DOCS:
+        report = root / study / "report.html"
+        if not report.is_file():
+            raise SystemExit(
+                f"error: no report at {report}; run `addnorm study {study} --out {root / study}` first"
+            )
+        plan.append((report, docs / Path(png).name, section, width, height))
+    return plan
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("report", type=Path)
-    parser.add_argument("out", type=Path)
-    parser.add_argument("--section", default="ranking")
+    parser.add_argument("report", type=Path, nargs="?")
+    parser.add_argument("out", type=Path, nargs="?")
+    parser.add_argument("--section", default="ranking", help="a section id, or all")
     parser.add_argument("--width", type=int, default=1200)
     parser.add_argument("--height", type=int, default=2400)
     parser.add_argument("--colours", type=int, default=128)
+    parser.add_argument("--docs", type=Path, metavar="ROOT", help="regenerate every docs/report-*.png")
     args = parser.parse_args(argv)
+    if args.docs is not None:
+        docs = Path(__file__).resolve().parents[1] / "docs"
+        for report, png, section, width, height in docs_plan(args.docs, docs):
+            screenshot(report, png, section, width, height, args.colours)
+        return
+    if args.report is None or args.out is None:
+        parser.error("expected REPORT and OUT (or --docs ROOT)")
     screenshot(args.report, args.out, args.section, args.width, args.height, args.colours)
 
 

@@ -20,11 +20,14 @@ from rich.table import Table
 
 from ..cli_errors import handle_errors
 from .executors import Executor, max_nproc, plan_workers
+from .export import write_csv
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
+from .keys import markdown as keys_markdown
+from .keys import text as keys_text
 from .limits import check_eval, check_plan, estimate_memory, fmt_bytes
 from .lock import folder_lock
 from .report import build_report
-from .runner import estimate_seconds, fmt_time, prepare, resolved_base, run_study
+from .runner import estimate_seconds, fmt_time, prepare, run_study
 from .spec import (
     OVERRIDE_HELP,
     SMOKE_HELP,
@@ -33,8 +36,6 @@ from .spec import (
     load_spec,
     preset_names,
     preset_text,
-    spec_keys,
-    spec_keys_markdown,
 )
 from .store import Store, stored_finished
 from .trackers import TRACKERS, make_trackers
@@ -93,7 +94,8 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
     it is already stored, an estimated wall time and peak memory; refuses what this machine cannot run
     (:mod:`.limits`). ``where``: the Ray cluster's description (its size is unknown until connected),
     or None for the local executor (``local``: workers, threads, memory limit)."""
-    runs = plan.expand()
+    resolved = plan.resolved()
+    runs = list(resolved.runs)
     db = folder / "study.sqlite"
     stored = stored_finished(db)
     todo = [r for r in runs if r.run_id not in stored]
@@ -114,7 +116,7 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
     else:
         check_eval(todo)
         estimate = f"estimated {fmt_time(total)} of {unit}, shared over the cluster"
-    base = resolved_base(plan)
+    base = resolved.base
     console.print(
         f"study {plan.name!r} ({plan.source}): {len(runs)} runs, {len(runs) - len(todo)} already stored in "
         f"{db}, {len(todo)} to run {where}; {estimate}",
@@ -127,7 +129,7 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
     columns = ("experiment", "label", "run id", "stored", "est.", "memory", "settings different from base")
     for column in columns:
         table.add_column(column, overflow="fold", no_wrap=column in ("run id", "est.", "memory"))
-    members = plan.memberships()
+    members = resolved.memberships
     for run in runs:
         diff = {k: v for k, v in run.config.to_dict().items() if base.get(k) != v}
         also = [f"{e}: {lab}" for e, lab in members[run.run_id][1:]]
@@ -223,7 +225,11 @@ def study(
     show: str = typer.Option(
         None, "--show", metavar="PRESET", help="print a preset's YAML (a template) and exit"
     ),
-    keys: bool = typer.Option(False, "--keys", help="list every key a spec may set, with defaults, and exit"),
+    keys: bool = typer.Option(
+        False,
+        "--keys",
+        help="list every key a spec may hold (run keys with defaults, the structure) and exit",
+    ),
     markdown: bool = typer.Option(
         False, "--markdown", help="with --keys: as the Markdown of docs/study-spec.md"
     ),
@@ -241,11 +247,9 @@ def study(
         return
     if keys:
         if markdown:
-            typer.echo(spec_keys_markdown(), nl=False)
+            typer.echo(keys_markdown(), nl=False)
             return
-        width = max(len(k) for k, _, _ in spec_keys())
-        for key, default, text in spec_keys():
-            typer.echo(f"{key:<{width}}  {text} (default {default})")
+        typer.echo(keys_text(), nl=False)
         return
     n_workers = _workers(workers or "auto")
     if threads is not None and threads < 1:
@@ -303,7 +307,7 @@ def study(
                 console.print(findings_table(compute_findings(store)))
                 console.print(f"Rule: {RULE}.", markup=False, highlight=False, style="dim")
             if csv:
-                store.export_csv(folder / "csv")
+                write_csv(store, folder / "csv")
     stale = f", {outcome.stale} stored runs not part of this spec" if outcome.stale else ""
     typer.echo(f"{outcome.total} runs ({outcome.skipped} already stored, {outcome.ran} run now{stale})")
     typer.echo(f"report: {outcome.report}")
@@ -333,11 +337,17 @@ def report(
 def export(
     out: Path = typer.Argument(..., help="a study folder holding study.sqlite"),
     to: Path = typer.Option(None, "--to", help="folder for the CSV files (default <out>/csv)"),
+    profiles: bool = typer.Option(
+        False,
+        "--profiles",
+        help="also layer_profiles.csv: one value per run, step, layer, part (ffn, stream) and metric, a "
+        "layer's rows combined as the report and the findings read them",
+    ),
 ) -> None:
     """Export the current spec's runs as tidy CSV: runs.csv (one column per config key and provenance
     field), experiments.csv, metrics.csv and layer_metrics.csv (long format)."""
     with Store(_database(out), readonly=True) as store:
-        for path in store.export_csv(to or out / "csv"):
+        for path in write_csv(store, to or out / "csv", profiles):
             typer.echo(str(path))
 
 

@@ -21,6 +21,14 @@ compact. The placements that share a letter with rank 1 are the ones *tied with 
 A placement with a diverged seed ranks after every placement without one (its group: ``diverged``);
 fewer than two finite seeds cannot be tested and ties with everything.
 
+What a ranking could detect (:func:`sensitivity`): the *minimum detectable difference*, the true
+difference of means that Welch's test between two placements of ``n`` seeds each (pooled standard
+deviation ``s``, ``df = 2(n - 1)``) finds with probability :data:`POWER` (0.8) at Holm's first step,
+level ``alpha / pairs``: ``delta* s sqrt(2 / n)`` where ``delta*`` solves ``P(|T'| > t_{1-a/2, df}) = 0.8``
+for T' noncentral t with noncentrality ``delta*`` (:func:`t_power`, an integral over the chi
+distribution); and the seeds per placement that would tell apart the largest gap still tied with the
+best (:func:`seeds_needed`).
+
 The Student t distribution is computed here from the regularised incomplete beta function (continued
 fraction, Numerical Recipes 6.4), so the library needs no scipy at run time.
 """
@@ -230,3 +238,114 @@ def spearman(a: dict[str, int], b: dict[str, int]) -> float:
     rb = {n: i for i, n in enumerate(sorted(common, key=lambda n: b[n]))}
     m = len(common)
     return 1.0 - 6.0 * sum((ra[n] - rb[n]) ** 2 for n in common) / (m * (m * m - 1))
+
+
+# --- what a ranking can detect -------------------------------------------------------------------------
+POWER = 0.8  # the power at which a detectable difference is stated
+_NODES = 600  # Simpson intervals for the power integral (accurate to ~1e-9 against scipy's nct)
+
+
+def normal_cdf(x: float) -> float:
+    return 0.5 * math.erfc(-x / math.sqrt(2.0))
+
+
+def _chi_density(s: float, df: float) -> float:
+    """Density of S = sqrt(V / df), V ~ chi-squared(df): 2 df s f_V(df s^2)."""
+    if s <= 0.0:
+        return math.sqrt(2.0 / math.pi) if df == 1 else 0.0
+    v = df * s * s
+    log_f = (df / 2.0 - 1.0) * math.log(v) - v / 2.0 - (df / 2.0) * math.log(2.0) - math.lgamma(df / 2.0)
+    return 2.0 * df * s * math.exp(log_f)
+
+
+def t_power(delta: float, df: float, crit: float) -> float:
+    """The power of a two-sided t-test with critical value ``crit`` and ``df`` degrees of freedom when the
+    true standardised difference (the noncentrality) is ``delta``: P(|T'| > crit) for T' = (Z + delta) / S,
+    S = sqrt(V / df), V ~ chi-squared(df), that is the integral over s of f_S(s) [Phi(delta - crit s) +
+    Phi(-delta - crit s)] (Simpson's rule; the noncentral t distribution without scipy)."""
+    top = 1.0 + 12.0 / math.sqrt(2.0 * df)
+    h = top / _NODES
+    total = 0.0
+    for i in range(_NODES + 1):
+        s = i * h
+        weight = 1 if i in (0, _NODES) else 4 if i % 2 else 2
+        inner = normal_cdf(delta - crit * s) + normal_cdf(-delta - crit * s)
+        total += weight * _chi_density(s, df) * inner
+    return min(1.0, total * h / 3.0)
+
+
+def detectable_shift(df: float, crit: float, power: float = POWER) -> float:
+    """The noncentrality at which the test of :func:`t_power` has the given ``power`` (bisection)."""
+    lo, hi = 0.0, 1.0
+    while t_power(hi, df, crit) < power:
+        hi *= 2.0
+    for _ in range(60):
+        mid = (lo + hi) / 2.0
+        lo, hi = (mid, hi) if t_power(mid, df, crit) < power else (lo, mid)
+    return (lo + hi) / 2.0
+
+
+def detectable(sd: float, n: int, alpha: float, power: float = POWER) -> float:
+    """The minimum detectable difference of means between two arms of ``n`` seeds each with standard
+    deviation ``sd``: the true difference that a two-sided t-test at level ``alpha`` (df = 2(n - 1), the
+    Welch degrees of freedom for equal arms) finds with probability ``power``,
+    ``delta* x sd x sqrt(2 / n)`` with ``t_power(delta*, df, t_{1 - alpha/2, df}) = power``."""
+    if n < 2 or not math.isfinite(sd):
+        return math.nan
+    df = 2.0 * (n - 1)
+    return detectable_shift(df, t_quantile(1.0 - alpha / 2.0, df), power) * sd * math.sqrt(2.0 / n)
+
+
+def seeds_needed(gap: float, sd: float, alpha: float, power: float = POWER, most: int = 1000) -> int | None:
+    """The fewest seeds per arm whose :func:`detectable` difference is at most ``gap``; None past
+    ``most`` (or for no gap)."""
+    if not gap > 0 or not math.isfinite(sd):
+        return None
+    if sd == 0 or detectable(sd, 2, alpha, power) <= gap:
+        return 2
+    lo, hi = 2, 4  # detectable(lo) > gap >= detectable(hi), found by doubling
+    while detectable(sd, hi, alpha, power) > gap:
+        if hi >= most:
+            return None
+        lo, hi = hi, min(2 * hi, most)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if detectable(sd, mid, alpha, power) > gap else (lo, mid)
+    return hi
+
+
+@dataclass
+class Sensitivity:
+    """What one ranking could detect: the pooled sd of its placements without a diverged seed, their
+    usual number of seeds, the pairs Holm's correction covers and the level of its first step
+    (``alpha / pairs``), the difference detected with :data:`POWER` there, and the largest gap between the
+    best and a placement still tied with it, with the seeds per placement that would detect that gap."""
+
+    sd: float
+    seeds: int
+    pairs: int
+    alpha: float
+    detectable: float
+    gap: float = math.nan
+    gap_name: str = ""
+    seeds_needed: int | None = None
+
+
+def sensitivity(samples: dict[str, list[float]], rows: list[Ranked], alpha: float = ALPHA) -> Sensitivity:
+    """:class:`Sensitivity` of the ranking ``rows`` of ``samples`` (see :func:`rank`)."""
+    clean = [r for r in rows if not r.diverged]
+    finite = {r.name: [v for v in samples[r.name] if math.isfinite(v)] for r in clean}
+    spread = [(len(v) - 1, _mean_sd(v)[1]) for v in finite.values() if len(v) >= 2]
+    dof = sum(d for d, _ in spread)
+    sd = math.sqrt(sum(d * s * s for d, s in spread) / dof) if dof else math.nan
+    counts = sorted(len(v) for v in finite.values())
+    seeds = max(set(counts), key=lambda c: (counts.count(c), -c)) if counts else 0
+    pairs = max(1, len(clean) * (len(clean) - 1) // 2)
+    first = alpha / pairs
+    out = Sensitivity(sd, seeds, pairs, first, detectable(sd, seeds, first))
+    tied = [r for r in clean[1:] if r.best]
+    if clean and tied:
+        worst = max(tied, key=lambda r: r.mean)
+        out.gap, out.gap_name = worst.mean - clean[0].mean, worst.name
+        out.seeds_needed = seeds_needed(out.gap, sd, first)
+    return out

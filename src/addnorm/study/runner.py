@@ -301,14 +301,6 @@ class StudyOutcome:
     report: Path | None = None
 
 
-def resolved_base(spec: StudySpec) -> dict:
-    """The spec's base config with every default filled in (as given if it is not valid on its own)."""
-    try:
-        return RunConfig(**spec.base).to_dict()
-    except (TypeError, ValueError):
-        return {**RunConfig.defaults(), **spec.base}
-
-
 UNSAVED = "unsaved"  # <out>/unsaved/<run id>.pkl: a finished run whose save to the database failed
 
 
@@ -353,7 +345,7 @@ def prepare(
     machine can run (:mod:`.limits`; a cluster's nodes are not known here: evaluation only). Raises
     :class:`~addnorm.study.spec.SpecError` without touching the folder. :func:`run_study` calls it."""
     stored = stored_finished(Path(out_dir) / "study.sqlite")
-    todo = [r for r in spec.expand() if r.run_id not in stored]
+    todo = [r for r in spec.resolved().runs if r.run_id not in stored]
     executor = executor or make_executor(workers, threads, runs=len(todo), nproc=max_nproc(todo))
     if isinstance(executor, (LocalExecutor, ProcessExecutor)):
         check_plan(todo, executor.workers, executor.gpu, memory_limit)
@@ -384,8 +376,8 @@ def run_study(
     are refused (:mod:`.limits`: ``memory_limit`` a size per run or ``off``, default by available
     memory and workers; and evaluations beyond the held-out data)."""
     out = Path(out_dir)
-    planned = spec.expand()
-    members = spec.memberships()
+    plan = spec.resolved()  # the spec's one expansion: the runs, the store's plan, the report's left-out runs
+    planned, members = list(plan.runs), plan.memberships
     stream = stream or sys.stderr
     db = out / "study.sqlite"
     executor = prepare(spec, out, workers, threads, executor, memory_limit)
@@ -394,7 +386,7 @@ def run_study(
         done = store.finished_ids()
         todo = [r for r in planned if r.run_id not in done]
         rows = [(run_id, exp, label) for run_id, pairs in members.items() for exp, label in pairs]
-        store.save_plan(spec.name, spec.to_dict(), resolved_base(spec), rows)
+        store.save_plan(spec.name, spec.to_dict(), plan.base, rows, plan.not_applicable)
         pruned = store.prune() if prune else 0
         stale = len(store.stale_ids())
         retried = sum(1 for r in store.runs() if r["status"] == FAILED)

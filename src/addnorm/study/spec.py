@@ -28,9 +28,7 @@ from pathlib import Path
 import yaml
 
 from ..train.config import RunConfig
-
-SPEC_KEYS = ("name", "description", "base", "experiments")
-EXPERIMENT_KEYS = ("set", "sweep", "description", "rank")
+from .keys import EXPERIMENT_KEYS, SPEC_KEYS, generated, markdown
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -68,42 +66,72 @@ class PlannedRun:
         return self.config.run_id
 
 
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A spec expanded once: every run of every experiment resolved to its :class:`RunConfig`.
+
+    ``runs``: the distinct applicable runs in spec order (a run that several experiments share is run
+    once, under the first); ``memberships``: run id -> every (experiment, label) it belongs to;
+    ``not_applicable``: (experiment, label, why) of each run left out because its placement cannot be
+    applied to its model (``RunConfig.not_applicable``); ``base``: the base config with every default
+    filled in (as given where it is not valid on its own). The runner, ``--dry-run`` and the store's
+    plan all read this one object."""
+
+    runs: tuple[PlannedRun, ...]
+    memberships: dict[str, list[tuple[str, str]]]
+    not_applicable: tuple[tuple[str, str, str], ...]
+    base: dict
+
+
+def resolve(experiments: dict, base: dict) -> ResolvedPlan:
+    """Expand every experiment over ``base`` once (see :class:`ResolvedPlan`)."""
+    runs: list[PlannedRun] = []
+    members: dict[str, list[tuple[str, str]]] = {}
+    left_out = []
+    for exp_name, exp in experiments.items():
+        for run in _expand_experiment(exp_name, exp, base):
+            if run.config.not_applicable is not None:
+                left_out.append((exp_name, run.label, run.config.not_applicable))
+                continue
+            if run.run_id not in members:
+                runs.append(run)
+            members.setdefault(run.run_id, []).append((exp_name, run.label))
+    try:
+        resolved_base = RunConfig(**base).to_dict()
+    except (TypeError, ValueError):
+        resolved_base = {**RunConfig.defaults(), **base}
+    return ResolvedPlan(tuple(runs), members, tuple(left_out), resolved_base)
+
+
 @dataclass
 class StudySpec:
+    """A parsed spec; ``plan`` is its expansion, made once by :func:`parse_spec`."""
+
     name: str
     description: str = ""
     base: dict = field(default_factory=dict)
     experiments: dict = field(default_factory=dict)
     source: str = ""
+    plan: ResolvedPlan | None = field(default=None, repr=False, compare=False)
+
+    def resolved(self) -> ResolvedPlan:
+        """The plan (expanded now if this spec was built directly, not by :func:`parse_spec`)."""
+        if self.plan is None:
+            self.plan = resolve(self.experiments, self.base)
+        return self.plan
 
     def expand(self) -> list[PlannedRun]:
         """Every run of every experiment, deduplicated by run id (first experiment wins)."""
-        runs, seen = [], set()
-        for exp_name, exp in self.experiments.items():
-            for run in _expand_experiment(exp_name, exp, self.base):
-                if run.config.not_applicable is None and run.run_id not in seen:
-                    seen.add(run.run_id)
-                    runs.append(run)
-        return runs
+        return list(self.resolved().runs)
 
     def memberships(self) -> dict[str, list[tuple[str, str]]]:
         """run id -> every (experiment, label) it belongs to (a run can serve several experiments)."""
-        out: dict[str, list[tuple[str, str]]] = {}
-        for exp_name, exp in self.experiments.items():
-            for run in _expand_experiment(exp_name, exp, self.base):
-                if run.config.not_applicable is None:
-                    out.setdefault(run.run_id, []).append((exp_name, run.label))
-        return out
+        return self.resolved().memberships
 
     def not_applicable(self) -> list[tuple[str, str, str]]:
         """(experiment, label, why) of every run left out of the plan because its placement cannot be
         applied to its model (a Hugging Face family, see ``RunConfig.not_applicable``)."""
-        return [
-            (exp_name, run.label, run.config.not_applicable)
-            for exp_name, exp in self.experiments.items()
-            for run in _expand_experiment(exp_name, exp, self.base)
-            if run.config.not_applicable is not None
-        ]
+        return list(self.resolved().not_applicable)
 
     def to_dict(self) -> dict:
         return {
@@ -201,10 +229,10 @@ def parse_spec(data: object, source: str = "<spec>") -> StudySpec:
                     raise SpecError(f"{where}.sweep.variant: label {twice!r} is used twice; each must differ")
             else:
                 _check_keys({axis: None}, f"{where}.sweep")
-    spec = StudySpec(name.strip(), str(data.get("description") or ""), base, experiments, source)
-    if not spec.expand() and spec.not_applicable():  # resolves and validates every run now
-        raise SpecError(f"{source}: no run of this spec is applicable: {spec.not_applicable()[0][2]}")
-    return spec
+    plan = resolve(experiments, base)  # resolves and validates every run, once
+    if not plan.runs and plan.not_applicable:
+        raise SpecError(f"{source}: no run of this spec is applicable: {plan.not_applicable[0][2]}")
+    return StudySpec(name.strip(), str(data.get("description") or ""), base, experiments, source, plan)
 
 
 def _override_everywhere(data: dict, key: str, value: object) -> None:
@@ -404,39 +432,17 @@ def spec_keys() -> list[tuple[str, str, str]]:
     return rows
 
 
+def write_run_keys() -> Path:
+    """Regenerate ``study/_run_keys.py`` (the run keys ``addnorm study --keys`` lists without torch) from
+    :func:`spec_keys`; returns its path."""
+    path = Path(__file__).with_name("_run_keys.py")
+    path.write_text(generated(spec_keys()))
+    return path
+
+
 def spec_keys_markdown() -> str:
-    """The spec reference (``docs/study-spec.md``), generated from the run config."""
-    lines = [
-        "# Study spec keys",
-        "",
-        "Generated from `RunConfig` and `TransformerConfig` by `addnorm study --keys --markdown`; the",
-        "tests check that this file matches the code. A spec is YAML:",
-        "",
-        "```yaml",
-        "name: my-study",
-        "description: what it measures",
-        "base: {n_layers: 6, steps: 300}        # every run starts from these",
-        "experiments:",
-        "  warmup:",
-        "    description: shown in the report",
-        "    set: {lr: 0.003}                    # this experiment's fixed settings",
-        "    sweep: {placement: [post, pre], warmup: [0, 100], seed: [0, 1, 2]}   # cartesian product",
-        "  ablations:",
-        "    sweep:",
-        "      variant:                          # several keys at once, named by label",
-        "        - {label: layernorm}",
-        "        - {label: no residual, residual: false}",
-        "    rank: false                         # true: rank this experiment's placements in the report",
-        "```",
-        "",
-        "Names are canonicalised before a run's id is computed (`Post-LN` is `post`), so an alias never",
-        "splits a run. `addnorm study --set KEY=VALUE` sets a key everywhere (see `addnorm study --help`).",
-        "",
-        "| key | default | meaning |",
-        "| --- | --- | --- |",
-    ]
-    lines += [f"| `{k}` | `{d}` | {h} |" for k, d, h in spec_keys()]
-    return "\n".join(lines) + "\n"
+    """The spec reference (``docs/study-spec.md``): the spec's structure and every run key."""
+    return markdown()
 
 
 def load_spec(

@@ -47,6 +47,7 @@ ADDED_COLUMNS = (
     ("runs", "provenance", "TEXT"),
     ("studies", "base", "TEXT"),
     ("runs", "tokens_per_s", "REAL"),
+    ("studies", "not_applicable", "TEXT"),
 )
 
 RUN_COLUMNS = (
@@ -122,13 +123,21 @@ class Store:
         except sqlite3.Error as err:
             raise type(err)(f"{self.path}: {err}") from None
 
-    def save_plan(self, name: str, spec: dict, base: dict, members: list[tuple[str, str, str]]) -> None:
-        """The current spec (as given and its resolved base config) and its runs as (run id,
-        experiment, label) rows, replacing the previous plan in one transaction."""
+    def save_plan(
+        self,
+        name: str,
+        spec: dict,
+        base: dict,
+        members: list[tuple[str, str, str]],
+        not_applicable: list[tuple[str, str, str]] = (),
+    ) -> None:
+        """The current spec (as given and its resolved base config), its runs as (run id, experiment,
+        label) rows and the runs it leaves out as (experiment, label, why), replacing the previous plan in
+        one transaction."""
         with self._writing():
             self.db.execute(
-                "INSERT OR REPLACE INTO studies (name, spec, updated, base) VALUES (?, ?, ?, ?)",
-                (name, json.dumps(spec), time.time(), json.dumps(base)),
+                "INSERT OR REPLACE INTO studies (name, spec, updated, base, not_applicable) VALUES (?, ?, ?, ?, ?)",
+                (name, json.dumps(spec), time.time(), json.dumps(base), json.dumps(list(not_applicable))),
             )
             self.db.execute("DELETE FROM plan")
             self.db.executemany(
@@ -224,6 +233,16 @@ class Store:
         row = self.db.execute("SELECT base FROM studies ORDER BY updated DESC LIMIT 1").fetchone()
         return json.loads(row["base"]) if row and row["base"] else {}
 
+    def not_applicable(self) -> list[tuple[str, str, str]] | None:
+        """The current spec's runs left out of the plan as not applicable, (experiment, label, why); None
+        for a database written before they were kept."""
+        row = self.db.execute("SELECT not_applicable FROM studies ORDER BY updated DESC LIMIT 1").fetchone()
+        if row is None:
+            return []
+        return (
+            None if row["not_applicable"] is None else [tuple(x) for x in json.loads(row["not_applicable"])]
+        )
+
     def runs(self) -> list[dict]:
         """The current plan's stored runs in the spec's order, each with ``config`` and ``provenance`` decoded and
         ``experiments`` as its (experiment, label) memberships in the plan. A database without a plan
@@ -281,6 +300,11 @@ class Store:
             query += " AND step = ?"
             args.append(step)
         return [dict(r) for r in self.db.execute(query + " ORDER BY step, layer", args)]
+
+    def layer_rows(self, run_id: str) -> list[dict]:
+        """Every per-layer row of a run (all metrics), by step and layer."""
+        query = "SELECT * FROM layer_metrics WHERE run_id = ? ORDER BY step, layer"
+        return [dict(r) for r in self.db.execute(query, (run_id,))]
 
     def export_csv(self, folder: str | Path) -> list[Path]:
         """Tidy CSV of the current plan's runs in ``folder``: ``runs.csv`` (one row per run, one column
@@ -345,20 +369,31 @@ def _schema_complete(db: sqlite3.Connection) -> bool:
 
 
 def _open_readonly(path: Path) -> sqlite3.Connection:
-    """``path`` opened for reading only. A WAL database needs its ``-shm`` file, which a read-only
-    folder cannot hold: there nothing can write either, so it is opened as immutable. A database
-    without the study's tables (a study killed between creating the file and writing its schema)
-    reads as an empty study; one written by an older version, without the tables or columns added
-    since, is read from a copy in memory that has them."""
+    """``path`` opened for reading only. Where the file and its folder can be written, it is opened
+    read-write with ``PRAGMA query_only`` (no statement can change it): a WAL database's reader creates
+    ``-wal`` and ``-shm`` files, and only a read-write connection, the last to close, removes them (a
+    ``mode=ro`` one leaves them in the study folder). Elsewhere it is opened ``mode=ro``, and where even
+    that cannot create its ``-shm`` (a read-only folder: nothing can write there either), as immutable.
+    A database without the study's tables (a study killed between creating the file and writing its
+    schema) reads as an empty study; one written by an older version, without the tables or columns
+    added since, is read from a copy in memory that has them."""
     if not path.is_file():
         raise sqlite3.OperationalError("no such database file")
     uri = path.absolute().as_uri()
-    try:
-        db = sqlite3.connect(f"{uri}?mode=ro", uri=True)
-        complete = _schema_complete(db)
-    except sqlite3.OperationalError:
-        db = sqlite3.connect(f"{uri}?immutable=1", uri=True)
-        complete = _schema_complete(db)
+    writable = os.access(path, os.W_OK) and os.access(path.parent, os.W_OK)
+    for mode in ("mode=rw", "mode=ro", "immutable=1")[0 if writable else 1 :]:
+        db = None
+        try:
+            db = sqlite3.connect(f"{uri}?{mode}", uri=True)
+            if mode == "mode=rw":
+                db.execute("PRAGMA query_only = ON")
+            complete = _schema_complete(db)
+            break
+        except sqlite3.OperationalError:
+            if db is not None:
+                db.close()
+            if mode == "immutable=1":
+                raise
     if complete:
         return db
     copy = sqlite3.connect(":memory:")

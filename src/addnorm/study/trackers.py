@@ -19,7 +19,6 @@ asked for (:data:`TRACKERS`).
 from __future__ import annotations
 
 import json
-import math
 import os
 import shutil
 import sqlite3
@@ -30,6 +29,7 @@ from typing import TextIO
 
 from ..extras import require
 from ..registry import Registry
+from .profiles import combine
 from .spec import PlannedRun
 
 TRACKERS: Registry = Registry("tracker")
@@ -42,21 +42,17 @@ FINAL = ("final_train_loss", "final_val_loss", "final_val_metric", "tokens_per_s
 
 
 def layer_values(rows: list[dict]) -> dict[tuple[int, str], float]:
-    """(step, name) -> value of the tracked per-layer metrics of one run's stored layer rows; the weight
-    gradient norms of a sublayer's matrices combine as sqrt(sum of squares)."""
-    squares: dict[tuple[int, str], float] = defaultdict(float)
-    out: dict[tuple[int, str], float] = {}
+    """(step, name) -> value of the tracked per-layer metrics of one run's stored layer rows, a
+    sublayer's rows combined by the profile rule (:func:`.profiles.combine`: the weight-gradient norms of
+    its matrices as sqrt(sum of squares))."""
+    grouped: dict[tuple[int, str], tuple[str, list[float]]] = {}
     for r in rows:
         metric = LAYER_METRICS.get(r["metric"])
         if metric is None or r["value"] is None:
             continue
         key = (r["step"], f"{metric}/L{r['layer']:02d}.{r['sublayer'] or 'out'}")
-        if r["metric"] == "weight_grad_norm":
-            squares[key] += r["value"] ** 2
-        else:
-            out[key] = r["value"]
-    out.update({key: math.sqrt(v) for key, v in squares.items()})
-    return out
+        grouped.setdefault(key, (r["metric"], []))[1].append(r["value"])
+    return {key: combine(metric, values) for key, (metric, values) in grouped.items()}
 
 
 def run_values(record: dict) -> list[tuple[str, int, float]]:
