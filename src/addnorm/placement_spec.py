@@ -174,12 +174,14 @@ class RoleWeight:
     or ``"scaled"`` (values, attention outputs, FFN), ``tensor`` the matrix (a view: one block of a
     packed projection, one expert), ``sphere_dim`` the dimension along which its d_model-sized vectors
     lie (1: rows, a matrix that reads the stream; 0: columns, one that writes it; None: not known, no
-    nGPT init), ``cross``: a cross-attention matrix."""
+    nGPT init), ``cross``: a cross-attention matrix; ``fan_sum``: fan_in + fan_out of the matrix it is
+    part of (the rows of a packed projection that make up one matrix; None: its own shape's)."""
 
     role: str
     tensor: Tensor
     sphere_dim: int | None = None
     cross: bool = False
+    fan_sum: int | None = None
 
 
 @torch.no_grad()
@@ -189,7 +191,10 @@ def apply_weight_init(weights: Sequence[RoleWeight], init: WeightInit) -> None:
     weights = [w for w in weights if init.cross or not w.cross]
     if init.kind == "xavier_normal":
         for w in weights:
-            nn.init.xavier_normal_(w.tensor, gain=init.gain(w.role))
+            if w.fan_sum is None:
+                nn.init.xavier_normal_(w.tensor, gain=init.gain(w.role))
+            else:  # Glorot & Bengio's std of the whole matrix this part belongs to
+                w.tensor.normal_(0.0, init.gain(w.role) * math.sqrt(2.0 / w.fan_sum))
     elif init.kind == "scale":
         for w in weights:
             w.tensor.mul_(init.factor)

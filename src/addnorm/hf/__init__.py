@@ -16,6 +16,7 @@ by the functions that need it.
 from .architectures import ARCHITECTURES, Architecture, ConfigSpec, Sublayer, Weight, architecture_of
 from .callback import ProbeCallback
 from .families import FAMILIES
+from .families_parallel import PARALLEL_FAMILIES
 from .fuse import fuse, fused, unfuse
 from .placement import supported_placements, with_placement
 from .pretrained import from_pretrained
@@ -27,6 +28,7 @@ __all__ = [
     "Architecture",
     "ConfigSpec",
     "FAMILIES",
+    "PARALLEL_FAMILIES",
     "ProbeCallback",
     "Sublayer",
     "Weight",

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
+from typing import NamedTuple
 
 from torch import Tensor, nn
 
@@ -25,6 +26,7 @@ __all__ = [
     "ARCHITECTURES",
     "Architecture",
     "ConfigSpec",
+    "Sizes",
     "Sublayer",
     "Weight",
     "architecture_of",
@@ -47,8 +49,11 @@ class Weight:
     """A weight matrix of a sublayer (path relative to the layer), or one block of it along ``dim``:
     block ``block`` of ``count`` equal blocks (GPT-2's packed query/key/value projection), or of the
     blocks whose sizes ``sizes(config)`` gives (Phi-3's query/key/value projection with fewer key/value
-    heads). ``experts``: the parameter stacks one matrix per expert along dim 0 (Mixtral, Qwen2-MoE),
-    each initialised as its own matrix. ``optional``: a layer may lack it (Qwen2-MoE's dense layers)."""
+    heads), or the rows ``parts(config)`` gives as (start, stop) ranges along ``dim``, one matrix spread
+    over them (GPT-NeoX's queries, interleaved per head with keys and values: its init reads the whole
+    matrix's fans). ``experts``: the parameter stacks one matrix per expert along dim 0 (Mixtral,
+    Qwen2-MoE), each initialised as its own matrix. ``optional``: a layer may lack it (Qwen2-MoE's dense
+    layers)."""
 
     path: str
     block: int | None = None
@@ -57,21 +62,31 @@ class Weight:
     sizes: Callable[[object], tuple[int, ...]] | None = None
     experts: bool = False
     optional: bool = False
+    parts: Callable[[object], tuple[tuple[int, int], ...]] | None = None
 
     def matrices(self, layer: nn.Module, config) -> list[Tensor]:
         """The matrices (views) this spec names in ``layer``: none if it is optional and absent."""
+        return [m for m, _ in self.pieces(layer, config)]
+
+    def pieces(self, layer: nn.Module, config) -> list[tuple[Tensor, int | None]]:
+        """(view, fan sum) of each piece this spec names: a matrix (fan sum None: its own shape's), or one
+        of ``parts``, with the fans of the matrix they make up together."""
         try:
             weight = layer.get_parameter(self.path)
         except AttributeError:
             if self.optional:
                 return []
             raise
+        if self.parts is not None:
+            ranges = self.parts(config)
+            total = sum(stop - start for start, stop in ranges) + weight.shape[1 - self.dim]
+            return [(weight.narrow(self.dim, start, stop - start), total) for start, stop in ranges]
         if self.block is not None:
             if self.sizes is None:
                 weight = weight.chunk(self.count, self.dim)[self.block]
             else:
                 weight = weight.split(list(self.sizes(config)), self.dim)[self.block]
-        return list(weight.unbind(0)) if self.experts else [weight]
+        return [(m, None) for m in weight.unbind(0)] if self.experts else [(weight, None)]
 
 
 @dataclass(frozen=True)
@@ -87,7 +102,8 @@ class Sublayer:
     own dropout replaces (it runs inside the fused op); ``init_unit`` / ``init_scaled``: the weights
     DeepNet-style initialisation gives gain 1 (queries, keys) and gain beta (values, outputs, FFN);
     ``kind``: ``"attention"``, ``"ffn"`` or ``"cross_attention"`` (default: attention for the first
-    sublayer, FFN for the others), the role observers read.
+    sublayer, FFN for the others), the role observers read; ``dropout``: the config attribute of this
+    connection's residual dropout rate where it is not the record's (Falcon's sequential layers).
     """
 
     name: str
@@ -99,6 +115,7 @@ class Sublayer:
     init_unit: tuple[Weight, ...] = ()
     init_scaled: tuple[Weight, ...] = ()
     kind: str | None = None
+    dropout: str | None = None
 
     @property
     def block(self) -> str:
@@ -114,11 +131,20 @@ class Sublayer:
         """This sublayer's matrices in ``layer`` by weight role (:class:`addnorm.placement_spec.RoleWeight`):
         ``init_unit`` as ``"unit"``, ``init_scaled`` as ``"scaled"``."""
         return [
-            RoleWeight(role, matrix)
+            RoleWeight(role, matrix, fan_sum=fans)
             for role, specs in (("unit", self.init_unit), ("scaled", self.init_scaled))
             for spec in specs
-            for matrix in spec.matrices(layer, config)
+            for matrix, fans in spec.pieces(layer, config)
         ]
+
+
+class Sizes(NamedTuple):
+    """The sizes a config of a family is written at (:attr:`ConfigSpec.fields` reads them)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
 
 
 @dataclass(frozen=True)
@@ -130,17 +156,18 @@ class ConfigSpec:
     ``ffn``: the field of the FFN width; ``kv_heads``: the field of the key/value heads (grouped-query
     attention: tiny models get half the heads, a study's ``kv_heads`` sets it), ``head_dim``: a field set
     to hidden // heads; ``rope``: the field of the RoPE parameters a study's ``rope_theta`` sets;
-    ``dropouts``: every dropout-rate field (``dropout=`` sets them all); ``fields(ffn)``: any other fields
-    at FFN width ``ffn`` (experts); ``lm``: ``"causal"`` or ``"masked"`` (the head of a tiny model;
-    BERT); ``study``: a study may train it (``model: hf-<type>``, ``_text`` dropped); ``scaled_embeddings``:
-    the model multiplies token embeddings by sqrt(hidden) (Gemma; read by the study's ``hf_init``)."""
+    ``dropouts``: every dropout-rate field (``dropout=`` sets them all); ``fields(sizes)``: any other
+    fields at these :class:`Sizes` (experts, GPT-J's rotary dimension); ``lm``: ``"causal"`` or
+    ``"masked"`` (the head of a tiny model; BERT); ``study``: a study may train it (``model:
+    hf-<type>``, ``_text`` dropped); ``scaled_embeddings``: the model multiplies token embeddings by
+    sqrt(hidden) (Gemma; read by the study's ``hf_init``)."""
 
     ffn: str = "intermediate_size"
     kv_heads: str | None = None
     head_dim: str | None = None
     rope: str | None = None
     dropouts: tuple[str, ...] = ("attention_dropout",)
-    fields: Callable[[int], dict] | None = None
+    fields: Callable[[Sizes], dict] | None = None
     lm: str = "causal"
     study: bool = False
     scaled_embeddings: bool = False
@@ -188,9 +215,11 @@ class Architecture:
         """The model's layers, in order."""
         return list(model.base_model.get_submodule(self.layers))
 
-    def residual_dropout(self, config) -> float:
-        """The model's dropout rate on each residual branch (0 where it has none)."""
-        return float(getattr(config, self.dropout)) if self.dropout else 0.0
+    def residual_dropout(self, config, index: int = 0) -> float:
+        """The model's dropout rate on the residual branch of connection ``index`` (0 where it has
+        none): its sublayer's ``dropout`` attribute, or the record's."""
+        name = self.connections()[index][1][0].dropout or self.dropout
+        return float(getattr(config, name) or 0.0) if name else 0.0
 
     def kind(self, index: int) -> str:
         """What sublayer ``index`` is to observers: its ``kind``, or by position."""

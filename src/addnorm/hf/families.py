@@ -1,6 +1,7 @@
-"""The Hugging Face families addnorm ships, one :class:`~addnorm.hf.architectures.Architecture` record
-each: adding a family touches this file only (its record names everything fuse, re-placing, probing,
-tiny models, tests and studies read).
+"""The Hugging Face families addnorm ships whose layers run their sublayers one after the other, one
+:class:`~addnorm.hf.architectures.Architecture` record each (parallel blocks: :mod:`.families_parallel`):
+adding a family touches this file only (its record names everything fuse, re-placing, probing, tiny
+models, tests and studies read).
 
 Registered without the self-check :func:`addnorm.hf.register_architecture` runs on a user's record (that
 would import ``transformers`` at ``import addnorm.hf``); ``tests/test_hf_*.py`` check each of them the same
@@ -11,19 +12,19 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from .architectures import Architecture, ConfigSpec, Sublayer, Weight
+from .architectures import Architecture, ConfigSpec, Sizes, Sublayer, Weight
 from .registration import register_architecture
 
-__all__ = ["FAMILIES"]
+__all__ = ["FAMILIES", "mlp", "self_attn"]
 
 
 # --- how each family calls its sublayers ---------------------------------------------------------------
-def _self_attn(layer: nn.Module, h: Tensor, **kwargs) -> Tensor:
+def self_attn(layer: nn.Module, h: Tensor, **kwargs) -> Tensor:
     """Llama-family and Gemma attention: every keyword of the layer's call goes on to it."""
     return layer.self_attn(hidden_states=h, **kwargs)[0]
 
 
-def _mlp(layer: nn.Module, h: Tensor, **kwargs) -> Tensor:
+def mlp(layer: nn.Module, h: Tensor, **kwargs) -> Tensor:
     return layer.mlp(h)
 
 
@@ -66,27 +67,27 @@ def _phi3_qkv(config) -> tuple[int, int, int]:
     return (config.num_attention_heads * head, kv, kv)
 
 
-def _mixtral_experts(ffn: int) -> dict:
+def _mixtral_experts(sizes: Sizes) -> dict:
     return {"num_local_experts": 4, "num_experts_per_tok": 2}  # four experts, two per token
 
 
-def _qwen2_moe_experts(ffn: int) -> dict:
+def _qwen2_moe_experts(sizes: Sizes) -> dict:
     """Four experts, two per token, every layer sparse, and the shared expert."""
     return {
         "num_experts": 4,
         "num_experts_per_tok": 2,
-        "moe_intermediate_size": ffn,
-        "shared_expert_intermediate_size": ffn,
+        "moe_intermediate_size": sizes.ffn,
+        "shared_expert_intermediate_size": sizes.ffn,
         "decoder_sparse_step": 1,
     }
 
 
 # --- the records ---------------------------------------------------------------------------------------
-_LLAMA_ATTN_INIT = {
+LLAMA_ATTN_INIT = {
     "init_unit": (Weight("self_attn.q_proj.weight"), Weight("self_attn.k_proj.weight")),
     "init_scaled": (Weight("self_attn.v_proj.weight"), Weight("self_attn.o_proj.weight")),
 }
-_LLAMA_MLP = tuple(Weight(f"mlp.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj"))
+LLAMA_MLP = tuple(Weight(f"mlp.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj"))
 _GQA = {"kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
 _LLAMA_CONFIG = ConfigSpec(**_GQA, rope="rope_parameters", study=True)
 _PRE_LLAMA = {"placement": "pre", "norm": "rmsnorm", "layers": "layers", "final_norm": "norm"}
@@ -95,8 +96,8 @@ LLAMA = Architecture(
     "llama",
     **_PRE_LLAMA,
     sublayers=(
-        Sublayer("self_attn", _self_attn, input_norm="input_layernorm", **_LLAMA_ATTN_INIT),
-        Sublayer("mlp", _mlp, input_norm="post_attention_layernorm", init_scaled=_LLAMA_MLP),
+        Sublayer("self_attn", self_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
+        Sublayer("mlp", mlp, input_norm="post_attention_layernorm", init_scaled=LLAMA_MLP),
     ),
     config=_LLAMA_CONFIG,
 )
@@ -110,17 +111,17 @@ GEMMA = Architecture(
     sublayers=(
         Sublayer(
             "self_attn",
-            _self_attn,
+            self_attn,
             input_norm="input_layernorm",
             branch_norm="post_attention_layernorm",
-            **_LLAMA_ATTN_INIT,
+            **LLAMA_ATTN_INIT,
         ),
         Sublayer(
             "mlp",
-            _mlp,
+            mlp,
             input_norm="pre_feedforward_layernorm",
             branch_norm="post_feedforward_layernorm",
-            init_scaled=_LLAMA_MLP,
+            init_scaled=LLAMA_MLP,
         ),
     ),
     config=ConfigSpec(**_GQA, rope="rope_parameters", study=True, scaled_embeddings=True),
@@ -143,7 +144,7 @@ GPT2 = Architecture(
         ),
         Sublayer(
             "mlp",
-            _mlp,
+            mlp,
             input_norm="ln_2",
             silenced=("mlp.dropout",),
             init_scaled=(Weight("mlp.c_fc.weight"), Weight("mlp.c_proj.weight")),
@@ -185,8 +186,8 @@ OLMO2 = Architecture(
     layers="layers",
     final_norm="norm",
     sublayers=(
-        Sublayer("self_attn", _self_attn, branch_norm="post_attention_layernorm", **_LLAMA_ATTN_INIT),
-        Sublayer("mlp", _mlp, branch_norm="post_feedforward_layernorm", init_scaled=_LLAMA_MLP),
+        Sublayer("self_attn", self_attn, branch_norm="post_attention_layernorm", **LLAMA_ATTN_INIT),
+        Sublayer("mlp", mlp, branch_norm="post_feedforward_layernorm", init_scaled=LLAMA_MLP),
     ),
     config=ConfigSpec(**_GQA),
 )
@@ -197,7 +198,7 @@ PHI3 = Architecture(
     sublayers=(
         Sublayer(
             "self_attn",
-            _self_attn,
+            self_attn,
             input_norm="input_layernorm",
             silenced=("resid_attn_dropout",),
             init_unit=tuple(Weight("self_attn.qkv_proj.weight", i, 3, sizes=_phi3_qkv) for i in (0, 1)),
@@ -208,7 +209,7 @@ PHI3 = Architecture(
         ),
         Sublayer(
             "mlp",
-            _mlp,
+            mlp,
             input_norm="post_attention_layernorm",
             silenced=("resid_mlp_dropout",),
             init_scaled=(Weight("mlp.gate_up_proj.weight"), Weight("mlp.down_proj.weight")),
@@ -221,8 +222,8 @@ MIXTRAL = Architecture(
     "mixtral",
     **_PRE_LLAMA,
     sublayers=(
-        Sublayer("self_attn", _self_attn, input_norm="input_layernorm", **_LLAMA_ATTN_INIT),
-        Sublayer("mlp", _mlp, input_norm="post_attention_layernorm", init_scaled=_MOE_EXPERTS),
+        Sublayer("self_attn", self_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
+        Sublayer("mlp", mlp, input_norm="post_attention_layernorm", init_scaled=_MOE_EXPERTS),
     ),
     config=ConfigSpec(**_GQA, fields=_mixtral_experts),
 )
@@ -230,17 +231,17 @@ QWEN2_MOE = Architecture(
     "qwen2_moe",
     **_PRE_LLAMA,
     sublayers=(
-        Sublayer("self_attn", _self_attn, input_norm="input_layernorm", **_LLAMA_ATTN_INIT),
+        Sublayer("self_attn", self_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
         Sublayer(
             "mlp",
-            _mlp,
+            mlp,
             input_norm="post_attention_layernorm",
             init_scaled=tuple(
                 Weight(w.path, experts=w.experts, optional=True)
                 for w in (
                     *_MOE_EXPERTS,
                     *(Weight(f"mlp.shared_expert.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")),
-                    *_LLAMA_MLP,  # dense layers (mlp_only_layers, decoder_sparse_step)
+                    *LLAMA_MLP,  # dense layers (mlp_only_layers, decoder_sparse_step)
                 )
             ),
         ),
@@ -258,7 +259,7 @@ FAMILIES: dict[tuple[str, ...], Architecture] = {
     ("mixtral",): MIXTRAL,
     ("qwen2_moe",): QWEN2_MOE,
 }
-"""Each record addnorm ships, by the ``config.model_type`` values it covers."""
+"""Each of these records, by the ``config.model_type`` values it covers."""
 
 for _types, _arch in FAMILIES.items():
     register_architecture(_types, _arch, check=False)

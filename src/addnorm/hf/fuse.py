@@ -74,13 +74,14 @@ def fuse(model: nn.Module) -> nn.Module:
     layers = arch.layers_of(model)
     if not layers:
         raise ValueError(f"model: {type(model).__name__} has no layers to fuse")
-    dropout, options = arch.residual_dropout(config), norm_options(arch)
+    options = norm_options(arch)
     connections, reads, second_norms = [], [], []
     second_path = arch.branch_norm_path()
     for layer in layers:
         blocks, layer_reads = [], Reads()
         reads.append(layer_reads)
         for i, (block, sublayers) in enumerate(arch.connections()):
+            dropout = arch.residual_dropout(config, i)
             conn = AddNorm(config.hidden_size, arch.placement, arch.norm, dropout, norm_options=options)
             for slot, path in sublayers[0].norm_paths().items():
                 reading(getattr(conn, slot), layer.get_submodule(path), layer_reads, arch)

@@ -169,7 +169,8 @@ def with_placement(
     options = norm_options(arch) if norm_name == arch.norm else {}
     first_norm = layers[0].get_submodule(next(iter(arch.sublayers[0].norm_paths().values())))
     eps = arch.eps_of(first_norm) if eps is None else eps
-    dropout = arch.residual_dropout(config) if dropout is None else dropout
+    n_conns = len(arch.connections())
+    dropouts = [arch.residual_dropout(config, i) if dropout is None else dropout for i in range(n_conns)]
     placements = layer_placements(p, len(layers), mix_fraction)
     depth = _depth(arch, len(layers))
     weight = next(layers[0].parameters())
@@ -189,7 +190,7 @@ def with_placement(
                 d,
                 conn_spec.placement,
                 norm_name,
-                dropout,
+                dropouts[i],
                 eps=eps,
                 alpha=conn_spec.alpha,
                 gate_init=conn_spec.gate_init,
@@ -230,6 +231,7 @@ def with_placement(
     elif arch.final_norm:
         _remove(base, arch.final_norm, nn.Identity())
 
+    dropout = dropouts[0] if len(set(dropouts)) == 1 else dropout  # None: each connection the model's
     record = {"placement": p.name, "norm": norm_name, "eps": eps, "dropout": dropout, "fused": fused}
     if p.layers is not None:
         record["mix_fraction"] = mix_fraction

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .architectures import ARCHITECTURES, Architecture, require_transformers
+from .architectures import ARCHITECTURES, Architecture, Sizes, require_transformers
 
 __all__ = ["config_fields", "tiny_config", "tiny_model"]
 
@@ -48,7 +48,7 @@ def config_fields(
     if spec.head_dim:
         fields[spec.head_dim] = hidden // heads
     if spec.fields is not None:
-        fields.update(spec.fields(ffn))
+        fields.update(spec.fields(Sizes(layers, hidden, heads, ffn)))
     if dropout is not None:
         fields.update(dict.fromkeys(spec.dropouts, float(dropout)))
     return fields
