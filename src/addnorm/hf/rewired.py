@@ -57,10 +57,13 @@ _CACHE_OFF = {"use_cache": False, "past_key_values": None}
 class Reads:
     """Norms that compute with the parameters of a model's own norm modules: ``pairs`` of (norm,
     source). :meth:`refresh` points each norm's ``weight`` and ``bias`` at its source's, as they are
-    now; every rewired forward calls it first, so nothing computes with parameters read earlier.
-    ``with reads.loaded():`` does it for a source that an offload hook manages itself (accelerate's
-    ``_hf_hook`` on the norm module: its parameters are on the meta device outside its own forward),
-    running the hook's ``pre_forward`` first and its ``post_forward`` after."""
+    now. Every rewired forward runs inside ``with reads.current():`` (or ``loaded()``), which does it
+    first, so nothing computes with parameters read earlier, and puts back what the norms held before
+    when it ends: between calls the model's attributes are as they were, so tracing (``torch.export``
+    snapshots every module's tensor attributes and warns about any that a call reassigned) sees none
+    reassigned. ``with reads.loaded():`` also serves a source that an offload hook manages itself
+    (accelerate's ``_hf_hook`` on the norm module: its parameters are on the meta device outside its own
+    forward), running the hook's ``pre_forward`` first and its ``post_forward`` after."""
 
     __slots__ = ("pairs",)
 
@@ -73,13 +76,25 @@ class Reads:
                 object.__setattr__(norm, name, getattr(source, name, None))
 
     @contextmanager
+    def current(self) -> Iterator[None]:
+        """The norms read their sources' parameters inside the block; what they held before, after it."""
+        held = [(norm, norm.__dict__.get("weight"), norm.__dict__.get("bias")) for norm, _ in self.pairs]
+        self.refresh()
+        try:
+            yield
+        finally:
+            for norm, weight, bias in held:
+                object.__setattr__(norm, "weight", weight)
+                object.__setattr__(norm, "bias", bias)
+
+    @contextmanager
     def loaded(self) -> Iterator[None]:
         hooked = [source for _, source in self.pairs if hasattr(source, "_hf_hook")]
         for source in hooked:
             source._hf_hook.pre_forward(source)
-        self.refresh()
         try:
-            yield
+            with self.current():
+                yield
         finally:
             for source in hooked:
                 source._hf_hook.post_forward(source, None)
@@ -232,9 +247,12 @@ class LayerRun:
             stream = connection(stream, self._sublayer(sublayers, x, kwargs))
         if self.final_norm is not None:
             return stream.output(self.final_norm)
-        if local or stream.held is None or not self._may_hand_over(stream.held.residual.device):
+        if local or stream.held is None or not self._may_read_next():
             return stream.tensor()
-        s, normed = stream.read(self.next_norm)
+        with self.next_reads.current():
+            if not _plain_on(self.next_norm, stream.held.residual.device):
+                return stream.tensor()
+            s, normed = stream.read(self.next_norm)
         self.handover.put(s, normed, self.next_norm)
         return s
 
@@ -252,13 +270,11 @@ class LayerRun:
 
         return parallel
 
-    def _may_hand_over(self, device: torch.device) -> bool:
+    def _may_read_next(self) -> bool:
         """Whether this layer may compute the next norm (see the module docstring): it and the norm's
-        owner unmanaged, the norm's parameters (read now) plain tensors on ``device``."""
-        if self.next_norm is None or _managed(self.layer) or _managed(self.next_owner):
-            return False
-        self.next_reads.refresh()
-        return _plain_on(self.next_norm, device)
+        owner unmanaged (and then the norm's parameters, read at the call, plain tensors on the stream's
+        device)."""
+        return self.next_norm is not None and not _managed(self.layer) and not _managed(self.next_owner)
 
 
 class FinalNorm:
