@@ -205,3 +205,25 @@ def test_probe_sees_one_connection_per_parallel_layer_owning_both_branches():
         grads = [p.grad for m in (layer.self_attn, layer.mlp) for p in m.parameters() if p.ndim >= 2]
         assert got == pytest.approx(torch.sqrt(sum(g.square().sum() for g in grads)).item(), rel=1e-6)
     assert all(v > 0 for v in probe.stream_grad_norms())
+
+
+@pytest.mark.parametrize("model_type, fields, record, parallel", CASES, ids=IDS)
+def test_own_placement_is_the_model_and_a_re_placed_model_reloads(
+    model_type, fields, record, parallel, tmp_path
+):
+    """``with_placement`` with the family's own placement (``pre``) is the model; a LayerScale model,
+    trained one step, saves and loads back to the same logits."""
+    plain = tiny(model_type, **fields)
+    ids = tokens()
+    own = anhf.with_placement(copy.deepcopy(plain), "pre")
+    torch.testing.assert_close(own(ids).logits, plain(ids).logits)
+    model = anhf.with_placement(copy.deepcopy(plain), "layerscale").train()
+    model(input_ids=ids, labels=ids).loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.sub_(0.5 * p.grad)
+    model.eval().save_pretrained(tmp_path)
+    loaded = anhf.from_pretrained(tmp_path)
+    assert loaded.config.addnorm == model.config.addnorm
+    assert torch.equal(loaded(ids).logits, model(ids).logits)
