@@ -25,7 +25,9 @@ WORLD, STEPS, VOCAB, BATCH, SEQ, TOL = 2, 3, 50, 4, 9, 1e-5
 PLACEMENTS = ["pre", "post", "sandwich", "deepnorm", "resi_dual", "ngpt", "b2t", "mix", "hybridnorm"]
 PLACEMENTS += ["layerscale", "rezero"]
 HF_TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt2", "bert"]
-HF_TYPES += ["olmo2", "phi3", "mixtral", "qwen2_moe"]  # every supported family (addnorm.hf.ARCHITECTURES)
+HF_TYPES += ["olmo2", "phi3", "mixtral", "qwen2_moe"]
+# parallel blocks; with the above, every supported family (addnorm.hf.ARCHITECTURES)
+HF_TYPES += ["gptj", "codegen", "gpt_neox", "falcon", "phi", "cohere", "cohere2", "stablelm"]
 
 
 def _has_transformers() -> bool:

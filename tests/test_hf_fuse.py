@@ -7,12 +7,14 @@ from __future__ import annotations
 import copy
 import filecmp
 import types
+import warnings
 
 import pytest
 import torch
 from hf_models import LAYERS, TYPES, step, tiny, tokens
 from torch import nn
 
+import addnorm as an
 import addnorm.addnorm as addnorm_module
 import addnorm.hf as anhf
 from addnorm.ops import dropout_keep_mask, policy
@@ -330,3 +332,38 @@ def test_bad_models_get_one_line_errors():
         anhf.unfuse(tiny("llama"))
     with pytest.raises(ValueError, match="cross-attention"):
         anhf.fuse(tiny("gpt2", add_cross_attention=True))
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt2", "bert", "gpt_neox"])
+def test_export_of_a_fused_model_is_the_untouched_model_s(model_type):
+    """torch.export of the fused model warns about nothing the untouched model's export does not (its
+    norms' parameters were once reassigned during the call: "must be registered as buffers"), lifts the
+    same parameters, buffers and constants under the same names (the norms read the model's own
+    Parameters, not copies baked into the graph), and its program computes the model's logits; the norms
+    hold what they held before the export."""
+    plain = tiny(model_type)
+    fused = anhf.fuse(copy.deepcopy(plain))
+    ids = tokens()
+    kwargs = {"input_ids": ids} if model_type == "bert" else {"input_ids": ids, "use_cache": False}
+    layer = fused.base_model.get_submodule(anhf.architecture_of(plain).layers)[0]
+    block = next(m for m in layer.children() if isinstance(m, an.AddNorm))
+    before = [
+        getattr(n, "weight", None) for n in block.children() if isinstance(n, (an.LayerNorm, an.RMSNorm))
+    ]
+    programs, warned = {}, {}
+    for name, model in (("plain", plain), ("fused", fused)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            programs[name] = torch.export.export(model, (), kwargs)
+        warned[name] = sorted(str(w.message) for w in caught)
+    assert warned["fused"] == warned["plain"] == []
+    specs = {k: [(s.kind, s.target) for s in p.graph_signature.input_specs] for k, p in programs.items()}
+    assert specs["fused"] == specs["plain"]
+    assert programs["fused"].constants.keys() == programs["plain"].constants.keys()
+    assert programs["fused"].state_dict.keys() == programs["plain"].state_dict.keys()
+    expected = plain(**kwargs).logits
+    torch.testing.assert_close(programs["fused"].module()(**kwargs).logits, expected)
+    after = [
+        getattr(n, "weight", None) for n in block.children() if isinstance(n, (an.LayerNorm, an.RMSNorm))
+    ]
+    assert all(a is b for a, b in zip(after, before, strict=True))

@@ -11,6 +11,7 @@ from torch import nn
 
 import addnorm as an
 import addnorm.addnorm as addnorm_module
+from addnorm.addnorm import ConnectionRole
 from addnorm.model.stream import Connection, Stream
 
 D, LAYERS, EPS = 16, 3, 1e-6
@@ -52,12 +53,17 @@ def _sharing(norm: nn.RMSNorm) -> an.RMSNorm:
 
 def _fuse(model: ForeignModel) -> None:
     """What an integration does: one Pre-LN AddNorm per residual connection, its input norm sharing the
-    model's weights, registered as ``<sublayer>_block`` so that Probe finds it; and a forward that passes
-    one Stream through every connection and ends with the final norm."""
+    model's weights, registered on the layer with its role (the sublayer it wraps) so that Probe finds it
+    and credits it the sublayer's weights; and a forward that passes one Stream through every connection
+    and ends with the final norm."""
     for layer in model.layers:
-        for sub, norm in (("attn", layer.input_layernorm), ("mlp", layer.post_attention_layernorm)):
+        for sub, kind, norm in (
+            ("attn", "attention", layer.input_layernorm),
+            ("mlp", "ffn", layer.post_attention_layernorm),
+        ):
             conn = an.AddNorm(D, "pre", "rmsnorm")
             conn.norm = _sharing(norm)
+            conn.connection_role = ConnectionRole(sub, kind)
             setattr(layer, f"{sub}_block", conn)
     final = _sharing(model.norm)
     steps = [(Connection(layer.attn_block), Connection(layer.mlp_block), layer) for layer in model.layers]

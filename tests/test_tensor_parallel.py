@@ -30,7 +30,8 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 WORLD, STEPS, VOCAB, BATCH, SEQ, TOL = 2, 3, 50, 4, 9, 1e-5
 LAYERS = 3
-HF_TYPES = ["llama", "qwen3", "gemma2"]  # Qwen3: per-head q/k norms; Gemma 2: sandwich norms
+# Qwen3: per-head q/k norms; Gemma 2: sandwich norms; Phi-1/2, Cohere: parallel blocks
+HF_TYPES = ["llama", "qwen3", "gemma2", "phi", "cohere"]
 ROOT = Path(__file__).resolve().parents[1]
 
 

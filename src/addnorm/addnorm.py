@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -54,6 +55,33 @@ def op_norm(norm: nn.Module | None) -> str | None:
     return _OP_NORMS.get(type(norm))
 
 
+CONNECTION_KINDS = ("attention", "cross_attention", "ffn", "parallel")
+
+
+@dataclass(frozen=True)
+class ConnectionRole:
+    """What a connection is to the layer that holds it, for observers (:class:`addnorm.Probe`, the
+    training loop's statistics), who read it by duck typing as ``module.connection_role``; set by whoever
+    registers the connection on a layer (addnorm's layers, :mod:`addnorm.hf`, an integration).
+
+    ``sublayer``: the name observers give the connection (the layer attribute holding F, ``"self_attn"``,
+    ``"ff"``, ``"mlp"``); ``kind``: one of :data:`CONNECTION_KINDS` (``"parallel"``: a parallel block's
+    attention and FFN in one connection); ``weights``: the layer attributes holding F's weight matrices
+    (default: ``(sublayer,)``)."""
+
+    sublayer: str
+    kind: str
+    weights: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sublayer, str) or not self.sublayer:
+            raise ValueError(f"sublayer: expected a non-empty name, got {self.sublayer!r}")
+        if self.kind not in CONNECTION_KINDS:
+            raise ValueError(f"kind: expected one of {CONNECTION_KINDS}, got {self.kind!r}")
+        if not self.weights:
+            object.__setattr__(self, "weights", (self.sublayer,))
+
+
 class ObservationPoint(nn.Module):
     """A point of the residual stream that hooks read (:class:`addnorm.Probe`, activation statistics):
     the identity, called on every step whether or not anything is hooked, so observing never changes
@@ -98,7 +126,9 @@ class AddNorm(nn.Module):
 
     Observation points, to hook (never the norms, which the fused op may compute without calling):
     ``conn.stream_in`` (the stream x), ``conn.branch`` (N2(F(h)), before dropout and gate) and
-    ``conn.stream_out`` (the connection's output y); see :class:`ObservationPoint`.
+    ``conn.stream_out`` (the connection's output y); see :class:`ObservationPoint`. ``conn.connection_role``
+    (a :class:`ConnectionRole`, None until the layer holding it sets one) tells observers which sublayer
+    it wraps.
 
     ``fused=True`` (the default) lets the connection's add run inside :func:`addnorm.ops.add_norm`
     (Triton on CUDA) where :meth:`add_fusion` allows it: with its own output norm (post, pre_post,
@@ -165,6 +195,7 @@ class AddNorm(nn.Module):
         self.stream_in = ObservationPoint()
         self.branch = ObservationPoint()
         self.stream_out = ObservationPoint()
+        self.connection_role: ConnectionRole | None = None
         self.fused = fused
 
     @property

@@ -15,8 +15,10 @@ while Pre-LN's stay flat. The hooks return ``None``, so outputs and gradients ar
 are removed when the ``with`` block ends (the recorded values stay readable).
 
 Depends only on ``torch.nn``: addnorm layers are recognised by duck typing — a module whose direct
-children include ``AddNorm`` connections (``self_attn_block``, ``cross_attn_block``, ``ff_block``),
-each observed at its ``stream_out`` point. A point may be called as ``point(s, grad_from=r,
+children include connections (modules with a ``connection_role`` attribute and a ``stream_out`` point:
+``addnorm.AddNorm``), each observed at its ``stream_out`` point and named by its role
+(``addnorm.addnorm.ConnectionRole``: the sublayer's name, the layer attributes holding its weights), which
+addnorm's layers and the Hugging Face rewiring set. A point may be called as ``point(s, grad_from=r,
 grad_scale=a)``: then the stream's gradient is r's divided by a (the stream left a fused op together
 with the next norm, so r, the op's residual input, carries it; see ``addnorm.addnorm.ObservationPoint``).
 """
@@ -31,18 +33,25 @@ import torch
 from torch import Tensor, nn
 
 METRICS = ("grad_norm", "act_mean", "act_std", "act_rms", "weight_grad_norm", "weight_norm")
-_BLOCK_SUFFIX = "_block"
 
 LayerSelector = str | Callable[[str, nn.Module], bool] | Sequence[nn.Module] | None
 
 
-def _is_addnorm(module: nn.Module) -> bool:
-    """Duck-typed AddNorm check (the class or a subclass such as SublayerConnection)."""
-    return any(cls.__name__ == "AddNorm" for cls in type(module).__mro__)
+def _is_connection(module: nn.Module) -> bool:
+    """Duck-typed connection check: a residual connection (``AddNorm`` or a subclass) says so by its
+    ``connection_role`` attribute (None until a layer gives it one) beside its ``stream_out`` point."""
+    return hasattr(module, "connection_role") and isinstance(getattr(module, "stream_out", None), nn.Module)
 
 
 def _addnorm_children(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(name, child) for name, child in module.named_children() if _is_addnorm(child)]
+    return [(name, child) for name, child in module.named_children() if _is_connection(child)]
+
+
+def _role(name: str, conn: nn.Module) -> tuple[str, tuple[str, ...]]:
+    """(sublayer name, attributes holding its weights) of a connection registered as ``name``: from its
+    role; a connection without one is named ``name`` and owns no weights."""
+    role = conn.connection_role
+    return (name, ()) if role is None else (role.sublayer, tuple(role.weights))
 
 
 def _layer_list(model: nn.Module) -> nn.ModuleList | None:
@@ -115,8 +124,9 @@ class Probe:
             - a callable ``(name, module) -> bool`` over ``model.named_modules()``;
             - an explicit sequence of modules.
 
-    Within a layer, each ``AddNorm`` child ``<name>_block`` is a sublayer ``<name>`` whose weight
-    matrices are the >= 2-D parameters of the layer's child ``<name>`` (e.g. ``ff.w1.weight``).
+    Within a layer, each ``AddNorm`` child is a sublayer named by its ``connection_role`` (``self_attn``,
+    ``ff``; a child without a role by its attribute name) whose weight matrices are the >= 2-D
+    parameters of the layer's children the role names (e.g. ``ff.w1.weight``).
     The layer's own output is sublayer ``""``, and owns the layer's remaining >= 2-D parameters
     (all of them for a layer without AddNorm children). Each parameter belongs to one site only.
     A layer with AddNorm children is observed at its connections' ``stream_out`` points (inside a
@@ -190,14 +200,15 @@ class Probe:
         sites: dict[str, _Site] = {}
         owned: set[int] = set()
         for child_name, conn in _addnorm_children(layer):
-            sub = child_name[: -len(_BLOCK_SUFFIX)] if child_name.endswith(_BLOCK_SUFFIX) else child_name
+            sub, holders = _role(child_name, conn)
             params: dict[str, nn.Parameter] = {}
-            owner = getattr(layer, sub, None)
-            if isinstance(owner, nn.Module) and owner is not conn:
-                for pname, p in owner.named_parameters():
-                    if p.ndim >= 2 and id(p) not in owned:
-                        params[f"{sub}.{pname}"] = p
-                        owned.add(id(p))
+            for holder in holders:
+                owner = getattr(layer, holder, None)
+                if isinstance(owner, nn.Module) and owner is not conn:
+                    for pname, p in owner.named_parameters():
+                        if p.ndim >= 2 and id(p) not in owned:
+                            params[f"{holder}.{pname}"] = p
+                            owned.add(id(p))
             sites[sub] = _Site(sub, conn.stream_out, params)
         rest = {n: p for n, p in layer.named_parameters() if p.ndim >= 2 and id(p) not in owned}
         sites[""] = _Site("", None if sites else layer, rest)

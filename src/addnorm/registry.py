@@ -49,6 +49,13 @@ class Registry(Mapping[str, T], Generic[T]):
             return add(entry)
         return add
 
+    def unregister(self, name: str) -> T:
+        """Remove ``name`` (and its aliases); returns its entry. Raises UnknownNameError if absent."""
+        key = self.resolve(name)
+        for alias in [a for a, k in self._aliases.items() if k == key]:
+            del self._aliases[alias]
+        return self._entries.pop(key)
+
     def resolve(self, name: str) -> str:
         """The canonical key for ``name`` (or an alias of it); raises UnknownNameError."""
         if not isinstance(name, str):

@@ -7,28 +7,28 @@
 - :class:`addnorm.Probe` observes fused, re-placed and untouched models alike; :class:`ProbeCallback`
   logs it from ``transformers.Trainer`` to whatever the Trainer reports to.
 
-Supported model types: :data:`ARCHITECTURES` (Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 text,
-GPT-2, BERT, OLMo 2, Phi-3, Mixtral, Qwen2-MoE); :func:`register_architecture` adds a family from one
-:class:`Architecture` record. ``transformers`` is imported only by the functions that need it.
+Supported model types: :data:`ARCHITECTURES` (the records of :mod:`addnorm.hf.families`);
+:func:`register_architecture` adds a family from one :class:`Architecture` record, checked on a tiny
+random model first, and :func:`unregister_architecture` takes it back. ``transformers`` is imported only
+by the functions that need it.
 """
 
-from .architectures import (
-    ARCHITECTURES,
-    Architecture,
-    Sublayer,
-    Weight,
-    architecture_of,
-    register_architecture,
-)
+from .architectures import ARCHITECTURES, Architecture, ConfigSpec, Sublayer, Weight, architecture_of
 from .callback import ProbeCallback
+from .families import FAMILIES
+from .families_parallel import PARALLEL_FAMILIES
 from .fuse import fuse, fused, unfuse
 from .placement import supported_placements, with_placement
 from .pretrained import from_pretrained
+from .registration import register_architecture, unregister_architecture
 from .tiny import tiny_config, tiny_model
 
 __all__ = [
     "ARCHITECTURES",
     "Architecture",
+    "ConfigSpec",
+    "FAMILIES",
+    "PARALLEL_FAMILIES",
     "ProbeCallback",
     "Sublayer",
     "Weight",
@@ -41,5 +41,6 @@ __all__ = [
     "tiny_config",
     "tiny_model",
     "unfuse",
+    "unregister_architecture",
     "with_placement",
 ]

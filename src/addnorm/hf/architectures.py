@@ -1,35 +1,42 @@
-"""The Hugging Face architectures addnorm rewires, as data: where a model keeps its layers and final norm,
-which norm fills which slot of each residual connection, how a layer calls its sublayers, and where its
-residual dropout lives.
+"""The record of a Hugging Face family, as data: where a model keeps its layers and final norm, which norm
+fills which slot of each residual connection, how a layer calls its sublayers, where its residual
+dropout lives, which weights play which role, and how a config of the family is written at given sizes.
 
 One :class:`Architecture` per family, registered under each ``config.model_type`` it covers
-(:data:`ARCHITECTURES`). Everything else about a model (embeddings, masks, caches, heads, the layer loop)
+(:data:`ARCHITECTURES`); the families addnorm ships are in :mod:`addnorm.hf.families` (adding one touches
+that file only), a user's go through :func:`addnorm.hf.register_architecture`, which checks the record on
+a tiny model first. Everything else about a model (embeddings, masks, caches, heads, the layer loop)
 stays the model's own code.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
+from typing import NamedTuple
 
 from torch import Tensor, nn
 
 from ..extras import require
+from ..placement_spec import RoleWeight
 from ..registry import Registry
 
 __all__ = [
     "ARCHITECTURES",
     "Architecture",
+    "ConfigSpec",
+    "Sizes",
     "Sublayer",
     "Weight",
     "architecture_of",
+    "norm_eps",
     "norm_options",
-    "register_architecture",
     "require_transformers",
 ]
 
 TRANSFORMERS_RANGE = ">=5.17,<5.24"
+SUBLAYER_KINDS = ("attention", "ffn", "cross_attention")
 
 
 def require_transformers() -> ModuleType:
@@ -42,8 +49,11 @@ class Weight:
     """A weight matrix of a sublayer (path relative to the layer), or one block of it along ``dim``:
     block ``block`` of ``count`` equal blocks (GPT-2's packed query/key/value projection), or of the
     blocks whose sizes ``sizes(config)`` gives (Phi-3's query/key/value projection with fewer key/value
-    heads). ``experts``: the parameter stacks one matrix per expert along dim 0 (Mixtral, Qwen2-MoE),
-    each initialised as its own matrix. ``optional``: a layer may lack it (Qwen2-MoE's dense layers)."""
+    heads), or the rows ``parts(config)`` gives as (start, stop) ranges along ``dim``, one matrix spread
+    over them (GPT-NeoX's queries, interleaved per head with keys and values: its init reads the whole
+    matrix's fans). ``experts``: the parameter stacks one matrix per expert along dim 0 (Mixtral,
+    Qwen2-MoE), each initialised as its own matrix. ``optional``: a layer may lack it (Qwen2-MoE's dense
+    layers)."""
 
     path: str
     block: int | None = None
@@ -52,21 +62,31 @@ class Weight:
     sizes: Callable[[object], tuple[int, ...]] | None = None
     experts: bool = False
     optional: bool = False
+    parts: Callable[[object], tuple[tuple[int, int], ...]] | None = None
 
     def matrices(self, layer: nn.Module, config) -> list[Tensor]:
         """The matrices (views) this spec names in ``layer``: none if it is optional and absent."""
+        return [m for m, _ in self.pieces(layer, config)]
+
+    def pieces(self, layer: nn.Module, config) -> list[tuple[Tensor, int | None]]:
+        """(view, fan sum) of each piece this spec names: a matrix (fan sum None: its own shape's), or one
+        of ``parts``, with the fans of the matrix they make up together."""
         try:
             weight = layer.get_parameter(self.path)
         except AttributeError:
             if self.optional:
                 return []
             raise
+        if self.parts is not None:
+            ranges = self.parts(config)
+            total = sum(stop - start for start, stop in ranges) + weight.shape[1 - self.dim]
+            return [(weight.narrow(self.dim, start, stop - start), total) for start, stop in ranges]
         if self.block is not None:
             if self.sizes is None:
                 weight = weight.chunk(self.count, self.dim)[self.block]
             else:
                 weight = weight.split(list(self.sizes(config)), self.dim)[self.block]
-        return list(weight.unbind(0)) if self.experts else [weight]
+        return [(m, None) for m in weight.unbind(0)] if self.experts else [(weight, None)]
 
 
 @dataclass(frozen=True)
@@ -74,11 +94,16 @@ class Sublayer:
     """One sublayer F of a layer and the residual connection around it.
 
     ``name``: the layer's attribute holding F's weights (what ``Probe`` credits to this connection);
-    ``call(layer, h, **kwargs)``: F(h), given the keyword arguments the layer was called with; the
-    ``*_norm`` fields: the paths (relative to the layer) of the model's own norms in each slot of the
-    connection; ``silenced``: dropout modules inside F that the connection's own dropout replaces (it
-    runs inside the fused op); ``init_unit`` / ``init_scaled``: the weights DeepNet-style initialisation
-    gives gain 1 (queries, keys) and gain beta (values, outputs, FFN).
+    ``call(layer, h, **kwargs)``: F(h), given the keyword arguments the layer was called with; it must
+    return one tensor of h's shape: what the layer adds to its stream for this sublayer, before the
+    residual dropout the connection applies (the model's residual multipliers included: Granite's
+    ``residual_multiplier``); the ``*_norm`` fields: the paths (relative to the layer) of the model's own
+    norms in each slot of the connection; ``silenced``: dropout modules inside F that the connection's
+    own dropout replaces (it runs inside the fused op); ``init_unit`` / ``init_scaled``: the weights
+    DeepNet-style initialisation gives gain 1 (queries, keys) and gain beta (values, outputs, FFN);
+    ``kind``: ``"attention"``, ``"ffn"`` or ``"cross_attention"`` (default: attention for the first
+    sublayer, FFN for the others), the role observers read; ``dropout``: the config attribute of this
+    connection's residual dropout rate where it is not the record's (Falcon's sequential layers).
     """
 
     name: str
@@ -89,10 +114,12 @@ class Sublayer:
     silenced: tuple[str, ...] = ()
     init_unit: tuple[Weight, ...] = ()
     init_scaled: tuple[Weight, ...] = ()
+    kind: str | None = None
+    dropout: str | None = None
 
     @property
     def block(self) -> str:
-        """The layer attribute its connection is registered as (``Probe`` reads ``<name>_block``)."""
+        """The layer attribute its connection is registered as (the state-dict name of its tensors)."""
         return f"{self.name}_block"
 
     def norm_paths(self) -> dict[str, str]:
@@ -100,18 +127,71 @@ class Sublayer:
         slots = ("input_norm", "branch_norm", "output_norm")
         return {slot: getattr(self, slot) for slot in slots if getattr(self, slot) is not None}
 
+    def weights(self, layer: nn.Module, config) -> list[RoleWeight]:
+        """This sublayer's matrices in ``layer`` by weight role (:class:`addnorm.placement_spec.RoleWeight`):
+        ``init_unit`` as ``"unit"``, ``init_scaled`` as ``"scaled"``."""
+        return [
+            RoleWeight(role, matrix, fan_sum=fans)
+            for role, specs in (("unit", self.init_unit), ("scaled", self.init_scaled))
+            for spec in specs
+            for matrix, fans in spec.pieces(layer, config)
+        ]
+
+
+class Sizes(NamedTuple):
+    """The sizes a config of a family is written at (:attr:`ConfigSpec.fields` reads them)."""
+
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+
+
+@dataclass(frozen=True)
+class ConfigSpec:
+    """How a config of the family is written at addnorm's sizes (tiny random models for tests, ``addnorm
+    inspect --hf`` and benchmarks; the runs of a study's ``model: hf-<type>``), and what a fresh model of
+    it is.
+
+    ``ffn``: the field of the FFN width; ``kv_heads``: the field of the key/value heads (grouped-query
+    attention: tiny models get half the heads, a study's ``kv_heads`` sets it), ``head_dim``: a field set
+    to hidden // heads; ``rope``: the field of the RoPE parameters a study's ``rope_theta`` sets;
+    ``dropouts``: every dropout-rate field (``dropout=`` sets them all); ``fields(sizes)``: any other
+    fields at these :class:`Sizes` (experts, GPT-J's rotary dimension); ``lm``: ``"causal"`` or
+    ``"masked"`` (the head of a tiny model; BERT); ``study``: a study may train it (``model:
+    hf-<type>``, ``_text`` dropped); ``scaled_embeddings``: the model multiplies token embeddings by
+    sqrt(hidden) (Gemma; read by the study's ``hf_init``)."""
+
+    ffn: str = "intermediate_size"
+    kv_heads: str | None = None
+    head_dim: str | None = None
+    rope: str | None = None
+    dropouts: tuple[str, ...] = ("attention_dropout",)
+    fields: Callable[[Sizes], dict] | None = None
+    lm: str = "causal"
+    study: bool = False
+    scaled_embeddings: bool = False
+
 
 @dataclass(frozen=True)
 class Architecture:
     """Where one model family keeps what addnorm rewires (paths relative to ``model.base_model``).
 
     ``placement``: the model's own Add & Norm in addnorm's terms; ``norm``: ``"rmsnorm"`` or
-    ``"layernorm"``, ``zero_centered`` for Gemma's gain 1 + w; ``layers``: the layer list; ``final_norm``:
-    the norm the model applies after its last layer (None: none); ``final_norm_home``: where
-    ``with_placement`` registers a final norm the model lacks (the last layer then applies it);
-    ``stack``: ``"decoder"`` or ``"encoder"`` (the depth DeepNet's constants are read for);
-    ``dropout``: the config attribute of the residual dropout rate; ``unsupported``: config features
-    the rewired layers cannot run, as (attribute, message) pairs checked for truthiness.
+    ``"layernorm"``, ``zero_centered`` for Gemma's gain 1 + w; ``norm_eps``: how to read the norms'
+    epsilon (None: their ``variance_epsilon`` or ``eps`` attribute; a name: that attribute; a number:
+    that value, for norms that hold none, such as OLMo 1's); a norm without ``weight`` or ``bias``
+    attributes computes without them. ``layers``: the layer list; ``final_norm``: the norm the model
+    applies after its last layer (None: none); ``final_norm_home``: where ``with_placement`` registers a
+    final norm the model lacks (the last layer then applies it); ``stack``: ``"decoder"`` or
+    ``"encoder"`` (the depth DeepNet's constants are read for); ``dropout``: the config attribute of the
+    residual dropout rate; ``unsupported``: config features the rewired layers cannot run, as (attribute,
+    message) pairs checked for truthiness; ``parallel``: the layer is a parallel block, x + F_1(N(x)) +
+    F_2(N'(x)) (GPT-J, GPT-NeoX, Falcon, Phi, Cohere): one connection around the sum of its sublayers,
+    N the first sublayer's input norm, N' the second's (the same path for one shared norm);
+    ``returns_tuple``: the layer returns ``(hidden_states, attention_weights)`` (GPT-J, Falcon);
+    ``variant(config)``: the record for this config when it differs (GPT-NeoX without its parallel
+    residual), or a one-line reason it cannot be rewired, or None; ``config``: :class:`ConfigSpec`.
     """
 
     name: str
@@ -125,274 +205,68 @@ class Architecture:
     stack: str = "decoder"
     dropout: str | None = None
     unsupported: tuple[tuple[str, str], ...] = ()
+    norm_eps: float | str | None = None
+    parallel: bool = False
+    returns_tuple: bool = False
+    variant: Callable[[object], Architecture | str | None] | None = None
+    config: ConfigSpec = field(default_factory=ConfigSpec)
 
     def layers_of(self, model: nn.Module) -> list[nn.Module]:
         """The model's layers, in order."""
         return list(model.base_model.get_submodule(self.layers))
 
-    def residual_dropout(self, config) -> float:
-        """The model's dropout rate on each residual branch (0 where it has none)."""
-        return float(getattr(config, self.dropout)) if self.dropout else 0.0
+    def residual_dropout(self, config, index: int = 0) -> float:
+        """The model's dropout rate on the residual branch of connection ``index`` (0 where it has
+        none): its sublayer's ``dropout`` attribute, or the record's."""
+        name = self.connections()[index][1][0].dropout or self.dropout
+        return float(getattr(config, name) or 0.0) if name else 0.0
+
+    def kind(self, index: int) -> str:
+        """What sublayer ``index`` is to observers: its ``kind``, or by position."""
+        if self.parallel:
+            return "parallel"
+        return self.sublayers[index].kind or ("attention" if index == 0 else "ffn")
+
+    def connections(self) -> list[tuple[str, tuple[Sublayer, ...]]]:
+        """(block name, sublayers) of each connection of a layer: one per sublayer, or one named
+        ``parallel_block`` around every sublayer of a parallel block."""
+        if self.parallel:
+            return [("parallel_block", self.sublayers)]
+        return [(s.block, (s,)) for s in self.sublayers]
+
+    def branch_norm_path(self) -> str | None:
+        """A parallel block's second input norm N' (the second sublayer's, where it is not the first's)."""
+        if not self.parallel or len(self.sublayers) < 2:
+            return None
+        first, second = self.sublayers[0].input_norm, self.sublayers[1].input_norm
+        return second if second != first else None
+
+    def eps_of(self, module: nn.Module) -> float:
+        """The epsilon of the model's norm ``module`` (see ``norm_eps``)."""
+        return norm_eps(module, self.norm_eps)
+
+    def weights(self, layer: nn.Module, config) -> list[RoleWeight]:
+        """Every matrix of ``layer``'s sublayers by weight role, in the order the sublayers list them."""
+        return [w for sublayer in self.sublayers for w in sublayer.weights(layer, config)]
 
 
-def norm_eps(module: nn.Module) -> float:
-    """A Hugging Face norm's epsilon (``variance_epsilon`` in the Llama family, ``eps`` elsewhere)."""
-    eps = getattr(module, "variance_epsilon", None)
-    return float(module.eps if eps is None else eps)
+def norm_eps(module: nn.Module, how: float | str | None = None) -> float:
+    """A Hugging Face norm's epsilon: ``how`` as a number, or the attribute it names, or by default
+    ``variance_epsilon`` (Llama family) or ``eps``; a one-line error when the norm holds neither."""
+    if isinstance(how, (int, float)) and not isinstance(how, bool):
+        return float(how)
+    names = (how,) if isinstance(how, str) else ("variance_epsilon", "eps")
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    raise ValueError(
+        f"norm_eps: {type(module).__name__} has no epsilon attribute {' or '.join(map(repr, names))}; "
+        "give the record's norm_eps as a number (the epsilon its forward uses) or the attribute's name"
+    )
 
 
 ARCHITECTURES: Registry[Architecture] = Registry("model type")
-
-
-def register_architecture(model_types: str | tuple[str, ...], architecture: Architecture) -> Architecture:
-    """Teach addnorm.hf a model family: ``architecture`` (one :class:`Architecture` record: where the
-    layers and norms are, how each sublayer is called, which weights DeepNet-style initialisation
-    scales) registered under each ``config.model_type`` in ``model_types``. ``fuse``,
-    ``with_placement``, ``from_pretrained`` and ``Probe`` then take models of those types; no patch of
-    addnorm is needed. Returns ``architecture``."""
-    if not isinstance(architecture, Architecture):
-        got = type(architecture).__name__
-        raise TypeError(f"architecture: expected an addnorm.hf.Architecture, got {got}")
-    types = (model_types,) if isinstance(model_types, str) else tuple(model_types)
-    if not types or not all(isinstance(t, str) and t for t in types):
-        raise ValueError(f"model_types: expected a model type name or a tuple of them, got {model_types!r}")
-    for model_type in types:
-        ARCHITECTURES.register(model_type, architecture)
-    return architecture
-
-
-# --- how each family calls its sublayers ---------------------------------------------------------------
-def _self_attn(layer: nn.Module, h: Tensor, **kwargs) -> Tensor:
-    """Llama-family and Gemma attention: every keyword of the layer's call goes on to it."""
-    return layer.self_attn(hidden_states=h, **kwargs)[0]
-
-
-def _mlp(layer: nn.Module, h: Tensor, **kwargs) -> Tensor:
-    return layer.mlp(h)
-
-
-def _gpt2_attn(
-    layer: nn.Module,
-    h: Tensor,
-    encoder_hidden_states: Tensor | None = None,
-    encoder_attention_mask: Tensor | None = None,
-    **kwargs,
-) -> Tensor:
-    return layer.attn(h, **kwargs)[0]
-
-
-def _bert_attention(
-    layer: nn.Module,
-    h: Tensor,
-    attention_mask: Tensor | None = None,
-    encoder_hidden_states: Tensor | None = None,
-    encoder_attention_mask: Tensor | None = None,
-    past_key_values=None,
-    **kwargs,
-) -> Tensor:
-    """BERT's self-attention and the dense projection of BertSelfOutput (whose dropout, add and LayerNorm
-    are the connection's)."""
-    attention = layer.attention
-    context = attention.self(h, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)[0]
-    return attention.output.dense(context)
-
-
-def _bert_ffn(layer: nn.Module, h: Tensor, **kwargs) -> Tensor:
-    """BertIntermediate and the dense projection of BertOutput (whose dropout, add and LayerNorm are the
-    connection's)."""
-    return layer.output.dense(layer.intermediate(h))
-
-
-_LLAMA_ATTN_INIT = {
-    "init_unit": (Weight("self_attn.q_proj.weight"), Weight("self_attn.k_proj.weight")),
-    "init_scaled": (Weight("self_attn.v_proj.weight"), Weight("self_attn.o_proj.weight")),
-}
-_LLAMA_MLP_INIT = {
-    "init_scaled": tuple(Weight(f"mlp.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")),
-}
-
-_LLAMA = Architecture(
-    "llama",
-    placement="pre",
-    norm="rmsnorm",
-    layers="layers",
-    final_norm="norm",
-    sublayers=(
-        Sublayer("self_attn", _self_attn, input_norm="input_layernorm", **_LLAMA_ATTN_INIT),
-        Sublayer("mlp", _mlp, input_norm="post_attention_layernorm", **_LLAMA_MLP_INIT),
-    ),
-)
-_GEMMA = Architecture(
-    "gemma",
-    placement="sandwich",
-    norm="rmsnorm",
-    zero_centered=True,
-    layers="layers",
-    final_norm="norm",
-    sublayers=(
-        Sublayer(
-            "self_attn",
-            _self_attn,
-            input_norm="input_layernorm",
-            branch_norm="post_attention_layernorm",
-            **_LLAMA_ATTN_INIT,
-        ),
-        Sublayer(
-            "mlp",
-            _mlp,
-            input_norm="pre_feedforward_layernorm",
-            branch_norm="post_feedforward_layernorm",
-            **_LLAMA_MLP_INIT,
-        ),
-    ),
-)
-_GPT2 = Architecture(
-    "gpt2",
-    placement="pre",
-    norm="layernorm",
-    layers="h",
-    final_norm="ln_f",
-    dropout="resid_pdrop",
-    sublayers=(
-        Sublayer(
-            "attn",
-            _gpt2_attn,
-            input_norm="ln_1",
-            silenced=("attn.resid_dropout",),
-            init_unit=(Weight("attn.c_attn.weight", 0, 3, dim=1), Weight("attn.c_attn.weight", 1, 3, dim=1)),
-            init_scaled=(Weight("attn.c_attn.weight", 2, 3, dim=1), Weight("attn.c_proj.weight")),
-        ),
-        Sublayer(
-            "mlp",
-            _mlp,
-            input_norm="ln_2",
-            silenced=("mlp.dropout",),
-            init_scaled=(Weight("mlp.c_fc.weight"), Weight("mlp.c_proj.weight")),
-        ),
-    ),
-    unsupported=(("add_cross_attention", "GPT-2 cross-attention (add_cross_attention=True)"),),
-)
-_BERT = Architecture(
-    "bert",
-    placement="post",
-    norm="layernorm",
-    layers="encoder.layer",
-    final_norm_home="encoder",
-    stack="encoder",
-    dropout="hidden_dropout_prob",
-    sublayers=(
-        Sublayer(
-            "attention",
-            _bert_attention,
-            output_norm="attention.output.LayerNorm",
-            init_unit=(Weight("attention.self.query.weight"), Weight("attention.self.key.weight")),
-            init_scaled=(Weight("attention.self.value.weight"), Weight("attention.output.dense.weight")),
-        ),
-        Sublayer(
-            "output",
-            _bert_ffn,
-            output_norm="output.LayerNorm",
-            init_scaled=(Weight("intermediate.dense.weight"), Weight("output.dense.weight")),
-        ),
-    ),
-    unsupported=(("add_cross_attention", "BERT cross-attention (add_cross_attention=True)"),),
-)
-
-_OLMO2 = Architecture(
-    "olmo2",
-    placement="res_post",
-    norm="rmsnorm",
-    layers="layers",
-    final_norm="norm",
-    sublayers=(
-        Sublayer("self_attn", _self_attn, branch_norm="post_attention_layernorm", **_LLAMA_ATTN_INIT),
-        Sublayer("mlp", _mlp, branch_norm="post_feedforward_layernorm", **_LLAMA_MLP_INIT),
-    ),
-)
-
-
-def _phi3_qkv(config) -> tuple[int, int, int]:
-    """Phi-3's packed projection: queries of every head, then keys and values of the key/value heads."""
-    head = config.hidden_size // config.num_attention_heads
-    kv = config.num_key_value_heads * head
-    return (config.num_attention_heads * head, kv, kv)
-
-
-_PHI3 = Architecture(
-    "phi3",
-    placement="pre",
-    norm="rmsnorm",
-    layers="layers",
-    final_norm="norm",
-    dropout="resid_pdrop",
-    sublayers=(
-        Sublayer(
-            "self_attn",
-            _self_attn,
-            input_norm="input_layernorm",
-            silenced=("resid_attn_dropout",),
-            init_unit=tuple(Weight("self_attn.qkv_proj.weight", i, 3, sizes=_phi3_qkv) for i in (0, 1)),
-            init_scaled=(
-                Weight("self_attn.qkv_proj.weight", 2, 3, sizes=_phi3_qkv),
-                Weight("self_attn.o_proj.weight"),
-            ),
-        ),
-        Sublayer(
-            "mlp",
-            _mlp,
-            input_norm="post_attention_layernorm",
-            silenced=("resid_mlp_dropout",),
-            init_scaled=(Weight("mlp.gate_up_proj.weight"), Weight("mlp.down_proj.weight")),
-        ),
-    ),
-)
-_MOE_EXPERTS = tuple(Weight(f"mlp.experts.{p}", experts=True) for p in ("gate_up_proj", "down_proj"))
-_MIXTRAL = Architecture(
-    "mixtral",
-    placement="pre",
-    norm="rmsnorm",
-    layers="layers",
-    final_norm="norm",
-    sublayers=(
-        Sublayer("self_attn", _self_attn, input_norm="input_layernorm", **_LLAMA_ATTN_INIT),
-        Sublayer("mlp", _mlp, input_norm="post_attention_layernorm", init_scaled=_MOE_EXPERTS),
-    ),
-)
-_QWEN2_MOE = Architecture(
-    "qwen2_moe",
-    placement="pre",
-    norm="rmsnorm",
-    layers="layers",
-    final_norm="norm",
-    sublayers=(
-        Sublayer("self_attn", _self_attn, input_norm="input_layernorm", **_LLAMA_ATTN_INIT),
-        Sublayer(
-            "mlp",
-            _mlp,
-            input_norm="post_attention_layernorm",
-            init_scaled=tuple(
-                Weight(w.path, experts=w.experts, optional=True)
-                for w in (
-                    *_MOE_EXPERTS,
-                    *(Weight(f"mlp.shared_expert.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")),
-                    *_LLAMA_MLP_INIT["init_scaled"],  # dense layers (mlp_only_layers, decoder_sparse_step)
-                )
-            ),
-        ),
-    ),
-)
-
-for _types, _arch in (
-    (("llama", "mistral", "qwen2", "qwen3"), _LLAMA),
-    (("gemma2", "gemma3_text"), _GEMMA),
-    (("gpt2",), _GPT2),
-    (("bert",), _BERT),
-    (("olmo2",), _OLMO2),
-    (("phi3",), _PHI3),
-    (("mixtral",), _MIXTRAL),
-    (("qwen2_moe",), _QWEN2_MOE),
-):
-    register_architecture(_types, _arch)
 
 
 def norm_options(arch: Architecture) -> dict:
@@ -400,9 +274,22 @@ def norm_options(arch: Architecture) -> dict:
     return {"zero_centered": True} if arch.zero_centered else {}
 
 
+def resolve(arch: Architecture, config) -> Architecture:
+    """The record for ``config``: ``arch``, or what its ``variant`` gives (a reason: a one-line error)."""
+    for attribute, what in arch.unsupported:
+        if getattr(config, attribute, False):
+            raise ValueError(f"model: {what} is not supported by addnorm.hf")
+    if arch.variant is None:
+        return arch
+    chosen = arch.variant(config)
+    if isinstance(chosen, str):
+        raise ValueError(f"model: {chosen}, which addnorm.hf cannot rewire")
+    return arch if chosen is None or chosen is arch else resolve(chosen, config)
+
+
 def architecture_of(model: object) -> Architecture:
-    """The :class:`Architecture` of a Hugging Face model (by ``model.config.model_type``), or a one-line
-    error listing the supported model types."""
+    """The :class:`Architecture` of a Hugging Face model (by ``model.config.model_type``, resolved for its
+    config), or a one-line error listing the supported model types."""
     if not isinstance(model, nn.Module) or not hasattr(model, "config") or not hasattr(model, "base_model"):
         raise TypeError(
             f"model: expected a Hugging Face transformers PreTrainedModel, got {type(model).__name__}"
@@ -413,8 +300,4 @@ def architecture_of(model: object) -> Architecture:
             f"model: unsupported model type {model_type!r} ({type(model).__name__}); supported model types: "
             f"{', '.join(ARCHITECTURES)}"
         )
-    arch = ARCHITECTURES[model_type]
-    for attribute, what in arch.unsupported:
-        if getattr(model.config, attribute, False):
-            raise ValueError(f"model: {what} is not supported by addnorm.hf")
-    return arch
+    return resolve(ARCHITECTURES[model_type], model.config)

@@ -36,20 +36,21 @@ from torch import nn
 
 from ..addnorm import AddNorm
 from ..norms import build_norm
-from .architectures import architecture_of, norm_eps, norm_options
-from .rewired import Reads, Rewiring, install, rewiring_of, uninstall
+from .architectures import Architecture, architecture_of, norm_options
+from .rewired import Reads, Rewiring, install, rewiring_of, role_of, uninstall
 
 __all__ = ["fuse", "fused", "reading", "unfuse"]
 
 
-def reading(norm: nn.Module, source: nn.Module, reads: Reads) -> nn.Module:
+def reading(norm: nn.Module, source: nn.Module, reads: Reads, arch: Architecture) -> nn.Module:
     """``norm`` (addnorm's RMSNorm/LayerNorm) made to compute with ``source``'s parameters: its own are
     dropped, and ``reads`` points its ``weight`` and ``bias`` at ``source``'s as they are at each call
-    (plain attributes, not registered, so no state dict or parameter list sees them twice)."""
+    (plain attributes, not registered, so no state dict or parameter list sees them twice; None where
+    the source has none). Its epsilon is the source's, read as ``arch.norm_eps`` says."""
     for name in ("weight", "bias"):
         if name in norm._parameters:
             delattr(norm, name)
-    norm.eps = norm_eps(source)
+    norm.eps = arch.eps_of(source)
     reads.pairs.append((norm, source))
     reads.refresh()
     return norm
@@ -73,25 +74,41 @@ def fuse(model: nn.Module) -> nn.Module:
     layers = arch.layers_of(model)
     if not layers:
         raise ValueError(f"model: {type(model).__name__} has no layers to fuse")
-    dropout, options = arch.residual_dropout(config), norm_options(arch)
-    connections, reads = [], []
+    options = norm_options(arch)
+    connections, reads, second_norms = [], [], []
+    second_path = arch.branch_norm_path()
     for layer in layers:
         blocks, layer_reads = [], Reads()
         reads.append(layer_reads)
-        for sublayer in arch.sublayers:
+        for i, (block, sublayers) in enumerate(arch.connections()):
+            dropout = arch.residual_dropout(config, i)
             conn = AddNorm(config.hidden_size, arch.placement, arch.norm, dropout, norm_options=options)
-            for slot, path in sublayer.norm_paths().items():
-                reading(getattr(conn, slot), layer.get_submodule(path), layer_reads)
+            for slot, path in sublayers[0].norm_paths().items():
+                reading(getattr(conn, slot), layer.get_submodule(path), layer_reads, arch)
+            conn.connection_role = role_of(arch, i)
             conn.train(layer.training)
-            layer.add_module(sublayer.block, conn)
+            layer.add_module(block, conn)
             blocks.append(conn)
         connections.append(blocks)
+        second = None
+        if second_path is not None:
+            norm = build_norm(arch.norm, config.hidden_size, **options)
+            second = reading(norm, layer.get_submodule(second_path), layer_reads, arch)
+        second_norms.append(second)
     final_module = base.get_submodule(arch.final_norm) if arch.final_norm else None
     final_norm, final_reads = None, Reads()
     if final_module is not None:
-        final_norm = reading(build_norm(arch.norm, config.hidden_size, **options), final_module, final_reads)
+        norm = build_norm(arch.norm, config.hidden_size, **options)
+        final_norm = reading(norm, final_module, final_reads, arch)
     rewiring = Rewiring(
-        "fused", arch, layers, connections, final_module=final_module, reads=reads, final_reads=final_reads
+        "fused",
+        arch,
+        layers,
+        connections,
+        final_module=final_module,
+        reads=reads,
+        final_reads=final_reads,
+        second_norms=second_norms,
     )
     install(model, rewiring, final_norm=final_norm)
     return model
@@ -106,8 +123,8 @@ def unfuse(model: nn.Module) -> nn.Module:
         raise ValueError(f"model: {type(model).__name__} is {what}")
     uninstall(model)
     for layer in rewiring.layers:
-        for sublayer in rewiring.arch.sublayers:
-            delattr(layer, sublayer.block)
+        for block, _ in rewiring.arch.connections():
+            delattr(layer, block)
     return model
 
 

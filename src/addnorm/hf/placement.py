@@ -30,11 +30,11 @@ from torch import nn
 
 from ..addnorm import AddNorm, check_bool
 from ..norms import NORMS, build_norm
-from ..placement_spec import Depth, WeightInit, connection_spec, layer_placements, weight_init
+from ..placement_spec import Depth, apply_weight_init, layer_placements, layer_spec
 from ..placements import PLACEMENTS, Placement, get_placement
-from .architectures import Architecture, Sublayer, architecture_of, norm_eps, norm_options
+from .architectures import Architecture, architecture_of, norm_options
 from .fuse import unfuse
-from .rewired import Rewiring, install, rewiring_of
+from .rewired import Rewiring, install, rewiring_of, role_of
 
 __all__ = [
     "CONFIG_KEY",
@@ -46,6 +46,7 @@ __all__ = [
 ]
 
 CONFIG_KEY = "addnorm"
+SECOND_NORM = "second_norm"  # a parallel block's second input norm, registered on its connection
 SAVED_MODEL_TYPE = "addnorm:{} (load with addnorm.hf.from_pretrained)"
 # not "model_type": transformers' config loading takes a nested dict holding one for the config
 ORIGINAL_TYPE = "original_model_type"
@@ -71,6 +72,13 @@ def _unsupported(p: Placement) -> str | None:
     return None
 
 
+def _unsupported_by(arch: Architecture, p: Placement) -> str | None:
+    """Why ``p`` cannot go around the layers of ``arch``, or None."""
+    if arch.parallel and any(q.stream == "b2t" for q in (p, *(map(get_placement, (p.layers or ())[:2])))):
+        return "needs two connections per layer (a parallel block has one)"
+    return None
+
+
 def supported_placements() -> list[str]:
     """The addnorm placements that :func:`with_placement` can put around a model's sublayers."""
     return [name for name, p in PLACEMENTS.items() if _unsupported(p) is None]
@@ -93,27 +101,6 @@ def _remove(root: nn.Module, path: str, replacement: nn.Module | None = None) ->
     if replacement is not None:
         parent.add_module(name, replacement)
     return old
-
-
-@torch.no_grad()
-def init_weights(layer: nn.Module, sublayers: tuple[Sublayer, ...], init: WeightInit, config) -> None:
-    """A placement's initialisation (:func:`addnorm.placement_spec.weight_init`) of a layer's sublayers,
-    by weight role: ``"xavier_normal"`` (DeepNet, Wang et al. 2022): Xavier-normal with gain
-    ``init.unit`` on queries and keys (``init_unit``) and ``init.scaled`` on values, attention outputs
-    and FFN (``init_scaled``); ``"scale"`` (B2T, Takase et al. 2023): every one of them times
-    ``init.factor``; ``"profiled"`` (Admin): nothing here."""
-    if init.kind == "profiled":
-        return
-    for sublayer in sublayers:
-        for specs, gain in ((sublayer.init_unit, init.unit), (sublayer.init_scaled, init.scaled)):
-            for spec in specs:
-                for matrix in spec.matrices(layer, config):
-                    if init.kind == "xavier_normal":
-                        nn.init.xavier_normal_(matrix, gain=gain)
-                    elif init.kind == "scale":
-                        matrix.mul_(init.factor)
-                    else:
-                        raise ValueError(f"init: {init.kind!r} initialisation is not supported by addnorm.hf")
 
 
 def _depth(arch: Architecture, n_layers: int) -> Depth:
@@ -148,7 +135,7 @@ def with_placement(
     """
     arch = architecture_of(model)
     p = get_placement(placement)
-    why = _unsupported(p)
+    why = _unsupported(p) or _unsupported_by(arch, p)
     if why is not None:
         raise ValueError(
             f"placement: {p.name!r} {why}, which with_placement cannot do around a model's own modules; "
@@ -181,42 +168,54 @@ def with_placement(
     norm_name = NORMS.resolve(norm) if norm is not None else arch.norm
     options = norm_options(arch) if norm_name == arch.norm else {}
     first_norm = layers[0].get_submodule(next(iter(arch.sublayers[0].norm_paths().values())))
-    eps = norm_eps(first_norm) if eps is None else eps
-    dropout = arch.residual_dropout(config) if dropout is None else dropout
+    eps = arch.eps_of(first_norm) if eps is None else eps
+    n_conns = len(arch.connections())
+    dropouts = [arch.residual_dropout(config, i) if dropout is None else dropout for i in range(n_conns)]
     placements = layer_placements(p, len(layers), mix_fraction)
     depth = _depth(arch, len(layers))
     weight = next(layers[0].parameters())
     kw = {"device": weight.device, "dtype": weight.dtype}
     d = config.hidden_size
+    kinds = [arch.kind(i) for i in range(len(arch.connections()))]
+    second_path = arch.branch_norm_path()
 
     connections = []
     for layer, layer_placement in zip(layers, placements, strict=True):
+        spec = layer_spec(layer_placement, depth, kinds)  # the one spec addnorm's layers read too
         blocks = []
-        for sublayer in arch.sublayers:
-            spec = connection_spec(layer_placement, depth)
+        for i, ((block, sublayers), conn_spec) in enumerate(
+            zip(arch.connections(), spec.connections, strict=True)
+        ):
             conn = AddNorm(
                 d,
-                spec.placement,
+                conn_spec.placement,
                 norm_name,
-                dropout,
+                dropouts[i],
                 eps=eps,
-                alpha=spec.alpha,
-                gate_init=spec.gate_init,
+                alpha=conn_spec.alpha,
+                gate_init=conn_spec.gate_init,
                 norm_options=options,
                 fused=fused,
                 **kw,
             )
-            for slot, path in sublayer.norm_paths().items():
+            for slot, path in sublayers[0].norm_paths().items():
                 theirs = _remove(layer, path)
                 if getattr(conn, slot) is not None and norm_name == arch.norm:
                     _copy_norm(getattr(conn, slot), theirs)
+            if second_path is not None:  # a parallel block's second input norm: the connection's too
+                theirs = _remove(layer, second_path)
+                if conn.input_norm is not None:
+                    conn.add_module(SECOND_NORM, build_norm(norm_name, d, eps=eps, **options, **kw))
+                    if norm_name == arch.norm:
+                        _copy_norm(getattr(conn, SECOND_NORM), theirs)
+            conn.connection_role = role_of(arch, i)
             conn.train(layer.training)
-            layer.add_module(sublayer.block, conn)
+            layer.add_module(block, conn)
             blocks.append(conn)
+        spec.share_gates(blocks)
         connections.append(blocks)
-        layer_init = weight_init(layer_placement, depth)
-        if init and layer_init is not None:
-            init_weights(layer, arch.sublayers, layer_init, config)
+        if init and spec.init is not None:
+            apply_weight_init(arch.weights(layer, config), spec.init)
 
     final_module = applied = None
     if placements[-1].final_norm:
@@ -232,15 +231,17 @@ def with_placement(
     elif arch.final_norm:
         _remove(base, arch.final_norm, nn.Identity())
 
+    dropout = dropouts[0] if len(set(dropouts)) == 1 else dropout  # None: each connection the model's
     record = {"placement": p.name, "norm": norm_name, "eps": eps, "dropout": dropout, "fused": fused}
     if p.layers is not None:
         record["mix_fraction"] = mix_fraction
     record[ORIGINAL_TYPE] = config.model_type
     setattr(config, CONFIG_KEY, record)
     model.save_pretrained = SaveReplaced(model)
+    seconds = [getattr(blocks[0], SECOND_NORM, None) for blocks in connections]
     install(
         model,
-        Rewiring("placement", arch, layers, connections, final_module=final_module),
+        Rewiring("placement", arch, layers, connections, final_module=final_module, second_norms=seconds),
         final_norm=final_module,
         applied_final_norm=applied,
         b2t=p.stream == "b2t",

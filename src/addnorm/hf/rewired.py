@@ -34,11 +34,21 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..addnorm import AddNorm
+from ..addnorm import AddNorm, ConnectionRole
 from ..model.stream import Connection, Stream
 from .architectures import Architecture, Sublayer
 
-__all__ = ["FinalNorm", "Handover", "LayerRun", "Reads", "Rewiring", "install", "rewiring_of", "uninstall"]
+__all__ = [
+    "FinalNorm",
+    "Handover",
+    "LayerRun",
+    "Reads",
+    "Rewiring",
+    "install",
+    "rewiring_of",
+    "role_of",
+    "uninstall",
+]
 
 _ATTRIBUTE = "_addnorm_rewiring"
 _CACHE_OFF = {"use_cache": False, "past_key_values": None}
@@ -47,10 +57,13 @@ _CACHE_OFF = {"use_cache": False, "past_key_values": None}
 class Reads:
     """Norms that compute with the parameters of a model's own norm modules: ``pairs`` of (norm,
     source). :meth:`refresh` points each norm's ``weight`` and ``bias`` at its source's, as they are
-    now; every rewired forward calls it first, so nothing computes with parameters read earlier.
-    ``with reads.loaded():`` does it for a source that an offload hook manages itself (accelerate's
-    ``_hf_hook`` on the norm module: its parameters are on the meta device outside its own forward),
-    running the hook's ``pre_forward`` first and its ``post_forward`` after."""
+    now. Every rewired forward runs inside ``with reads.current():`` (or ``loaded()``), which does it
+    first, so nothing computes with parameters read earlier, and puts back what the norms held before
+    when it ends: between calls the model's attributes are as they were, so tracing (``torch.export``
+    snapshots every module's tensor attributes and warns about any that a call reassigned) sees none
+    reassigned. ``with reads.loaded():`` also serves a source that an offload hook manages itself
+    (accelerate's ``_hf_hook`` on the norm module: its parameters are on the meta device outside its own
+    forward), running the hook's ``pre_forward`` first and its ``post_forward`` after."""
 
     __slots__ = ("pairs",)
 
@@ -63,16 +76,37 @@ class Reads:
                 object.__setattr__(norm, name, getattr(source, name, None))
 
     @contextmanager
-    def loaded(self) -> Iterator[None]:
-        hooked = [source for _, source in self.pairs if hasattr(source, "_hf_hook")]
-        for source in hooked:
-            source._hf_hook.pre_forward(source)
+    def current(self) -> Iterator[None]:
+        """The norms read their sources' parameters inside the block; what they held before, after it."""
+        held = [(norm, norm.__dict__.get("weight"), norm.__dict__.get("bias")) for norm, _ in self.pairs]
         self.refresh()
         try:
             yield
         finally:
+            for norm, weight, bias in held:
+                object.__setattr__(norm, "weight", weight)
+                object.__setattr__(norm, "bias", bias)
+
+    @contextmanager
+    def loaded(self) -> Iterator[None]:
+        hooked = [source for _, source in self.pairs if hasattr(source, "_hf_hook")]
+        for source in hooked:
+            source._hf_hook.pre_forward(source)
+        try:
+            with self.current():
+                yield
+        finally:
             for source in hooked:
                 source._hf_hook.post_forward(source, None)
+
+
+def role_of(arch: Architecture, index: int) -> ConnectionRole:
+    """What connection ``index`` of a layer of ``arch`` is to observers: the sublayer it wraps (a parallel
+    block's: named ``parallel``, owning every sublayer's weights)."""
+    block, sublayers = arch.connections()[index]
+    if arch.parallel:
+        return ConnectionRole("parallel", "parallel", tuple(s.name for s in sublayers))
+    return ConnectionRole(sublayers[0].name, arch.kind(index))
 
 
 def _managed(module: nn.Module | None) -> bool:
@@ -152,13 +186,16 @@ class LayerRun:
     the hidden states are named as the layer's own forward names them. ``next_norm``: the norm that reads
     this layer's output (None: none that can take it from here); ``final_norm``: a norm this layer applies
     to its output itself (the last layer of a model that has no final norm but whose placement needs one).
+    A step whose connection goes around several sublayers (a parallel block) runs F(h) = F_1(h) +
+    F_2(h'), h' = ``second_norm`` of the layer's input where the block has one, else h. ``returns_tuple``:
+    the layer gives ``(hidden_states, None)`` as the family's own forward does (GPT-J, Falcon).
     Under the model's gradient checkpointing the layer runs checkpointed, fused within itself only.
     """
 
     def __init__(
         self,
         layer: nn.Module,
-        steps: list[tuple[Sublayer, Connection]],
+        steps: list[tuple[tuple[Sublayer, ...], Connection]],
         handover: Handover,
         *,
         next_norm: nn.Module | None = None,
@@ -166,8 +203,11 @@ class LayerRun:
         final_norm: nn.Module | None = None,
         reads: Reads | None = None,
         next_reads: Reads | None = None,
+        second_norm: nn.Module | None = None,
+        returns_tuple: bool = False,
     ) -> None:
         self.layer, self.steps, self.handover = layer, steps, handover
+        self.second_norm, self.returns_tuple = second_norm, returns_tuple
         self.first_norm = steps[0][1].conn.input_norm
         self.next_norm, self.next_owner, self.final_norm = next_norm, next_owner, final_norm
         self.reads, self.next_reads = reads or Reads(), next_reads or Reads()
@@ -183,11 +223,18 @@ class LayerRun:
         else:
             hidden_states = kwargs.pop("hidden_states")
         layer = self.layer
+        if self.returns_tuple and kwargs.get("output_attentions"):
+            raise ValueError(
+                f"output_attentions: a rewired {type(layer).__name__} does not return attention weights "
+                "(unfuse the model to read them)"
+            )
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
             kwargs.update((k, v) for k, v in _CACHE_OFF.items() if k in kwargs)
             run = functools.partial(self._run, local=True, **kwargs)
-            return layer._gradient_checkpointing_func(run, hidden_states)
-        return self._run(hidden_states, **kwargs)
+            out = layer._gradient_checkpointing_func(run, hidden_states)
+        else:
+            out = self._run(hidden_states, **kwargs)
+        return (out, None) if self.returns_tuple else out
 
     def _run(self, x: Tensor, local: bool = False, **kwargs) -> Tensor:
         with self.reads.loaded():
@@ -196,24 +243,38 @@ class LayerRun:
     def _through(self, x: Tensor, local: bool, **kwargs) -> Tensor:
         normed = None if local else self.handover.take(x, self.first_norm)
         stream = Stream(x) if normed is None else _Entering(x, normed, self.first_norm)
-        layer = self.layer
-        for sublayer, connection in self.steps:
-            stream = connection(stream, functools.partial(sublayer.call, layer, **kwargs))
+        for sublayers, connection in self.steps:
+            stream = connection(stream, self._sublayer(sublayers, x, kwargs))
         if self.final_norm is not None:
             return stream.output(self.final_norm)
-        if local or stream.held is None or not self._may_hand_over(stream.held.residual.device):
+        if local or stream.held is None or not self._may_read_next():
             return stream.tensor()
-        s, normed = stream.read(self.next_norm)
+        with self.next_reads.current():
+            if not _plain_on(self.next_norm, stream.held.residual.device):
+                return stream.tensor()
+            s, normed = stream.read(self.next_norm)
         self.handover.put(s, normed, self.next_norm)
         return s
 
-    def _may_hand_over(self, device: torch.device) -> bool:
+    def _sublayer(self, sublayers: tuple[Sublayer, ...], x: Tensor, kwargs: dict):
+        """F for one connection: the sublayer's call, or a parallel block's sum of its sublayers' calls,
+        the second reading its own norm of the layer's input ``x`` where it has one."""
+        layer = self.layer
+        if len(sublayers) == 1:
+            return functools.partial(sublayers[0].call, layer, **kwargs)
+        first, second = sublayers
+
+        def parallel(h: Tensor) -> Tensor:
+            h2 = h if self.second_norm is None else self.second_norm(x)
+            return first.call(layer, h, **kwargs) + second.call(layer, h2, **kwargs)
+
+        return parallel
+
+    def _may_read_next(self) -> bool:
         """Whether this layer may compute the next norm (see the module docstring): it and the norm's
-        owner unmanaged, the norm's parameters (read now) plain tensors on ``device``."""
-        if self.next_norm is None or _managed(self.layer) or _managed(self.next_owner):
-            return False
-        self.next_reads.refresh()
-        return _plain_on(self.next_norm, device)
+        owner unmanaged (and then the norm's parameters, read at the call, plain tensors on the stream's
+        device)."""
+        return self.next_norm is not None and not _managed(self.layer) and not _managed(self.next_owner)
 
 
 class FinalNorm:
@@ -260,6 +321,7 @@ class Rewiring:
     reads: list[Reads] | None = None
     final_reads: Reads = field(default_factory=Reads)
     replaced: list[tuple[nn.Module, str, object]] = field(default_factory=list)
+    second_norms: list[nn.Module | None] | None = None
 
 
 def rewiring_of(model: nn.Module) -> Rewiring | None:
@@ -281,6 +343,7 @@ def install(
     ``final_norm``: the norm (computed by the op) that the model's final norm module applies;
     ``applied_final_norm``: a final norm the last layer applies itself."""
     arch, layers, conns = rewiring.arch, rewiring.layers, rewiring.connections
+    groups = [sublayers for _, sublayers in arch.connections()]
     steps = []
     for blocks in conns:
         last = len(blocks) - 1
@@ -288,7 +351,8 @@ def install(
             Connection(c, keeps_layer_input=b2t and i == 0, adds_layer_input=b2t and i == last)
             for i, c in enumerate(blocks)
         ]
-        steps.append(list(zip(arch.sublayers, connections, strict=True)))
+        steps.append(list(zip(groups, connections, strict=True)))
+    second_norms = rewiring.second_norms or [None] * len(layers)
     nexts = [blocks[0].input_norm for blocks in conns[1:]] + [final_norm]
     owners = [*layers[1:], rewiring.final_module]
     reads = rewiring.reads or [Reads() for _ in layers]
@@ -303,6 +367,8 @@ def install(
             final_norm=applied_final_norm if i == len(layers) - 1 else None,
             reads=reads[i],
             next_reads=next_reads[i],
+            second_norm=second_norms[i],
+            returns_tuple=arch.returns_tuple,
         )
         _replace_forward(layer, run, rewiring)
         for sublayer in arch.sublayers:

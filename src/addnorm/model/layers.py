@@ -6,14 +6,14 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from ..addnorm import AddNorm
+from ..addnorm import AddNorm, ConnectionRole
 from ..norms import build_norm
-from ..placement_spec import connection_spec
+from ..placement_spec import ConnectionSpec, LayerSpec, layer_spec
 from ..placements import Placement, get_placement
 from .attention import MultiHeadAttention
 from .config import TransformerConfig
 from .feedforward import FeedForward
-from .init import PLACEMENT_INITS, Depth, init_layer
+from .init import Depth, init_layer, init_placement
 from .stream import Connection, Stream
 
 
@@ -100,10 +100,14 @@ class _Layer(nn.Module):
             self._p.norm or self.cfg.norm, size, **self.cfg.norm_kwargs(), **self._kw, **self.cfg.norm_options
         )
 
-    def _connection(self, depth: Depth, attention: bool = False) -> AddNorm:
+    def _spec(self, depth: Depth, kinds: tuple[str, ...]) -> LayerSpec:
+        """The layer's spec, shared with addnorm.hf: its connections (one per sublayer kind, in order),
+        whether they share a gate, its init."""
+        return layer_spec(self._p, depth, kinds)
+
+    def _connection(self, spec: ConnectionSpec, role: ConnectionRole) -> AddNorm:
         cfg = self.cfg
-        spec = connection_spec(self._p, depth, attention=attention)  # shared with addnorm.hf
-        return AddNorm(
+        block = AddNorm(
             cfg.d_model,
             spec.placement,
             spec.norm or cfg.norm,
@@ -116,6 +120,8 @@ class _Layer(nn.Module):
             **cfg.norm_kwargs(),
             **self._kw,
         )
+        block.connection_role = role
+        return block
 
     def _attention(self, cross: bool = False) -> MultiHeadAttention:
         """Self- or cross-attention; Sub-LN's inner norm only in self-attention (as torchscale)."""
@@ -145,18 +151,15 @@ class _Layer(nn.Module):
             scale_hidden=p.ffn_scale,
         )
 
-    def _initialise(self, depth: Depth) -> None:
+    def _initialise(self, spec: LayerSpec, depth: Depth) -> None:
         init_layer(self, self.cfg.init, depth.n_layers)
-        if self._p.init is not None:
-            PLACEMENT_INITS[self._p.init](self, depth)
+        init_placement(self, spec.init)
 
-    def _connections(self, *blocks: AddNorm) -> list[Connection]:
+    def _connections(self, spec: LayerSpec, *blocks: AddNorm) -> list[Connection]:
         """The stream's way through each connection, in order; B2T's layer input skips to the last.
-        With ``layer_gate`` (ReZero) the connections share the first one's gate: one per layer."""
-        if self._p.layer_gate:
-            for block in blocks[1:]:
-                block.gate = blocks[0].gate
-        b2t = self._p.stream == "b2t"
+        Where the spec says so (ReZero) the connections share the first one's gate: one per layer."""
+        spec.share_gates(blocks)
+        b2t = spec.b2t
         return [
             Connection(block, keeps_layer_input=b2t and i == 0, adds_layer_input=b2t and i == len(blocks) - 1)
             for i, block in enumerate(blocks)
@@ -210,10 +213,13 @@ class EncoderLayer(_Layer):
         self._setup(cfg, placement, device, dtype)
         self.self_attn = self._attention()
         self.ff = self._feedforward()
-        self.self_attn_block = self._connection(depth, attention=True)
-        self.ff_block = self._connection(depth)
-        self.self_attn_connection, self.ff_connection = self._connections(self.self_attn_block, self.ff_block)
-        self._initialise(depth)
+        spec = self._spec(depth, ("attention", "ffn"))
+        self.self_attn_block = self._connection(spec.connections[0], ConnectionRole("self_attn", "attention"))
+        self.ff_block = self._connection(spec.connections[1], ConnectionRole("ff", "ffn"))
+        self.self_attn_connection, self.ff_connection = self._connections(
+            spec, self.self_attn_block, self.ff_block
+        )
+        self._initialise(spec, depth)
 
     def forward(
         self,
@@ -264,13 +270,16 @@ class DecoderLayer(_Layer):
         self.self_attn = self._attention()
         self.cross_attn = self._attention(cross=True)
         self.ff = self._feedforward()
-        self.self_attn_block = self._connection(depth, attention=True)
-        self.cross_attn_block = self._connection(depth, attention=True)
-        self.ff_block = self._connection(depth)
-        self.self_attn_connection, self.cross_attn_connection, self.ff_connection = self._connections(
-            self.self_attn_block, self.cross_attn_block, self.ff_block
+        spec = self._spec(depth, ("attention", "cross_attention", "ffn"))
+        self.self_attn_block = self._connection(spec.connections[0], ConnectionRole("self_attn", "attention"))
+        self.cross_attn_block = self._connection(
+            spec.connections[1], ConnectionRole("cross_attn", "cross_attention")
         )
-        self._initialise(depth)
+        self.ff_block = self._connection(spec.connections[2], ConnectionRole("ff", "ffn"))
+        self.self_attn_connection, self.cross_attn_connection, self.ff_connection = self._connections(
+            spec, self.self_attn_block, self.cross_attn_block, self.ff_block
+        )
+        self._initialise(spec, depth)
 
     def forward(
         self,

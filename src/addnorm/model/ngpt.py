@@ -23,9 +23,9 @@ either (the paper trains with weight decay 0 and no warmup).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..placement_spec import PLACEMENT_INITS, PlacementInit, WeightInit, unit_
 from .attention import MultiHeadAttention
 from .embedding import _Embedding
 from .feedforward import FeedForward
@@ -77,13 +77,6 @@ def ngpt_matrices(model: nn.Module) -> list[tuple[nn.Parameter, int]]:
     return unique
 
 
-@torch.no_grad()
-def unit_(matrices: list[tuple[nn.Parameter, int]]) -> None:
-    """Project each (weight, dim) onto the unit sphere along ``dim``, in float32, in place."""
-    for weight, dim in matrices:
-        weight.copy_(F.normalize(weight.float(), dim=dim, eps=1e-12).to(weight.dtype))
-
-
 def ngpt_normalize_(model: nn.Module) -> int:
     """Renormalise every nGPT matrix of ``model`` to unit vectors along its d_model side, in place (the
     authors' ``normalize_matrices``): call it after every optimiser step (the training loop does).
@@ -100,3 +93,8 @@ def ngpt_normalize_(model: nn.Module) -> int:
         raise ValueError("model: has no nGPT layers (placement='ngpt') whose matrices to renormalise")
     unit_(matrices)
     return len(matrices)
+
+
+# nGPT's init: each matrix N(0, 1), then unit vectors along its d_model side (the authors draw
+# N(0, 1/sqrt(d)) and normalise; only the direction remains); after every optimiser step, back on the sphere
+PLACEMENT_INITS.register("ngpt", PlacementInit(lambda depth: WeightInit("unit"), after_step=ngpt_normalize_))

@@ -5,8 +5,9 @@ re-placed with :func:`addnorm.hf.with_placement`.
 Sizes come from the run config: ``d_model`` -> ``hidden_size``, ``n_layers`` -> ``num_hidden_layers``,
 ``n_heads`` -> ``num_attention_heads``, ``d_ff`` -> ``intermediate_size`` (GPT-2: ``n_inner``),
 ``kv_heads`` -> ``num_key_value_heads`` (grouped-query attention: ``n_heads / kv_heads`` query heads
-share one key/value head; Llama family only), ``rope_theta`` -> the RoPE base, ``dropout`` -> every
-dropout rate of the family, ``seq_len`` -> ``max_position_embeddings``. The family keeps its own
+share one key/value head; families with key/value heads), ``rope_theta`` -> the RoPE base,
+``dropout`` -> every dropout rate of the family, ``seq_len`` -> ``max_position_embeddings`` (the fields
+are the family record's, :class:`addnorm.hf.ConfigSpec`). The family keeps its own
 activation (SwiGLU, GeGLU, GELU), norm (RMSNorm or LayerNorm), positions (RoPE or learned) and biases;
 addnorm's ``activation``, ``norm``, ``positional``, ``bias`` and ``init`` keys do not apply to it.
 ``fused`` is :func:`with_placement`'s (the connections run in the fused op; the function is the same).
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
+from ..hf.architectures import ARCHITECTURES
 from ..hf.placement import _unsupported
 from ..placements import get_placement
 from ..registry import Registry
@@ -40,20 +42,18 @@ __all__ = [
 ]
 
 ADDNORM_MODEL = "addnorm"
-# run config name -> transformers model_type
+
+
+def study_name(model_type: str) -> str:
+    """The run config's name of a family's model type: ``hf-<type>``, ``_text`` dropped (``hf-gemma3``)."""
+    return "hf-" + model_type.removesuffix("_text")
+
+
+# run config name -> transformers model_type: every type whose record says a study may train it
 HF_FAMILIES: Registry = Registry("model")
-for _name, _type in (
-    ("hf-llama", "llama"),
-    ("hf-mistral", "mistral"),
-    ("hf-qwen2", "qwen2"),
-    ("hf-qwen3", "qwen3"),
-    ("hf-gemma2", "gemma2"),
-    ("hf-gemma3", "gemma3_text"),
-    ("hf-gpt2", "gpt2"),
-):
-    HF_FAMILIES.register(_name, _type)
-_GQA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
-_SCALED_EMBEDDINGS = ("gemma2", "gemma3_text")  # the family multiplies token embeddings by sqrt(hidden)
+for _type, _arch in ARCHITECTURES.items():
+    if _arch.config.study:
+        HF_FAMILIES.register(study_name(_type), _type)
 
 
 def xavier_init(hf: nn.Module) -> None:
@@ -83,7 +83,7 @@ def xavier_init(hf: nn.Module) -> None:
                         nn.init.zeros_(bias)
         embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
         tied = head is not None and head.weight is embed.weight
-        unit = hf.config.model_type not in _SCALED_EMBEDDINGS and not tied
+        unit = not arch.config.scaled_embeddings and not tied
         nn.init.normal_(embed.weight, std=1.0 if unit else embed.weight.shape[1] ** -0.5)
         if head is not None and not tied:
             head.reset_parameters()
@@ -121,13 +121,15 @@ def hf_config(model: str, model_cfg, vocab: int, *, kv_heads: int, rope_theta: f
     from ..hf.tiny import tiny_config
 
     model_type = HF_FAMILIES[model]
+    spec = ARCHITECTURES[model_type].config
     overrides = {}
-    if model_type in _GQA_FAMILIES:
+    if spec.kv_heads:
         kv = kv_heads or model_cfg.n_heads
         if model_cfg.n_heads % kv:
             raise ValueError(f"kv_heads: {kv} does not divide n_heads={model_cfg.n_heads}")
-        overrides["num_key_value_heads"] = kv
-        overrides["rope_parameters"] = {"rope_type": "default", "rope_theta": float(rope_theta)}
+        overrides[spec.kv_heads] = kv
+    if spec.rope:
+        overrides[spec.rope] = {"rope_type": "default", "rope_theta": float(rope_theta)}
     return tiny_config(
         model_type,
         layers=model_cfg.n_layers,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..addnorm import AddNorm
-from ..model import admin_init, ngpt_matrices, ngpt_normalize_
+from ..placement_spec import Lifecycle
 from ..probe import Probe
 from ..tasks import build_task
 from .config import RunConfig
@@ -90,17 +90,31 @@ def evaluate(
     return sum(losses) / len(losses), sum(metrics) / len(metrics)
 
 
+def _sublayers_by_weight(model, layer_names: list[str]) -> dict[tuple[str, str], str]:
+    """(layer name, attribute) -> sublayer, for the attributes holding each connection's weights (its
+    ``connection_role``, the role Probe reads)."""
+    modules = dict(model.named_modules())
+    found = {}
+    for layer in layer_names:
+        for child in modules[layer].children() if layer in modules else ():
+            role = getattr(child, "connection_role", None)
+            if isinstance(child, AddNorm) and role is not None:
+                found.update(((layer, attribute), role.sublayer) for attribute in role.weights)
+    return found
+
+
 def _update_ratios(model, before: dict[str, torch.Tensor], layer_names: list[str], step: int) -> list[dict]:
-    """||w_after - w_before|| / ||w_before|| for each weight matrix inside a probed layer."""
+    """||w_after - w_before|| / ||w_before|| for each weight matrix inside a probed layer, under the
+    sublayer whose weights it is (its connection's role), or ``""``."""
     rows = []
     params = dict(model.named_parameters())
+    sublayers = _sublayers_by_weight(model, layer_names)
     for name, old in before.items():
         layer = next((ln for ln in layer_names if name.startswith(ln + ".")), None)
         if layer is None:
             continue
         rel = name[len(layer) + 1 :]
-        sub = rel.split(".")[0]
-        sublayer = sub if sub in ("self_attn", "cross_attn", "ff", "mlp") else ""
+        sublayer = sublayers.get((layer, rel.split(".")[0]), "")
         new, old = full(params[name].detach()), full(old)
         ratio = (new - old).norm().item() / max(old.norm().item(), 1e-12)
         rows.append(
@@ -122,8 +136,8 @@ def _residual_picture(model, task, batch, step: int) -> list[tuple[int, str, flo
     read at its ``stream_in`` and ``branch`` observation points."""
     conns = [
         m
-        for name, m in model.named_modules()
-        if isinstance(m, AddNorm) and name.endswith(("ff_block", "mlp_block"))
+        for m in model.modules()
+        if isinstance(m, AddNorm) and m.connection_role is not None and m.connection_role.kind == "ffn"
     ]
     if not conns:
         return []
@@ -247,10 +261,14 @@ def train(
     # ``model`` is the module a rank observes and evaluates, ``trained`` the one it trains (DDP's wrapper)
     model = build_model(cfg, task).to(device)
     gen = torch.Generator().manual_seed(cfg.seed)
-    # Admin's profiling pass sets omega from data
-    if any(p.init == "admin" for p in cfg.model.placements_for(cfg.model.n_layers)):
+    # the placements' lifecycle: a pass on data before training (Admin's profiling sets omega), and
+    # something after every optimiser step (nGPT puts its matrices back on the unit sphere)
+    lifecycle = Lifecycle.of(model)
+    if lifecycle.needs_data:
         seed = torch.Generator().manual_seed(cfg.seed + 1)
-        admin_init(model, *task.model_inputs(task.batch("train", cfg.batch_size, cfg.seq_len, seed, device)))
+        lifecycle.prepare(
+            model, *task.model_inputs(task.batch("train", cfg.batch_size, cfg.seq_len, seed, device))
+        )
     progress("build", 1, 1)
     evaluated, eval_total = [0], eval_batches_total(cfg)
 
@@ -261,7 +279,6 @@ def train(
     trained = ranks.wrap(model, device) if ranks else model
     forward = torch.compile(trained) if cfg.compile else trained
     opt = build_optimizer(model, cfg.lr, cfg.weight_decay)
-    on_sphere = bool(ngpt_matrices(model))  # nGPT: matrices back on the unit sphere after each step
     result = RunResult(status=DONE)
     result.provenance = {
         "device": device_name(device),
@@ -318,8 +335,7 @@ def train(
             {n: p.detach().clone() for n, p in model.named_parameters() if p.ndim >= 2} if probing else None
         )
         opt.step()
-        if on_sphere:
-            ngpt_normalize_(model)
+        lifecycle.after_step(model)
         if probing:
             result.layer_metrics += _update_ratios(model, before, layer_names, step)
         log.add(step, value if read_now else seen, grad_norm, lr)

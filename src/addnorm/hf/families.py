@@ -1,0 +1,265 @@
+"""The Hugging Face families addnorm ships whose layers run their sublayers one after the other, one
+:class:`~addnorm.hf.architectures.Architecture` record each (parallel blocks: :mod:`.families_parallel`):
+adding a family touches this file only (its record names everything fuse, re-placing, probing, tiny
+models, tests and studies read).
+
+Registered without the self-check :func:`addnorm.hf.register_architecture` runs on a user's record (that
+would import ``transformers`` at ``import addnorm.hf``); ``tests/test_hf_*.py`` check each of them the same
+way, on tiny random models of every type.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from .architectures import Architecture, ConfigSpec, Sizes, Sublayer, Weight
+from .registration import register_architecture
+
+__all__ = ["FAMILIES", "mlp", "self_attn"]
+
+
+# --- how each family calls its sublayers ---------------------------------------------------------------
+def self_attn(layer: nn.Module, h: Tensor, **kwargs) -> Tensor:
+    """Llama-family and Gemma attention: every keyword of the layer's call goes on to it."""
+    return layer.self_attn(hidden_states=h, **kwargs)[0]
+
+
+def mlp(layer: nn.Module, h: Tensor, **kwargs) -> Tensor:
+    return layer.mlp(h)
+
+
+def _gpt2_attn(
+    layer: nn.Module,
+    h: Tensor,
+    encoder_hidden_states: Tensor | None = None,
+    encoder_attention_mask: Tensor | None = None,
+    **kwargs,
+) -> Tensor:
+    return layer.attn(h, **kwargs)[0]
+
+
+def _bert_attention(
+    layer: nn.Module,
+    h: Tensor,
+    attention_mask: Tensor | None = None,
+    encoder_hidden_states: Tensor | None = None,
+    encoder_attention_mask: Tensor | None = None,
+    past_key_values=None,
+    **kwargs,
+) -> Tensor:
+    """BERT's self-attention and the dense projection of BertSelfOutput (whose dropout, add and LayerNorm
+    are the connection's)."""
+    attention = layer.attention
+    context = attention.self(h, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)[0]
+    return attention.output.dense(context)
+
+
+def _bert_ffn(layer: nn.Module, h: Tensor, **kwargs) -> Tensor:
+    """BertIntermediate and the dense projection of BertOutput (whose dropout, add and LayerNorm are the
+    connection's)."""
+    return layer.output.dense(layer.intermediate(h))
+
+
+def _phi3_qkv(config) -> tuple[int, int, int]:
+    """Phi-3's packed projection: queries of every head, then keys and values of the key/value heads."""
+    head = config.hidden_size // config.num_attention_heads
+    kv = config.num_key_value_heads * head
+    return (config.num_attention_heads * head, kv, kv)
+
+
+def _mixtral_experts(sizes: Sizes) -> dict:
+    return {"num_local_experts": 4, "num_experts_per_tok": 2}  # four experts, two per token
+
+
+def _qwen2_moe_experts(sizes: Sizes) -> dict:
+    """Four experts, two per token, every layer sparse, and the shared expert."""
+    return {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": sizes.ffn,
+        "shared_expert_intermediate_size": sizes.ffn,
+        "decoder_sparse_step": 1,
+    }
+
+
+# --- the records ---------------------------------------------------------------------------------------
+LLAMA_ATTN_INIT = {
+    "init_unit": (Weight("self_attn.q_proj.weight"), Weight("self_attn.k_proj.weight")),
+    "init_scaled": (Weight("self_attn.v_proj.weight"), Weight("self_attn.o_proj.weight")),
+}
+LLAMA_MLP = tuple(Weight(f"mlp.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj"))
+_GQA = {"kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
+_LLAMA_CONFIG = ConfigSpec(**_GQA, rope="rope_parameters", study=True)
+_PRE_LLAMA = {"placement": "pre", "norm": "rmsnorm", "layers": "layers", "final_norm": "norm"}
+
+LLAMA = Architecture(
+    "llama",
+    **_PRE_LLAMA,
+    sublayers=(
+        Sublayer("self_attn", self_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
+        Sublayer("mlp", mlp, input_norm="post_attention_layernorm", init_scaled=LLAMA_MLP),
+    ),
+    config=_LLAMA_CONFIG,
+)
+GEMMA = Architecture(
+    "gemma",
+    placement="sandwich",
+    norm="rmsnorm",
+    zero_centered=True,
+    layers="layers",
+    final_norm="norm",
+    sublayers=(
+        Sublayer(
+            "self_attn",
+            self_attn,
+            input_norm="input_layernorm",
+            branch_norm="post_attention_layernorm",
+            **LLAMA_ATTN_INIT,
+        ),
+        Sublayer(
+            "mlp",
+            mlp,
+            input_norm="pre_feedforward_layernorm",
+            branch_norm="post_feedforward_layernorm",
+            init_scaled=LLAMA_MLP,
+        ),
+    ),
+    config=ConfigSpec(**_GQA, rope="rope_parameters", study=True, scaled_embeddings=True),
+)
+GPT2 = Architecture(
+    "gpt2",
+    placement="pre",
+    norm="layernorm",
+    layers="h",
+    final_norm="ln_f",
+    dropout="resid_pdrop",
+    sublayers=(
+        Sublayer(
+            "attn",
+            _gpt2_attn,
+            input_norm="ln_1",
+            silenced=("attn.resid_dropout",),
+            init_unit=(Weight("attn.c_attn.weight", 0, 3, dim=1), Weight("attn.c_attn.weight", 1, 3, dim=1)),
+            init_scaled=(Weight("attn.c_attn.weight", 2, 3, dim=1), Weight("attn.c_proj.weight")),
+        ),
+        Sublayer(
+            "mlp",
+            mlp,
+            input_norm="ln_2",
+            silenced=("mlp.dropout",),
+            init_scaled=(Weight("mlp.c_fc.weight"), Weight("mlp.c_proj.weight")),
+        ),
+    ),
+    unsupported=(("add_cross_attention", "GPT-2 cross-attention (add_cross_attention=True)"),),
+    config=ConfigSpec(ffn="n_inner", dropouts=("resid_pdrop", "embd_pdrop", "attn_pdrop"), study=True),
+)
+BERT = Architecture(
+    "bert",
+    placement="post",
+    norm="layernorm",
+    layers="encoder.layer",
+    final_norm_home="encoder",
+    stack="encoder",
+    dropout="hidden_dropout_prob",
+    sublayers=(
+        Sublayer(
+            "attention",
+            _bert_attention,
+            output_norm="attention.output.LayerNorm",
+            init_unit=(Weight("attention.self.query.weight"), Weight("attention.self.key.weight")),
+            init_scaled=(Weight("attention.self.value.weight"), Weight("attention.output.dense.weight")),
+        ),
+        Sublayer(
+            "output",
+            _bert_ffn,
+            output_norm="output.LayerNorm",
+            init_scaled=(Weight("intermediate.dense.weight"), Weight("output.dense.weight")),
+        ),
+    ),
+    unsupported=(("add_cross_attention", "BERT cross-attention (add_cross_attention=True)"),),
+    config=ConfigSpec(dropouts=("hidden_dropout_prob", "attention_probs_dropout_prob"), lm="masked"),
+)
+OLMO2 = Architecture(
+    "olmo2",
+    placement="res_post",
+    norm="rmsnorm",
+    layers="layers",
+    final_norm="norm",
+    sublayers=(
+        Sublayer("self_attn", self_attn, branch_norm="post_attention_layernorm", **LLAMA_ATTN_INIT),
+        Sublayer("mlp", mlp, branch_norm="post_feedforward_layernorm", init_scaled=LLAMA_MLP),
+    ),
+    config=ConfigSpec(**_GQA),
+)
+PHI3 = Architecture(
+    "phi3",
+    **_PRE_LLAMA,
+    dropout="resid_pdrop",
+    sublayers=(
+        Sublayer(
+            "self_attn",
+            self_attn,
+            input_norm="input_layernorm",
+            silenced=("resid_attn_dropout",),
+            init_unit=tuple(Weight("self_attn.qkv_proj.weight", i, 3, sizes=_phi3_qkv) for i in (0, 1)),
+            init_scaled=(
+                Weight("self_attn.qkv_proj.weight", 2, 3, sizes=_phi3_qkv),
+                Weight("self_attn.o_proj.weight"),
+            ),
+        ),
+        Sublayer(
+            "mlp",
+            mlp,
+            input_norm="post_attention_layernorm",
+            silenced=("resid_mlp_dropout",),
+            init_scaled=(Weight("mlp.gate_up_proj.weight"), Weight("mlp.down_proj.weight")),
+        ),
+    ),
+    config=ConfigSpec(**_GQA, dropouts=("resid_pdrop", "embd_pdrop", "attention_dropout")),
+)
+_MOE_EXPERTS = tuple(Weight(f"mlp.experts.{p}", experts=True) for p in ("gate_up_proj", "down_proj"))
+MIXTRAL = Architecture(
+    "mixtral",
+    **_PRE_LLAMA,
+    sublayers=(
+        Sublayer("self_attn", self_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
+        Sublayer("mlp", mlp, input_norm="post_attention_layernorm", init_scaled=_MOE_EXPERTS),
+    ),
+    config=ConfigSpec(**_GQA, fields=_mixtral_experts),
+)
+QWEN2_MOE = Architecture(
+    "qwen2_moe",
+    **_PRE_LLAMA,
+    sublayers=(
+        Sublayer("self_attn", self_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
+        Sublayer(
+            "mlp",
+            mlp,
+            input_norm="post_attention_layernorm",
+            init_scaled=tuple(
+                Weight(w.path, experts=w.experts, optional=True)
+                for w in (
+                    *_MOE_EXPERTS,
+                    *(Weight(f"mlp.shared_expert.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")),
+                    *LLAMA_MLP,  # dense layers (mlp_only_layers, decoder_sparse_step)
+                )
+            ),
+        ),
+    ),
+    config=ConfigSpec(**_GQA, fields=_qwen2_moe_experts),
+)
+
+FAMILIES: dict[tuple[str, ...], Architecture] = {
+    ("llama", "mistral", "qwen2", "qwen3"): LLAMA,
+    ("gemma2", "gemma3_text"): GEMMA,
+    ("gpt2",): GPT2,
+    ("bert",): BERT,
+    ("olmo2",): OLMO2,
+    ("phi3",): PHI3,
+    ("mixtral",): MIXTRAL,
+    ("qwen2_moe",): QWEN2_MOE,
+}
+"""Each of these records, by the ``config.model_type`` values it covers."""
+
+for _types, _arch in FAMILIES.items():
+    register_architecture(_types, _arch, check=False)

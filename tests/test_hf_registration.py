@@ -1,0 +1,221 @@
+"""register_architecture checks itself: a record is validated by name, tried on a tiny random model of its
+type (a fused copy against the untouched model, layer by layer: the oracle is transformers' own forward),
+refused in one line naming the first layer that differs; norms without an epsilon attribute or without
+weight and bias (OLMo 1) are described by the record; registering the same record again is a no-op, a
+different one needs replace=True, and unregister_architecture takes one back."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hf_models import perturbed, step, tokens
+
+import addnorm.hf as anhf
+
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(autouse=True)
+def registry(monkeypatch):
+    """Each test registers into a copy of the registry."""
+    monkeypatch.setattr(anhf.ARCHITECTURES, "_entries", dict(anhf.ARCHITECTURES._entries))
+    monkeypatch.setattr(anhf.ARCHITECTURES, "_aliases", dict(anhf.ARCHITECTURES._aliases))
+
+
+def _attention(layer, h, **kwargs):
+    return layer.self_attn(hidden_states=h, **kwargs)[0]
+
+
+def _mlp(layer, h, **kwargs):
+    return layer.mlp(h)
+
+
+def _scaled_attention(layer, h, **kwargs):
+    """Granite: what the layer adds is the attention output times its residual multiplier."""
+    return layer.self_attn(hidden_states=h, **kwargs)[0] * layer.residual_multiplier
+
+
+def _scaled_mlp(layer, h, **kwargs):
+    return layer.mlp(h) * layer.residual_multiplier
+
+
+def _llama_like(name: str, attention=_attention, mlp=_mlp, **fields) -> anhf.Architecture:
+    w = lambda *names: tuple(anhf.Weight(f"{n}.weight") for n in names)  # noqa: E731
+    return anhf.Architecture(
+        name,
+        placement="pre",
+        norm=fields.pop("norm", "rmsnorm"),
+        layers="layers",
+        final_norm="norm",
+        sublayers=(
+            anhf.Sublayer(
+                "self_attn",
+                attention,
+                input_norm="input_layernorm",
+                init_unit=w("self_attn.q_proj", "self_attn.k_proj"),
+                init_scaled=w("self_attn.v_proj", "self_attn.o_proj"),
+            ),
+            anhf.Sublayer(
+                "mlp",
+                mlp,
+                input_norm="post_attention_layernorm",
+                init_scaled=w("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
+            ),
+        ),
+        config=anhf.ConfigSpec(kv_heads="num_key_value_heads"),
+        **fields,
+    )
+
+
+def _model(model_type: str, **fields):
+    config = transformers.AutoConfig.for_model(
+        model_type, vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **fields,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return perturbed(transformers.AutoModelForCausalLM.from_config(config)).eval()
+
+
+def _assert_fused_is_the_model(plain):
+    fused = anhf.fuse(copy.deepcopy(plain))
+    logits, loss, grads = step(plain, tokens())
+    f_logits, f_loss, f_grads = step(fused, tokens())
+    torch.testing.assert_close(f_logits, logits)
+    torch.testing.assert_close(f_loss, loss)
+    assert f_grads.keys() == grads.keys()
+    for name in grads:
+        torch.testing.assert_close(f_grads[name], grads[name], msg=name)
+    ids = tokens(seq=4)
+    kw = {"max_new_tokens": 5, "do_sample": False, "attention_mask": torch.ones_like(ids)}
+    assert torch.equal(fused.generate(ids, **kw), plain.generate(ids, **kw))
+
+
+def test_olmo_1_norms_without_weight_or_epsilon_are_described_by_the_record():
+    """OLMo 1's OlmoLayerNorm has no weight, no bias and no epsilon attribute (its forward uses 1e-5):
+    ``norm_eps=1e-5`` says so, and the fused model is the model (the norm computes without affine)."""
+    olmo = _llama_like("olmo", norm="layernorm", norm_eps=1e-5)
+    plain = _model("olmo")
+    assert not any(hasattr(m, "eps") for m in plain.modules() if type(m).__name__ == "OlmoLayerNorm")
+    anhf.register_architecture("olmo", olmo)
+    _assert_fused_is_the_model(plain)
+    placed = anhf.with_placement(copy.deepcopy(plain), "pre", fused=False)  # its own placement: itself
+    torch.testing.assert_close(placed(tokens()).logits, plain(tokens()).logits)
+
+
+def test_a_norm_without_epsilon_is_a_one_line_refusal_naming_norm_eps():
+    with pytest.raises(ValueError, match=r"^norm_eps: OlmoLayerNorm has no epsilon attribute") as err:
+        anhf.register_architecture("olmo", _llama_like("olmo", norm="layernorm"))
+    assert "\n" not in str(err.value) and "olmo" not in anhf.ARCHITECTURES
+
+
+def test_a_record_that_changes_the_model_is_refused_naming_the_first_layer():
+    """Granite adds each sublayer's output times ``residual_multiplier``: a record whose calls forget it
+    changes the model (the check's config sets the multiplier off 1), refused at layer 0; the record
+    with the multiplier is the model."""
+    with pytest.raises(ValueError, match=r"^architecture: the 'granite' record changes the 'granite' model: "
+                       r"layer 0 \(model\.layers\.0\) output differs") as err:  # fmt: skip
+        anhf.register_architecture("granite", _llama_like("granite"))
+    assert "\n" not in str(err.value) and "granite" not in anhf.ARCHITECTURES
+    anhf.register_architecture("granite", _llama_like("granite", _scaled_attention, _scaled_mlp))
+    _assert_fused_is_the_model(_model("granite", residual_multiplier=0.22, embedding_multiplier=12.0))
+
+
+def test_a_sublayer_call_that_does_not_fit_is_refused_in_one_line():
+    def wrong(layer, h, **kwargs):
+        return layer.self_attn(h)  # a tuple, and the call lacks the position embeddings
+
+    with pytest.raises(ValueError, match=r"^architecture: the 'bad' record changes the 'llama' model") as err:
+        anhf.register_architecture("llama", _llama_like("bad", attention=wrong), replace=True)
+    assert "\n" not in str(err.value)
+    assert anhf.ARCHITECTURES["llama"].name == "llama"  # the shipped record stays
+
+
+@pytest.mark.parametrize(
+    "fields, message",
+    [
+        ({"placement": "prenorm"}, r"^architecture\.placement: unknown placement 'prenorm'; expected one of"),
+        ({"norm": "scalenorm"}, r"^architecture\.norm: expected 'rmsnorm' or 'layernorm'"),
+        (
+            {"placement": "sandwich"},
+            r"^architecture\.sublayers\['self_attn'\]: placement 'sandwich' has norm ",
+        ),
+        ({"stack": "middle"}, r"^architecture\.stack: expected 'decoder' or 'encoder'"),
+        ({"norm_eps": [1e-5]}, r"^architecture\.norm_eps: expected None, an attribute name or a number"),
+    ],
+)
+def test_a_record_is_validated_by_name_before_anything_is_built(fields, message):
+    base = _llama_like("mine")
+    record = anhf.Architecture(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **fields})
+    with pytest.raises(ValueError, match=message) as err:
+        anhf.register_architecture("mine", record, check=False)
+    assert "\n" not in str(err.value)
+
+
+_NOTEBOOK_CELL = """
+import addnorm.hf as anhf
+
+def attention(layer, h, **kwargs):
+    return layer.self_attn(hidden_states=h, **kwargs)[0] * layer.residual_multiplier
+
+def mlp(layer, h, **kwargs):
+    return layer.mlp(h) * layer.residual_multiplier
+
+record = anhf.Architecture(
+    "granite", placement="pre", norm="rmsnorm", layers="layers", final_norm="norm",
+    sublayers=(
+        anhf.Sublayer("self_attn", attention, input_norm="input_layernorm"),
+        anhf.Sublayer("mlp", mlp, input_norm="post_attention_layernorm"),
+    ),
+)
+anhf.register_architecture("granite", record)
+"""
+
+
+def test_running_the_same_registration_twice_is_a_no_op_and_a_different_one_needs_replace(monkeypatch):
+    """A notebook cell run twice compiles new functions with the same code: the second registration is
+    a no-op (not checked again); a record that differs is refused unless ``replace=True``."""
+    exec(compile(_NOTEBOOK_CELL, "<cell>", "exec"), {})
+    first = anhf.ARCHITECTURES["granite"]
+    from addnorm.hf import registration
+
+    monkeypatch.setattr(registration, "check_record", lambda *a: pytest.fail("checked again"))
+    exec(compile(_NOTEBOOK_CELL, "<cell>", "exec"), {})
+    assert anhf.ARCHITECTURES["granite"] is first
+    other = _llama_like("granite", _scaled_attention, _scaled_mlp)
+    with pytest.raises(ValueError, match=r"^model_types: 'granite' is already registered .*replace=True"):
+        anhf.register_architecture("granite", other)
+    anhf.register_architecture("granite", other, replace=True, check=False)
+    assert anhf.ARCHITECTURES["granite"] is other
+    anhf.unregister_architecture("granite")
+    assert "granite" not in anhf.ARCHITECTURES
+    with pytest.raises(ValueError, match=r"^model_types: 'granite' is not registered; registered: llama"):
+        anhf.unregister_architecture("granite")
+    with pytest.raises(ValueError, match="unsupported model type 'granite'"):
+        anhf.fuse(_model("granite"))
+
+
+def test_the_check_leaves_torch_s_random_state_alone():
+    torch.manual_seed(3)
+    expected = torch.rand(3)
+    torch.manual_seed(3)
+    anhf.register_architecture("granite", _llama_like("granite", _scaled_attention, _scaled_mlp))
+    assert torch.equal(torch.rand(3), expected)
+
+
+def test_the_readme_s_registration_runs_as_written_and_is_the_model():
+    """The README's registration block (its Hugging Face section), run as written: Granite's record
+    passes the check, and the fused model is the model."""
+    import re
+    import textwrap
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("## Hugging Face models", 1)[1].split("\n## ", 1)[0]
+    blocks = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", section, flags=re.S)]
+    found = [b for b in blocks if "register_architecture(" in b]
+    assert len(found) == 1, "README: one registration example in the Hugging Face section"
+    exec(compile(found[0], "README.md", "exec"), {"anhf": anhf})
+    assert anhf.ARCHITECTURES["granite"].name == "granite"
+    _assert_fused_is_the_model(_model("granite", residual_multiplier=0.22))
