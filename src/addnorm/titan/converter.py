@@ -154,7 +154,8 @@ def convert(
         norm_fields.update(elementwise_affine=False, param_init=None)
     record = {"placement": p.name, "mix_fraction": mix_fraction, "fused": fused, "init": init}
     return model_cls.Config(
-        **_fields(config, layers=layers, norm=FinalNorm.Config(**norm_fields, identity=identity)), addnorm=record
+        **_fields(config, layers=layers, norm=FinalNorm.Config(**norm_fields, identity=identity)),
+        addnorm=record,
     )
 
 
@@ -172,7 +173,9 @@ def _family_of(model_config):
         return entry
     if isinstance(model_config, (AddNormLlama3Model.Config, AddNormQwen3Model.Config)):
         raise ValueError("model_config: already converted by addnorm.titan; convert the family's own config")
-    titles = " and ".join(f"{FAMILIES[name].title} ({cls.__qualname__})" for cls, (name, *_) in _FAMILY_CLASSES.items())
+    titles = " and ".join(
+        f"{FAMILIES[name].title} ({cls.__qualname__})" for cls, (name, *_) in _FAMILY_CLASSES.items()
+    )
     raise ValueError(f"model_config: addnorm.titan converts {titles}, got {type(model_config).__qualname__}")
 
 
@@ -187,7 +190,9 @@ def _wiring(layer, plan: LayerPlan, n_layers: int, fused: bool) -> Wiring:
         if spec.placement.gate != "none":
             size = 1 if spec.placement.gate == "rezero" else layer.attention_norm.normalized_shape
             init = {"weight": partial(nn.init.constant_, val=float(spec.gate_init))}
-            gates["gate" if plan.shared_gate else f"{sublayer}_gate"] = Gate.Config(size=size, param_init=init)
+            gates["gate" if plan.shared_gate else f"{sublayer}_gate"] = Gate.Config(
+                size=size, param_init=init
+            )
     return Wiring(placement=plan.placement.name, n_layers=n_layers, fused=fused, norms=norms, gates=gates)
 
 
@@ -209,7 +214,9 @@ def _init_matrices(layer, init: WeightInit, index: int, p: Placement) -> None:
             linear.param_init = _scaled(linear.param_init, init.factor)
         return
     if init.kind != "xavier_normal":
-        raise ValueError(f"placement: {p.name!r} initialisation {init.kind!r} is not supported by addnorm.titan")
+        raise ValueError(
+            f"placement: {p.name!r} initialisation {init.kind!r} is not supported by addnorm.titan"
+        )
     qkv = attention.qkv_linear
     if not isinstance(qkv, FusedQKVLinear.Config):
         raise ValueError(
@@ -220,7 +227,10 @@ def _init_matrices(layer, init: WeightInit, index: int, p: Placement) -> None:
     q_rows, kv_rows = qkv.n_heads * hd, qkv.n_kv_heads * hd
     stds = (_xavier_std(dim, q_rows, init.unit), _xavier_std(dim, kv_rows, init.unit))
     stds += (_xavier_std(dim, kv_rows, init.scaled),)
-    qkv.wqkv.param_init = {"weight": _fused_qkv_normal(qkv.n_heads, qkv.n_kv_heads, hd, stds), "bias": nn.init.zeros_}
+    qkv.wqkv.param_init = {
+        "weight": _fused_qkv_normal(qkv.n_heads, qkv.n_kv_heads, hd, stds),
+        "bias": nn.init.zeros_,
+    }
     for linear in [attention.wo, *ffn_linears]:
         std = _xavier_std(linear.in_features, linear.out_features, init.scaled)
         linear.param_init = {"weight": partial(nn.init.normal_, mean=0.0, std=std), "bias": nn.init.zeros_}
@@ -260,7 +270,9 @@ def _fused_qkv_normal(n_heads: int, n_kv_heads: int, head_dim: int, stds: tuple[
         tail = t.shape[1:]
         q, k, v = (
             t.new_empty(rows, *tail).normal_(0.0, std)
-            for rows, std in zip((n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim), stds, strict=True)
+            for rows, std in zip(
+                (n_heads * head_dim, n_kv_heads * head_dim, n_kv_heads * head_dim), stds, strict=True
+            )
         )
         fused = torch.cat(
             [

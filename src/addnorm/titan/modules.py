@@ -9,11 +9,14 @@ placement's formula, one line per sublayer, over a :class:`~addnorm.model.stream
     x = attention_connection(x, attention)
     x = ffn_connection(x, ffn)
 
-Each connection is an :class:`~addnorm.AddNorm` that the block holds without registering it: its norms
-and gate own no tensors and are pointed at the block's ``RMSNorm`` and :class:`Gate` parameters at every
-forward (FSDP2's unshard, ``to_empty`` and ``Module.parallelize`` replace those Parameters; the
-connection reads whatever is there now), so parameters, state dict, initialisation, sharding plans and
-checkpoints are torchtitan's, and a fused Pre-LN block's state dict is the untouched block's.
+Each connection is an :class:`~addnorm.AddNorm`, registered beside its sublayer as ``attention_block`` /
+``feed_forward_block`` (``moe_block``), where :class:`addnorm.Probe` finds it, but owning no tensors: its
+norms and gate are pointed at the block's ``RMSNorm`` and :class:`Gate` parameters at every forward
+(FSDP2's unshard, ``to_empty`` and ``Module.parallelize`` replace those Parameters; the connection reads
+whatever is there now), so parameters, state dict, initialisation, sharding plans and checkpoints are
+torchtitan's, and a fused Pre-LN block's state dict is the untouched block's. torchtitan walks past the
+connections (they are no torchtitan ``Module`` s, holding nothing to shard or initialise); the model's
+``verify_module_protocol`` leaves them out.
 
 The stream crosses block boundaries as a ``Stream``: the add that ends a block is held back
 (``HeldAdd``: branch, residual, the connection that owns alpha and gate) and done by the next block in
@@ -146,7 +149,11 @@ class ConnectedBlock:
             steps.append(Connection(conn, keeps_layer_input=b2t and i == 0, adds_layer_input=b2t and i == 1))
         for name, cfg in wiring.gates.items():
             self.add_module(name, cfg.build())
-        # plain attributes, not submodules: the connections own no tensors and are no torchtitan Modules
+        # the connections last, beside their sublayers (<sublayer>_block, where Probe looks): they own no
+        # tensors, so the parameters, their order and the state dict are the block's own
+        ffn = "moe" if self.moe_enabled else "feed_forward"
+        for name, step in zip(("attention", ffn), steps, strict=True):
+            self.add_module(f"{name}_block", step.conn)
         self._steps, self._reads, self._gates = tuple(steps), tuple(reads), tuple(gates)
 
     def forward(self, x, attention_masks, positions=None):
@@ -164,11 +171,6 @@ class ConnectedBlock:
         for conn, attr in self._gates:
             object.__setattr__(conn, "gate", getattr(self, attr).weight)
 
-    @property
-    def connections(self) -> tuple[AddNorm, AddNorm]:
-        """The (attention, FFN) connections: their placement, alpha and fused flag (they hold no tensors)."""
-        return tuple(step.conn for step in self._steps)
-
 
 class FinalNorm(RMSNorm):
     """The model's final norm (``norm``, torchtitan's ``RMSNorm`` with its parameter and sharding), taking
@@ -182,24 +184,41 @@ class FinalNorm(RMSNorm):
     def __init__(self, config: Config):
         super().__init__(config)
         self.identity = config.identity
-        object.__setattr__(self, "_reading", _reading(config))
+        self.op_norm = _reading(config)
 
     def forward(self, x):
         if self.identity:
             return x.tensor() if isinstance(x, Stream) else x
         if isinstance(x, Stream):
-            object.__setattr__(self._reading, "weight", self.weight)
-            return x.output(self._reading)
+            object.__setattr__(self.op_norm, "weight", self.weight)
+            return x.output(self.op_norm)
         return super().forward(x)
 
 
 class _StreamModel:
     """The family model's forward, with the stream ended as a tensor where no final norm ends it (a
-    pipeline stage without the model's norm)."""
+    pipeline stage without the model's norm), and its check that every submodule is a torchtitan
+    ``Module``, leaving out addnorm's connections and norms (they hold no tensors: see the module
+    docstring)."""
 
     def forward(self, tokens, positions=None, attention_masks=None):
         out = super().forward(tokens, positions, attention_masks)
         return out.tensor() if isinstance(out, Stream) else out
+
+    def verify_module_protocol(self) -> None:
+        ours: list[str] = []
+        failures = []
+        for fqn, module in self.named_modules():
+            if any(fqn.startswith(f"{prefix}.") for prefix in ours):
+                continue
+            if isinstance(module, (AddNorm, OpRMSNorm)):
+                ours.append(fqn)
+            elif not isinstance(module, Module):
+                failures.append(f"'{fqn}' ({type(module).__name__})")
+        if failures:
+            raise RuntimeError(
+                f"The following modules do not satisfy the Module protocol: {', '.join(failures)}"
+            )
 
 
 def share_shardings(config) -> None:
@@ -211,7 +230,9 @@ def share_shardings(config) -> None:
         for cfg in layer.wiring.norms.values():
             cfg.sharding_config = norm
         for cfg in layer.wiring.gates.values():
-            cfg.sharding_config = None if norm is None else ShardingConfig(state_shardings=norm.state_shardings)
+            cfg.sharding_config = (
+                None if norm is None else ShardingConfig(state_shardings=norm.state_shardings)
+            )
 
 
 class AddNormLlama3Block(ConnectedBlock, Llama3TransformerBlock):

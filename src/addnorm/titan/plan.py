@@ -64,7 +64,9 @@ class LayerPlan:
     shared_gate: bool
 
 
-def plan_layers(placement: str | Placement, n_layers: int, mix_fraction: float | None = None) -> list[LayerPlan]:
+def plan_layers(
+    placement: str | Placement, n_layers: int, mix_fraction: float | None = None
+) -> list[LayerPlan]:
     """Each of ``n_layers`` decoder layers under ``placement`` (checked by :func:`check_placement`)."""
     p = check_placement(placement)
     depth = Depth("decoder", 0, n_layers)
