@@ -260,9 +260,14 @@ def train_parallel(parts, schedule, how: str) -> dict:
             schedule.step(*([tokens] if first else []), target=labels if last else None, losses=stage_losses)
             loss = torch.stack(stage_losses).sum() if last else torch.zeros(())
         else:
-            with counting_add_norm(fused_calls) if count and step == 0 else CommDebugMode() as comm:
+            if not count or step > 1:
                 pred = parts[0](tokens)
-            if count and step == 1:
+            elif step == 0:
+                with counting_add_norm(fused_calls):
+                    pred = parts[0](tokens)
+            else:
+                with CommDebugMode() as comm:
+                    pred = parts[0](tokens)
                 comms.append(comm.get_total_counts())
             loss = _loss(pred, labels)
             loss.backward()
