@@ -130,6 +130,33 @@ def test_the_converter_runs_through_torchtitans_model_registry_and_leaves_the_co
     assert original.layers[0].attention.wo.param_init is not converted.layers[0].attention.wo.param_init
 
 
+@pytest.mark.parametrize("order", ["float8 first", "addnorm first"])
+def test_the_converter_composes_with_torchtitans_float8_converter(titan, order):
+    """torchtitan's Float8LinearConverter (emulated float8 matmuls: the CPU has no float8 GEMM) and
+    addnorm's, in either order: the fused model computes what the untouched float8 model computes."""
+    pytest.importorskip("torchao", reason="torchtitan's float8 converter runs torchao")
+    from torchtitan.components.quantization import Float8LinearConverter
+
+    float8 = Float8LinearConverter.Config(emulate=True)
+    converters = [float8, titan.AddNormConverter.Config()]
+    converted_config = registry("llama3")(
+        "debugmodel", converters=converters[:: 1 if order == "float8 first" else -1]
+    )
+    untouched_config = registry("llama3")("debugmodel", converters=[float8])
+    untouched, fused = (
+        build(titan.on_cpu(untouched_config.model)),
+        build(titan.on_cpu(converted_config.model)),
+    )
+    assert type(fused.layers["0"].attention.wo).__name__ == "Float8Linear"
+    x = tokens()
+    y, y_fused = untouched(x), fused(x)
+    assert (y_fused - y).abs().max().item() <= TOL
+    y.square().mean().backward()
+    y_fused.square().mean().backward()
+    grads = dict(untouched.named_parameters())
+    assert max((p.grad - grads[n].grad).abs().max().item() for n, p in fused.named_parameters()) <= TOL
+
+
 def test_probe_observes_a_converted_model_without_changing_it(titan):
     import addnorm as an
 
