@@ -130,31 +130,25 @@ def test_the_converter_runs_through_torchtitans_model_registry_and_leaves_the_co
     assert original.layers[0].attention.wo.param_init is not converted.layers[0].attention.wo.param_init
 
 
-@pytest.mark.parametrize("order", ["float8 first", "addnorm first"])
-def test_the_converter_composes_with_torchtitans_float8_converter(titan, order):
+def test_the_converter_composes_with_torchtitans_float8_converter(titan):
     """torchtitan's Float8LinearConverter (emulated float8 matmuls: the CPU has no float8 GEMM) and
     addnorm's, in either order: the fused model computes what the untouched float8 model computes."""
     pytest.importorskip("torchao", reason="torchtitan's float8 converter runs torchao")
     from torchtitan.components.quantization import Float8LinearConverter
 
     float8 = Float8LinearConverter.Config(emulate=True)
-    converters = [float8, titan.AddNormConverter.Config()]
-    converted_config = registry("llama3")(
-        "debugmodel", converters=converters[:: 1 if order == "float8 first" else -1]
-    )
-    untouched_config = registry("llama3")("debugmodel", converters=[float8])
-    untouched, fused = (
-        build(titan.on_cpu(untouched_config.model)),
-        build(titan.on_cpu(converted_config.model)),
-    )
-    assert type(fused.layers["0"].attention.wo).__name__ == "Float8Linear"
+    untouched = build(titan.on_cpu(registry("llama3")("debugmodel", converters=[float8]).model))
     x = tokens()
-    y, y_fused = untouched(x), fused(x)
-    assert (y_fused - y).abs().max().item() <= TOL
+    y = untouched(x)
     y.square().mean().backward()
-    y_fused.square().mean().backward()
     grads = dict(untouched.named_parameters())
-    assert max((p.grad - grads[n].grad).abs().max().item() for n, p in fused.named_parameters()) <= TOL
+    for converters in ([float8, titan.AddNormConverter.Config()], [titan.AddNormConverter.Config(), float8]):
+        fused = build(titan.on_cpu(registry("llama3")("debugmodel", converters=converters).model))
+        assert type(fused.layers["0"].attention.wo).__name__ == "Float8Linear"
+        y_fused = fused(x)
+        assert (y_fused - y).abs().max().item() <= TOL
+        y_fused.square().mean().backward()
+        assert max((p.grad - grads[n].grad).abs().max().item() for n, p in fused.named_parameters()) <= TOL
 
 
 def test_probe_observes_a_converted_model_without_changing_it(titan):
@@ -245,7 +239,7 @@ def test_a_replaced_models_first_forward_is_its_placements_formula(titan, placem
         assert (model(x) - _formula(model, x, placement)).abs().max().item() <= TOL
 
 
-@pytest.mark.parametrize("placement", ["sandwich", "deepnorm", "mix", "layerscale"])
+@pytest.mark.parametrize("placement", ["sandwich", "mix"])
 def test_fused_and_unfused_replaced_models_agree(titan, placement):
     fused = build(titan.convert(config(), placement))
     unfused = build(titan.convert(config(), placement, fused=False))

@@ -1,22 +1,23 @@
 """addnorm's converter under torchtitan's own parallelisms, 2 ``gloo`` processes against 1.
 
-torchtitan's debug-size Llama 3 and Qwen 3, untouched and converted (fused, and Llama 3 re-placed as
-sandwich), run 3 AdamW steps in one process (the oracle: the untouched model, no parallelism) and in two
-processes through ``parallelize_llama`` / ``parallelize_qwen3`` with FSDP2 (data parallel 2) and with tensor
-parallel 2 + sequence parallel; their losses and final parameters must be the oracle's within 1e-5
-(the re-placed model's: its own one-process run's). Every 2-process model starts from the oracle's
-initial weights through a distributed checkpoint (DCP) saved by the untouched model, and the converted
-FSDP2 model's final state is saved with DCP and loaded into an untouched tensor-parallel model and back.
-Under tensor parallel, each fused Add & Norm call runs no collective (``CommDebugMode`` around each
-call) and a converted forward runs the untouched one's collectives. Activation checkpointing and
-``torch.compile`` (``aot_eager``: Dynamo and AOTAutograd without a C++ compiler) of each block run
-under tensor parallel too.
+torchtitan's debug-size Llama 3 and Qwen 3, converted (fused; Llama 3 also re-placed, LayerScale and
+sandwich), run 3 AdamW steps in one process (the oracle: the untouched model, or the re-placed one, with
+no parallelism) and in two processes through torchtitan's ``parallelize_llama`` / ``parallelize_qwen3``
+(FSDP2 with data parallel 2; tensor parallel 2 with sequence parallel; selective activation
+checkpointing; ``torch.compile`` of each block with ``aot_eager``, Dynamo and AOTAutograd without a C++
+compiler) and ``pipeline_llm`` (pipeline parallel 2): losses and final parameters must be the oracle's
+within 1e-5. Every 2-process model starts from the oracle's initial weights through a distributed
+checkpoint (DCP), and the converted FSDP2 model's final state is saved with DCP, loaded into an
+untouched tensor-parallel model and back. Each fused Add & Norm call runs no collective
+(``CommDebugMode`` around each call), 2L of them per forward, and a converted forward runs the untouched
+one's collectives.
 
 torchtitan 0.3 on torch 2.13 parallelises with its ``partial_dtensor`` backend (its default,
 ``spmd_types``, hands FSDP2 plain parameters that torch 2.13's ``fully_shard`` refuses). Its trainer wants a
-GPU, so its model, parallelize and checkpoint functions are driven directly: meshes on the CPU (its
-``ParallelDims`` asks for CUDA), causal SDPA for FlexAttention (:func:`addnorm.titan.on_cpu`), and FSDP2
-reducing by sum (gloo has no PREMUL_SUM). All cases run in one spawn of 2 processes.
+GPU, so its model, parallelize, pipeline and checkpoint functions are driven directly: meshes on the CPU
+(its ``ParallelDims`` asks for CUDA), causal SDPA for FlexAttention (:func:`addnorm.titan.on_cpu`), float32
+parameters (its FSDP2 default is bfloat16), FSDP2 reducing by sum (gloo has no PREMUL_SUM), and the
+pipeline schedule stepped through torch 2.13's API. All runs share one spawn of 2 processes.
 """
 
 from __future__ import annotations
