@@ -30,26 +30,16 @@ SLOT_NAMES = {
 
 @dataclass(frozen=True)
 class Family:
-    """A torchtitan model family: ``package`` holds ``model_registry`` and the config registry,
-    ``package.model`` the model class ``model`` and block class ``block``; ``placement`` is the Add &
-    Norm its blocks compute."""
+    """A torchtitan model family: ``package`` holds its ``model_registry``, its model and block classes
+    (``package.model``; the converter and :mod:`addnorm.titan.modules` name them) and its job configs
+    (``package.config_registry``); ``placement`` is the Add & Norm its blocks compute."""
 
     name: str
     title: str
     package: str
-    model: str
-    block: str
     placement: str = "pre"
-
-    @property
-    def model_module(self) -> str:
-        return f"{self.package}.model"
 
 
 FAMILIES: Registry[Family] = Registry("family")
-FAMILIES.register(
-    "llama3", Family("llama3", "Llama 3", "torchtitan.models.llama3", "Llama3Model", "Llama3TransformerBlock")
-)
-FAMILIES.register(
-    "qwen3", Family("qwen3", "Qwen 3", "torchtitan.models.qwen3", "Qwen3Model", "Qwen3TransformerBlock")
-)
+FAMILIES.register("llama3", Family("llama3", "Llama 3", "torchtitan.models.llama3"))
+FAMILIES.register("qwen3", Family("qwen3", "Qwen 3", "torchtitan.models.qwen3"))
