@@ -239,11 +239,17 @@ def counting_add_norm(record: list):
         connection_module.add_norm = op
 
 
+def _by_name(counts: dict) -> dict[str, int]:
+    """CommDebugMode's counts keyed by the collective's name (its op objects do not pickle)."""
+    return {str(op): n for op, n in counts.items()}
+
+
 def train_parallel(parts, schedule, how: str) -> dict:
     """3 steps of the batch's mean token loss: each data-parallel rank on its half, each pipeline stage
     through torchtitan's schedule (its loss summed over the microbatches; torch 2.13's ``step`` API).
     Counts the collectives of each fused call in the first step (not in a compiled block: CommDebugMode
-    cannot be entered there, nor in a pipeline schedule's threads) and of the second step's forward."""
+    cannot be entered there, nor in a pipeline schedule's threads) and, by kind, of the second step's
+    forward and of its forward and backward."""
     import torch.distributed as dist
     from torch.distributed.tensor.debug import CommDebugMode
 
@@ -259,25 +265,26 @@ def train_parallel(parts, schedule, how: str) -> dict:
             first, last = rank == 0, rank == WORLD - 1
             schedule.step(*([tokens] if first else []), target=labels if last else None, losses=stage_losses)
             loss = torch.stack(stage_losses).sum() if last else torch.zeros(())
-        else:
-            if not count or step > 1:
-                pred = parts[0](tokens)
-            elif step == 0:
-                with counting_add_norm(fused_calls):
-                    pred = parts[0](tokens)
-            else:
-                with CommDebugMode() as comm:
-                    pred = parts[0](tokens)
-                comms.append(comm.get_total_counts())
-            loss = _loss(pred, labels)
+        elif not count or step > 1:
+            loss = _loss(parts[0](tokens), labels)
             loss.backward()
+        elif step == 0:
+            with counting_add_norm(fused_calls):
+                loss = _loss(parts[0](tokens), labels)
+            loss.backward()
+        else:
+            with CommDebugMode() as comm:
+                loss = _loss(parts[0](tokens), labels)
+                forward = _by_name(comm.get_comm_counts())
+                loss.backward()
+            comms.append((forward, _by_name(comm.get_comm_counts())))
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
         if how.startswith("fsdp") or how == "pp":
             dist.all_reduce(total)
         losses.append(total.item())
-    return {"losses": losses, "fused_calls": fused_calls, "forward_collectives": comms[0] if comms else None}
+    return {"losses": losses, "fused_calls": fused_calls, "collectives": comms[0] if comms else None}
 
 
 def run(name: str, checkpoint: str, out_dir: str) -> dict:
@@ -383,11 +390,13 @@ def test_every_add_and_norm_is_one_fused_call_without_collectives(runs, name):
 
 
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
-def test_a_converted_forward_communicates_what_the_untouched_one_does(runs, family):
+def test_a_converted_model_communicates_what_the_untouched_one_does(runs, family):
+    """Under TP + SP, forward and backward: the same collectives, kind by kind (the sublayers' gathers
+    and reduce-scatters, the loss's all-reduces), none added by an Add & Norm."""
     results = runs[0]
-    untouched = _got(results, f"{family}-untouched-tp")["forward_collectives"]
-    assert untouched > 0
-    assert _got(results, f"{family}-fused-tp")["forward_collectives"] == untouched
+    untouched = _got(results, f"{family}-untouched-tp")["collectives"]
+    assert sum(untouched[0].values()) > 0
+    assert _got(results, f"{family}-fused-tp")["collectives"] == untouched
 
 
 def test_a_converted_checkpoint_loads_into_an_untouched_model_and_back(runs):
