@@ -321,6 +321,16 @@ def round_trip(model, out_dir: str) -> dict:
     return {"untouched_loaded": full_state(untouched), "converted_reloaded": full_state(converted)}
 
 
+def sharded_init(how: str) -> dict[str, torch.Tensor]:
+    """A DeepNorm Llama 3 initialised by torchtitan's ``init_weights`` after ``parallelize`` (its
+    matrices sharded), gathered."""
+    (model,), _ = build_parallel("llama3", "deepnorm", True, how)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return full_state(model)
+
+
 def _worker(rank: int, port: int, names: list[str], checkpoint: str, out: str) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
@@ -328,9 +338,13 @@ def _worker(rank: int, port: int, names: list[str], checkpoint: str, out: str) -
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     results = {}
-    for name in names:
+    jobs = {
+        name: (lambda n=name: run(n, checkpoint, os.path.join(os.path.dirname(out), n))) for name in names
+    }
+    jobs.update({f"deepnorm-init-{how}": (lambda h=how: sharded_init(h)) for how in ("fsdp", "tp")})
+    for name, job in jobs.items():
         try:
-            results[name] = run(name, checkpoint, os.path.join(os.path.dirname(out), name))
+            results[name] = job()
         except Exception as e:  # reported per run by the test, not as a hung spawn
             results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
         dist.barrier()
@@ -406,3 +420,16 @@ def test_a_converted_checkpoint_loads_into_an_untouched_model_and_back(runs):
     got = _got(runs[0], "llama3-fused-fsdp")
     assert _max_difference(got["untouched_loaded"], got["state"]) == 0.0
     assert _max_difference(got["converted_reloaded"], got["state"]) == 0.0
+
+
+@pytest.mark.parametrize("how", ["fsdp", "tp"])
+def test_deepnorm_initialises_sharded_matrices_with_deepnets_gains(runs, how):
+    """torchtitan's init_weights on a DeepNorm model already sharded by FSDP2 or TP (the fused wqkv drawn
+    per q/k/v part, then laid out into each rank's shard): each role's std is Xavier's times its gain."""
+    state = _got(runs[0], f"deepnorm-init-{how}")
+    beta = (8 * N_LAYERS["llama3"]) ** -0.25
+    for name, gain in [("wq", 1.0), ("wk", 1.0), ("wv", beta)]:
+        w = state[f"layers.2.attention.qkv_linear.{name}.weight"]
+        assert w.std().item() == pytest.approx(gain * (2.0 / sum(w.shape)) ** 0.5, rel=0.03), name
+    w = state["layers.2.feed_forward.w2.weight"]
+    assert w.std().item() == pytest.approx(beta * (2.0 / sum(w.shape)) ** 0.5, rel=0.03)
