@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 # The optional integrations are installed for the tests too, so CI exercises every extra.
-EXTRAS ?= triton,hf,dev,ray,tensorboard,mlflow
+EXTRAS ?= triton,hf,dev,ray,tensorboard,mlflow,torchtitan
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.addnorm-installed
 ARGS ?= study
