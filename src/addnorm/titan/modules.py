@@ -10,7 +10,7 @@ placement's formula, one line per sublayer, over a :class:`~addnorm.model.stream
     x = ffn_connection(x, ffn)
 
 Each connection is an :class:`~addnorm.AddNorm`, registered beside its sublayer as ``attention_block`` /
-``feed_forward_block`` (``moe_block``), where :class:`addnorm.Probe` finds it, but owning no tensors: its
+``feed_forward_block`` (``moe_block``) with its ``connection_role``, which :class:`addnorm.Probe` reads, but owning no tensors: its
 norms and gate are pointed at the block's ``RMSNorm`` and :class:`Gate` parameters at every forward
 (FSDP2's unshard, ``to_empty`` and ``Module.parallelize`` replace those Parameters; the connection reads
 whatever is there now), so parameters, state dict, initialisation, sharding plans and checkpoints are
@@ -44,7 +44,7 @@ from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock  # n
 from torchtitan.protocols.module import Module  # noqa: E402
 from torchtitan.protocols.sharding import ShardingConfig  # noqa: E402
 
-from ..addnorm import AddNorm  # noqa: E402
+from ..addnorm import AddNorm, ConnectionRole  # noqa: E402
 from ..model.stream import Connection, Stream  # noqa: E402
 from ..norms import RMSNorm as OpRMSNorm  # noqa: E402
 from ..placement_spec import Depth, connection_spec  # noqa: E402
@@ -149,10 +149,11 @@ class ConnectedBlock:
             steps.append(Connection(conn, keeps_layer_input=b2t and i == 0, adds_layer_input=b2t and i == 1))
         for name, cfg in wiring.gates.items():
             self.add_module(name, cfg.build())
-        # the connections last, beside their sublayers (<sublayer>_block, where Probe looks): they own no
-        # tensors, so the parameters, their order and the state dict are the block's own
+        # the connections last, beside their sublayers, each with the role observers read (Probe): they
+        # own no tensors, so the parameters, their order and the state dict are the block's own
         ffn = "moe" if self.moe_enabled else "feed_forward"
-        for name, step in zip(("attention", ffn), steps, strict=True):
+        for name, kind, step in zip(("attention", ffn), ("attention", "ffn"), steps, strict=True):
+            step.conn.connection_role = ConnectionRole(name, kind)
             self.add_module(f"{name}_block", step.conn)
         self._steps, self._reads, self._gates = tuple(steps), tuple(reads), tuple(gates)
 
