@@ -10,13 +10,13 @@ placement's formula, one line per sublayer, over a :class:`~addnorm.model.stream
     x = ffn_connection(x, ffn)
 
 Each connection is an :class:`~addnorm.AddNorm`, registered beside its sublayer as ``attention_block`` /
-``feed_forward_block`` (``moe_block``) with its ``connection_role``, which :class:`addnorm.Probe` reads, but owning no tensors: its
-norms and gate are pointed at the block's ``RMSNorm`` and :class:`Gate` parameters at every forward
-(FSDP2's unshard, ``to_empty`` and ``Module.parallelize`` replace those Parameters; the connection reads
-whatever is there now), so parameters, state dict, initialisation, sharding plans and checkpoints are
-torchtitan's, and a fused Pre-LN block's state dict is the untouched block's. torchtitan walks past the
-connections (they are no torchtitan ``Module`` s, holding nothing to shard or initialise); the model's
-``verify_module_protocol`` leaves them out.
+``feed_forward_block`` (``moe_block``) with its ``connection_role``, which :class:`addnorm.Probe` reads, but
+owning no tensors: its norms and gate are pointed at the block's ``RMSNorm`` and :class:`Gate` parameters at
+every forward (FSDP2's unshard, ``to_empty`` and ``Module.parallelize`` replace those Parameters; the
+connection reads whatever is there now), so parameters, state dict, initialisation, sharding plans and
+checkpoints are torchtitan's, and a fused Pre-LN block's state dict is the untouched block's. torchtitan
+walks past the connections (they are no torchtitan ``Module`` s, holding nothing to shard or initialise);
+the model's ``verify_module_protocol`` leaves them out.
 
 The stream crosses block boundaries as a ``Stream``: the add that ends a block is held back
 (``HeldAdd``: branch, residual, the connection that owns alpha and gate) and done by the next block in
