@@ -369,6 +369,7 @@ def ranking(tables: list[RankingTable]) -> tuple[str, str]:
         layout="constrained",
         squeeze=False,
     )
+    split = any(r.split is not None for t in tables for r in t.rows)
     for ax, table in zip(axes[0], tables, strict=True):
         rows = [r for r in table.rows if math.isfinite(r.mean)]
         for y, r in enumerate(rows):
@@ -398,8 +399,8 @@ def ranking(tables: list[RankingTable]) -> tuple[str, str]:
         ax.set_title(table.title, fontsize=8, wrap=True)
         ax.grid(alpha=0.3, axis="x")
     fig.suptitle(
-        "letters: placements sharing one are tied; blue: tied with the best, orange: worse than the best; "
-        "red crosses: the seeds of a placement that split between trained and not",
+        "letters: placements sharing one are tied; blue: tied with the best, orange: worse than the best"
+        + ("\nred crosses: the seeds of a placement that split between trained and not" if split else ""),
         fontsize=8,
     )
     return "ranking with intervals", png(fig)

@@ -30,6 +30,7 @@ from .budget import (
     fmt_time,
     report_reserve,
     run_work,
+    window,
 )
 from .executors import Executor, LocalExecutor, ProcessExecutor, make_executor, max_nproc
 from .limits import check_eval, check_plan
@@ -374,6 +375,7 @@ class _Window:
         self, executor: Executor, todo: list[PlannedRun], budget: Budget | None, estimator, planned: int
     ):
         self.executor, self.queue, self.budget, self.estimator = executor, list(todo), budget, estimator
+        self.todo = list(todo)
         self.reserve = report_reserve(planned)
         self.started = self.in_flight = 0
 
@@ -394,6 +396,17 @@ class _Window:
             self.executor.submit(run)
             self.started += 1
             self.in_flight += 1
+
+    def expected(self) -> list[PlannedRun]:
+        """The runs started and those the budget is expected to start (:func:`~.budget.window`, from
+        now): what the progress display's ETA counts."""
+        if self.budget is None:
+            return list(self.todo)
+        room = self.budget.left() - self.reserve
+        start = POOL_START_S if isinstance(self.executor, ProcessExecutor) else 0.0
+        free = max(self.executor.workers - self.in_flight, 1)
+        later, _ = window(self.queue, lambda r: self.estimator.seconds(r.config), room, free, start)
+        return [r for r in self.todo if r not in self.queue or r in later]
 
     def finished(self, run: PlannedRun, result: RunResult, provenance: dict) -> None:
         self.in_flight -= 1
@@ -474,7 +487,7 @@ def run_study(
             bar = StudyProgress(
                 len(planned),
                 len(planned) - len(todo),
-                todo,
+                starter.expected(),
                 stream=stream,
                 enabled=progress,
                 workers=executor.workers,
