@@ -35,6 +35,11 @@ def _canonical(config: dict) -> dict:
     return json.loads(json.dumps(config, sort_keys=True))
 
 
+def _text(value) -> str:
+    """A setting as JSON text, so that values compare as stored (NaN equals NaN)."""
+    return json.dumps(value, sort_keys=True)
+
+
 def check_resumable(stored: list[dict], plan: ResolvedPlan, db: str | Path) -> None:
     """Refuse (:class:`NotResumable`) a database ``db`` whose runs ``stored`` (``Store.measurements``)
     come from another addnorm version, or hold a planned run's id with other settings."""
@@ -52,7 +57,7 @@ def check_resumable(stored: list[dict], plan: ResolvedPlan, db: str | Path) -> N
         run = planned[row["id"]]
         here = _canonical(run.config.to_dict())
         there = {**_canonical(LATER_KEYS), **_canonical(row["config"])}
-        differs = sorted(k for k in set(here) | set(there) if here.get(k) != there.get(k))
+        differs = sorted(k for k in set(here) | set(there) if _text(here.get(k)) != _text(there.get(k)))
         if differs:
             key = differs[0]
             raise NotResumable(
