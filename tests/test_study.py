@@ -78,11 +78,14 @@ def test_literature_preset_covers_every_placement():
     runs = load_spec("literature").expand()
     for experiment in ("depth", "lr_tolerance"):
         assert {r.config.placement for r in runs if r.experiment == experiment} == set(PLACEMENTS)
-    seeds: dict = {}  # the ranked depth comparison: three seeds for every placement and depth
+    seeds: dict = {}  # the ranked depth comparison: four seeds for every placement and depth
     for r in runs:
         if r.experiment == "depth":
             seeds.setdefault((r.config.placement, r.config.n_layers), set()).add(r.config.seed)
-    assert len(seeds) == 2 * len(PLACEMENTS) and {len(s) for s in seeds.values()} == {3}
+    assert len(seeds) == 2 * len(PLACEMENTS) and {len(s) for s in seeds.values()} == {4}
+    # one seed list (a YAML anchor) for the depth and warmup comparisons
+    sweeps = load_spec("literature").experiments
+    assert sweeps["warmup"]["sweep"]["seed"] == sweeps["depth"]["sweep"]["seed"] == [0, 1, 2, 3]
 
 
 def test_aliases_are_the_same_run_and_the_findings_see_them(tmp_path):

@@ -206,9 +206,35 @@ def run_rows(runs: list[dict], experiment: str) -> list[RunRow]:
             r["metric"],
             r["final_val_metric"],
             r["wall_s"] or 0.0,
+            device_of(r),
         )
         for r in runs
     ]
+
+
+UNKNOWN_DEVICE = "device not recorded"
+
+
+def device_of(run: dict) -> str:
+    """Where a stored run trained: its provenance's device (a CPU model or a GPU's name)."""
+    return str((run.get("provenance") or {}).get("device") or UNKNOWN_DEVICE)
+
+
+def by_device(title: str, group: list[dict], mix: bool) -> tuple[list[tuple[str, list[dict]]], str | None]:
+    """One setting's runs as the tables to rank: one table when they were measured on one device (or
+    ``mix``), else one per device, titled ``<setting>, on <device>``, with the one line that says so."""
+    devices: dict[str, list[dict]] = {}
+    for r in group:
+        devices.setdefault(device_of(r), []).append(r)
+    if len(devices) <= 1 or mix:
+        return [(title, group)], None
+    counts = ", ".join(f"{d}: {len(runs)} runs" for d, runs in devices.items())
+    note = (
+        f"{title}: its runs were measured on {len(devices)} devices ({counts}); each device is ranked in "
+        "its own table, since timings and float rounding differ between devices (--mix-devices ranks "
+        "them in one)"
+    )
+    return [(f"{title}, on {d}", runs) for d, runs in devices.items()], note
 
 
 def experiment(store: Store, name: str, spec_exp: dict, runs: list[dict]) -> ExperimentRecord:
@@ -277,26 +303,26 @@ def lr_tolerance(runs: list[dict]) -> list[tuple[str, list[float]]]:
     return [(p, sorted(tolerant[p])) for p in order]
 
 
-def ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> RankingRecord | None:
+def ranking(
+    store: Store, runs: list[dict], lr_experiments: set[str], mix_devices: bool = False
+) -> RankingRecord | None:
     """Placements ranked per setting by final held-out loss over the seeds that finished (a failed run is
     counted in :attr:`RankingTable.failed`, not ranked), the settings side by side, the
-    learning-rate tolerance in the sweeps, and the residual stream's RMS per layer at the end of training."""
+    learning-rate tolerance in the sweeps, and the residual stream's RMS per layer at the end of training.
+    A setting whose runs were measured on several devices is ranked per device unless ``mix_devices``
+    (:func:`by_device`)."""
     placements = sorted({str(r["config"]["placement"]) for r in runs})
     if len(placements) < 3:
         return None
     only_sweep = lambda r: all(e in lr_experiments for e, _ in r["experiments"])  # noqa: E731
-    tables = []
-    for title, group in settings([r for r in runs if not only_sweep(r)]):
-        samples: dict[str, list[float]] = defaultdict(list)
-        failed: dict[str, int] = defaultdict(int)
-        for r in group:
-            if r["status"] in FINISHED:
-                samples[str(r["config"]["placement"])].append(outcome(r))
-            else:  # missing data, not an outcome: counted beside the ranking
-                failed[str(r["config"]["placement"])] += 1
-        if len(samples) >= 3:
-            rows = rank(samples)
-            tables.append(RankingTable(title, rows, dict(failed), sensitivity(samples, rows)))
+    tables, notes = [], []
+    for setting, whole in settings([r for r in runs if not only_sweep(r)]):
+        split_up, note = by_device(setting, whole, mix_devices)
+        notes += [note] if note else []
+        for title, group in split_up:
+            table = rank_setting(title, group)
+            if table is not None:
+                tables.append(table)
     ranks = [{r.name: r.rank for r in t.rows} for t in tables]
     rho = [math.nan] + [spearman(ranks[0], ranks[i]) for i in range(1, len(tables))]
     best = [{r.name for r in t.rows if r.best} for t in tables]
@@ -304,7 +330,23 @@ def ranking(store: Store, runs: list[dict], lr_experiments: set[str]) -> Ranking
     swept = [r for r in runs if any(e in lr_experiments for e, _ in r["experiments"])]
     depth, growth = growth_profiles(store, runs)
     tolerance = lr_tolerance(swept) if swept else []
-    return RankingRecord(placements, tables, rho, shared, tolerance, depth, growth)
+    return RankingRecord(placements, tables, rho, shared, tolerance, depth, growth, notes)
+
+
+def rank_setting(title: str, group: list[dict]) -> RankingTable | None:
+    """One table: the placements of ``group`` ranked (None with fewer than three placements)."""
+    samples: dict[str, list[float]] = defaultdict(list)
+    failed: dict[str, int] = defaultdict(int)
+    for r in group:
+        if r["status"] in FINISHED:
+            samples[str(r["config"]["placement"])].append(outcome(r))
+        else:  # missing data, not an outcome: counted beside the ranking
+            failed[str(r["config"]["placement"])] += 1
+    if len(samples) < 3:
+        return None
+    rows = rank(samples, splits=True)
+    devices = sorted({device_of(r) for r in group if r["status"] in FINISHED})
+    return RankingTable(title, rows, dict(failed), sensitivity(samples, rows), devices)
 
 
 # --- what was run ---------------------------------------------------------------------------------
@@ -378,8 +420,8 @@ def rule_as_test(findings) -> RuleAsTest | None:
     return RuleAsTest(seeds, *as_t_test(seeds))
 
 
-def analyse(store: Store) -> StudyRecords:
-    """Every record of the report from ``store``'s current plan."""
+def analyse(store: Store, mix_devices: bool = False) -> StudyRecords:
+    """Every record of the report from ``store``'s current plan (``mix_devices``: see :func:`ranking`)."""
     name, spec = store.study_spec() or ("study", {"experiments": {}})
     runs = store.runs()
     experiments = spec.get("experiments") or {}
@@ -405,7 +447,7 @@ def analyse(store: Store) -> StudyRecords:
         configuration=configuration(spec, store.base_config(), runs),
         findings=findings,
         rule=rule_as_test(findings),
-        ranking=ranking(store, ranked_runs, lr_experiments) if ranked_runs else None,
+        ranking=ranking(store, ranked_runs, lr_experiments, mix_devices) if ranked_runs else None,
         not_applicable=not_applicable(store, spec),
         experiments=sections,
     )

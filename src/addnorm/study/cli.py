@@ -19,6 +19,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..cli_errors import handle_errors
+from .budget import POOL_START_S, Budget, Estimator, fmt_time, report_reserve, window
 from .executors import Executor, max_nproc, plan_workers
 from .export import write_csv
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
@@ -27,7 +28,8 @@ from .keys import text as keys_text
 from .limits import check_eval, check_plan, estimate_memory, fmt_bytes
 from .lock import folder_lock
 from .report import build_report
-from .runner import estimate_seconds, fmt_time, prepare, run_study
+from .resume import check_resumable
+from .runner import estimator_for, prepare, run_study
 from .spec import (
     OVERRIDE_HELP,
     SMOKE_HELP,
@@ -37,7 +39,7 @@ from .spec import (
     preset_names,
     preset_text,
 )
-from .store import Store, stored_finished
+from .store import FINISHED, Store, stored_runs
 from .trackers import TRACKERS, make_trackers
 
 DEFAULT_OUT = Path("addnorm-out")
@@ -52,6 +54,16 @@ def _database(out: Path) -> Path:
     return db
 
 
+BUDGET_HELP = (
+    "wall-clock seconds for this whole invocation (a device window): a run starts only if its estimate "
+    "(from the runs stored for this device, else FLOPs) ends inside it, leaving time for the report; the "
+    "rest wait for the next invocation, which resumes (exit 0, 'N of M runs stored, resume to continue'). "
+    "A budget too small for any run left: exit 2"
+)
+MIX_HELP = (
+    "rank runs of one setting measured on different devices (CPU models, GPUs) in one table; by default "
+    "each device gets its own"
+)
 WAIT_HELP = (
     "if another study holds the output folder: wait up to SECONDS (inf: until it is free) for it, "
     "saying once whom for, instead of exiting 3 at once"
@@ -89,23 +101,28 @@ def findings_table(findings: list[Finding]) -> Table:
     return table
 
 
-def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console, **local) -> None:
+def _dry_run(
+    plan: StudySpec, folder: Path, where: str | None, console: Console, budget: Budget | None = None, **local
+) -> None:
     """What ``addnorm study`` would run: each run's resolved settings that differ from the base, whether
-    it is already stored, an estimated wall time and peak memory; refuses what this machine cannot run
-    (:mod:`.limits`). ``where``: the Ray cluster's description (its size is unknown until connected),
+    it is already stored, an estimated wall time (from the runs stored for this machine's device, else
+    the cost model: :mod:`.budget`) and peak memory, and with a ``budget`` which runs would start in it;
+    refuses what this machine cannot run (:mod:`.limits`) and a database it cannot resume
+    (:mod:`.resume`). ``where``: the Ray cluster's description (its size is unknown until connected),
     or None for the local executor (``local``: workers, threads, memory limit)."""
     resolved = plan.resolved()
     runs = list(resolved.runs)
     db = folder / "study.sqlite"
-    stored = stored_finished(db)
+    measured = stored_runs(db)
+    check_resumable(measured, resolved, db)
+    stored = {row["id"] for row in measured if row["status"] in FINISHED}
     todo = [r for r in runs if r.run_id not in stored]
     gpu = "GPU" in (where or "") or (where is None and torch.cuda.is_available())
-    total = sum(estimate_seconds(r.config, gpu) for r in todo)
-    unit = (
-        "one GPU's time, a guess from FLOPs until timed"
-        if gpu
-        else "single-core time, calibrated on a 2-core machine"
-    )
+    estimator = estimator_for(measured, gpu) if where is None else Estimator("", gpu)
+    seconds = {r.run_id: estimator.seconds(r.config) for r in runs}
+    total = sum(seconds[r.run_id] for r in todo)
+    unit = f"{'one GPU' if gpu else 'one core'}'s time, from {estimator.source()}"
+    fits: set[str] | None = None
     if where is None:
         n_workers, n_threads = plan_workers(
             local["workers"], local["threads"], runs=len(todo), nproc=max_nproc(todo)
@@ -113,6 +130,15 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
         check_plan(todo, n_workers, gpu, local["memory"])
         where = f"on {n_workers} worker(s) x {n_threads} torch thread(s)"
         estimate = f"estimated {fmt_time(total / n_workers)} ({fmt_time(total)} of {unit})"
+        if budget is not None:
+            start = POOL_START_S if n_workers > 1 else 0.0
+            room = budget.left() - report_reserve(len(runs))
+            chosen, end = window(todo, lambda r: seconds[r.run_id], room, n_workers, start)
+            fits = {r.run_id for r in chosen}
+            estimate += (
+                f"; --budget {fmt_time(budget.seconds)}: {len(chosen)} of the {len(todo)} runs left would "
+                f"start (done by about {fmt_time(end)}, then the report), the others in the next invocation"
+            )
     else:
         check_eval(todo)
         estimate = f"estimated {fmt_time(total)} of {unit}, shared over the cluster"
@@ -126,22 +152,27 @@ def _dry_run(plan: StudySpec, folder: Path, where: str | None, console: Console,
     )
     console.print("base: " + json.dumps(base), markup=False, highlight=False, soft_wrap=True)
     table = Table(show_lines=False)
-    columns = ("experiment", "label", "run id", "stored", "est.", "memory", "settings different from base")
+    columns = ["experiment", "label", "run id", "stored", "est.", "memory", "settings different from base"]
+    if fits is not None:
+        columns.insert(5, "in budget")
     for column in columns:
         table.add_column(column, overflow="fold", no_wrap=column in ("run id", "est.", "memory"))
     members = resolved.memberships
     for run in runs:
         diff = {k: v for k, v in run.config.to_dict().items() if base.get(k) != v}
         also = [f"{e}: {lab}" for e, lab in members[run.run_id][1:]]
-        table.add_row(
+        cells = [
             escape(run.experiment),
             escape(run.label + (f" (also {'; '.join(also)})" if also else "")),
             run.run_id,
             "yes" if run.run_id in stored else "",
-            fmt_time(estimate_seconds(run.config, gpu)),
+            fmt_time(seconds[run.run_id]),
             fmt_bytes(estimate_memory(run.config, gpu).total),
             escape(", ".join(f"{k}={json.dumps(v)}" for k, v in diff.items())),
-        )
+        ]
+        if fits is not None:
+            cells.insert(5, "starts" if run.run_id in fits else "")
+        table.add_row(*cells)
     console.print(table)
 
 
@@ -233,9 +264,13 @@ def study(
     markdown: bool = typer.Option(
         False, "--markdown", help="with --keys: as the Markdown of docs/study-spec.md"
     ),
+    budget: float = typer.Option(None, "--budget", metavar="SECONDS", help=BUDGET_HELP),
+    mix_devices: bool = typer.Option(False, "--mix-devices", help=MIX_HELP),
 ) -> None:
     """Run a study (resuming one already started in the same folder: finished runs are kept, failed
-    runs tried again), write its report and print its findings. Exit code 1 if a run failed."""
+    runs tried again), write its report and print its findings. Exit code 1 if a run failed; with
+    --budget, 0 when runs are left for the next invocation (it says how many are stored)."""
+    window_ = Budget(budget) if budget is not None else None  # the invocation's clock: from its start
     _interrupt_on_sigterm()
     console = Console()
     if list_presets:
@@ -287,9 +322,13 @@ def study(
             cluster = f"the Ray cluster at {address}" if address else "a local Ray cluster"
             gpus = f" and {runner.gpus_per_run:g} GPU" if runner.gpu else ""
             where = f"on {cluster} with {runner.cpus_per_run} CPU(s){gpus} per run"
-        _dry_run(plan, folder, where, console, workers=n_workers, threads=threads, memory=memory_limit)
+        _dry_run(
+            plan, folder, where, console, window_, workers=n_workers, threads=threads, memory=memory_limit
+        )
         return
-    runner = prepare(plan, folder, n_workers, threads, runner, memory_limit)  # nothing touched if refused
+    runner = prepare(
+        plan, folder, n_workers, threads, runner, memory_limit, window_
+    )  # nothing touched if refused
     with _lock(folder, wait):  # the study and the findings it prints are of one spec
         outcome = run_study(
             plan,
@@ -301,6 +340,8 @@ def study(
             prune=prune,
             trackers=trackers,
             memory_limit=memory_limit,
+            budget=window_,
+            mix_devices=mix_devices,
         )
         with Store(folder / "study.sqlite") as store:
             if not quiet:
@@ -310,6 +351,11 @@ def study(
                 write_csv(store, folder / "csv")
     stale = f", {outcome.stale} stored runs not part of this spec" if outcome.stale else ""
     typer.echo(f"{outcome.total} runs ({outcome.skipped} already stored, {outcome.ran} run now{stale})")
+    if outcome.left:
+        typer.echo(
+            f"{outcome.stored} of {outcome.total} runs stored, resume to continue ({outcome.left} did not "
+            f"fit in the budget of {fmt_time(window_.seconds)}, {fmt_time(window_.spent())} used)"
+        )
     typer.echo(f"report: {outcome.report}")
     typer.echo(f"database: {folder / 'study.sqlite'}")
     if csv:
@@ -327,11 +373,12 @@ def study(
 def report(
     out: Path = typer.Argument(..., help="a study folder holding study.sqlite"),
     wait: float = typer.Option(None, "--wait", metavar="SECONDS", help=WAIT_HELP),
+    mix_devices: bool = typer.Option(False, "--mix-devices", help=MIX_HELP),
 ) -> None:
     """Rebuild a study's report from its database (nothing is retrained)."""
     _database(out)
     with _lock(out, wait):
-        typer.echo(f"report: {build_report(out)}")
+        typer.echo(f"report: {build_report(out, mix_devices=mix_devices)}")
 
 
 def export(

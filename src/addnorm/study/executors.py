@@ -138,9 +138,11 @@ class StepRelay:
         self.on_step, self.on_progress = on_step, on_progress
         self._last: dict[str, int] = {}
         self._done: set[str] = set()
+        self._event: dict[str, tuple[str, int, int]] = {}  # the last progress event passed on, per run
 
     def progress(self, run: PlannedRun, phase: str, done: int, total: int) -> None:
         if self.on_progress is not None and run.run_id not in self._done:
+            self._event[run.run_id] = (phase, done, total)
             self.on_progress(run, phase, done, total)
 
     def deliver(self, run: PlannedRun, steps: Iterable[tuple[int, float]]) -> None:
@@ -153,12 +155,17 @@ class StepRelay:
                 last = step
         self._last[run.run_id] = last
 
-    def complete(self, run: PlannedRun, result: RunResult) -> None:
-        """Deliver the completed steps of ``result`` not yet passed on; later batches are dropped."""
+    def complete(self, run: PlannedRun, result: RunResult, last_event: tuple | None = None) -> None:
+        """Deliver the completed steps of ``result`` not yet passed on, and the run's ``last_event`` of
+        progress if it has not come (a worker's queue can deliver it after the result); later batches
+        and events are dropped."""
         done = [(s, v) for s, name, v in result.metrics if name == "train_loss" and s < result.steps_done]
         self.deliver(run, done)
+        if last_event is not None and self._event.get(run.run_id) != tuple(last_event):
+            self.progress(run, *last_event)
         self._done.add(run.run_id)
         self._last.pop(run.run_id, None)
+        self._event.pop(run.run_id, None)
 
 
 class ProgressThrottle:
@@ -169,11 +176,13 @@ class ProgressThrottle:
         self.send, self.every = send, every
         self._phase: str | None = None
         self._last = -math.inf
+        self.sent: tuple[str, int, int] | None = None  # the last event sent
 
     def __call__(self, phase: str, done: int, total: int) -> None:
         now = time.monotonic()
         if phase != self._phase or done >= total or now - self._last >= self.every:
             self._phase, self._last = phase, now
+            self.sent = (phase, done, total)
             self.send(phase, done, total)
 
 
@@ -288,9 +297,11 @@ def _exit_with_parent(parent: int) -> None:
     os._exit(1)
 
 
-def _execute_in_worker(config: dict, run_id: str) -> RunResult:
+def _execute_in_worker(config: dict, run_id: str) -> tuple[RunResult, tuple | None]:
     """One run in a pool worker; its steps and progress go to the driver through the queue, as
-    ``(run_id, "steps", [(step, loss), ...])`` and ``(run_id, "progress", (phase, done, total))``."""
+    ``(run_id, "steps", [(step, loss), ...])`` and ``(run_id, "progress", (phase, done, total))``.
+    Returns the result and the last progress event sent (the queue may deliver it after the result:
+    the driver passes it on then, see :meth:`StepRelay.complete`)."""
 
     def put(kind: str, payload) -> None:
         if _progress is not None:
@@ -300,7 +311,7 @@ def _execute_in_worker(config: dict, run_id: str) -> RunResult:
     throttle = ProgressThrottle(lambda *event: put("progress", event), PROGRESS_EVERY)
     result = execute(config, batcher, throttle)
     batcher.flush()
-    return result
+    return result, throttle.sent
 
 
 class ProcessExecutor(Executor):
@@ -327,11 +338,12 @@ class ProcessExecutor(Executor):
         self._futures[self._pool.submit(_execute_in_worker, run.config.to_dict(), run.run_id)] = run
 
     @staticmethod
-    def _outcome(future: cf.Future) -> RunResult:
+    def _outcome(future: cf.Future) -> tuple[RunResult, tuple | None]:
+        """The run's result and its last progress event (none for a worker that died)."""
         try:
             return future.result()
         except Exception as err:  # noqa: BLE001 - a worker that died (out of memory, killed)
-            return RunResult(status=FAILED, error=f"worker died: {type(err).__name__}: {err}")
+            return RunResult(status=FAILED, error=f"worker died: {type(err).__name__}: {err}"), None
 
     def _broken(self, breaks: dict[str, int]) -> set[cf.Future]:
         """A worker died and broke the pool, failing every run the pool held. Shut it down; the runs that
@@ -380,8 +392,8 @@ class ProcessExecutor(Executor):
                     done = self._broken(breaks)  # every run of the pool is back: done, or to retry
                 for future in done:
                     run = self._futures.pop(future)
-                    result = self._outcome(future)
-                    relay.complete(run, result)
+                    result, last_event = self._outcome(future)
+                    relay.complete(run, result, last_event)
                     yield run, result
         except BaseException:  # interrupted (Ctrl-C) or abandoned: the runs in flight are not waited for
             self.close(kill=True)

@@ -369,9 +369,18 @@ def ranking(tables: list[RankingTable]) -> tuple[str, str]:
         layout="constrained",
         squeeze=False,
     )
+    split = any(r.split is not None for t in tables for r in t.rows)
     for ax, table in zip(axes[0], tables, strict=True):
         rows = [r for r in table.rows if math.isfinite(r.mean)]
         for y, r in enumerate(rows):
+            if r.split is not None:  # no mean to draw: each seed, and how many trained
+                seeds = r.split.trained + r.split.untrained
+                ax.plot(seeds, [y] * len(seeds), "x", color="#b3261e", ms=5)
+                label = f"split {len(r.split.trained)}/{len(seeds)}"
+                ax.annotate(
+                    label, (max(seeds), y), xytext=(5, 0), textcoords="offset points", va="center", fontsize=8
+                )
+                continue
             colour = "#999" if r.groups == DIVERGED else ("#1f4e99" if r.best else "#e08a2c")
             err = 0.0 if math.isnan(r.high) else r.high - r.mean
             ax.errorbar(r.mean, y, xerr=err, fmt="o", color=colour, ms=4, capsize=3)
@@ -390,7 +399,8 @@ def ranking(tables: list[RankingTable]) -> tuple[str, str]:
         ax.set_title(table.title, fontsize=8, wrap=True)
         ax.grid(alpha=0.3, axis="x")
     fig.suptitle(
-        "letters: placements sharing one are tied; blue: tied with the best, orange: worse than the best",
+        "letters: placements sharing one are tied; blue: tied with the best, orange: worse than the best"
+        + ("\nred crosses: the seeds of a placement that split between trained and not" if split else ""),
         fontsize=8,
     )
     return "ranking with intervals", png(fig)

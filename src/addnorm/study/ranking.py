@@ -21,6 +21,13 @@ compact. The placements that share a letter with rank 1 are the ones *tied with 
 A placement with a diverged seed ranks after every placement without one (its group: ``diverged``);
 fewer than two finite seeds cannot be tested and ties with everything.
 
+A placement whose seeds *split* between training and not (:func:`split`: two clusters of outcomes far
+apart, by the rule there; looked for with ``rank(..., splits=True)``, as the report ranks) has a mean
+that describes neither cluster: it is shown as ``split (k of n trained)`` with each cluster's mean,
+ranked after every placement that is not split (before those with a diverged seed), left out of the
+pairwise tests and of the letters (its group: ``split``), and never tied with the best. It is reported,
+not ranked: more seeds tell how often it trains.
+
 What a ranking could detect (:func:`sensitivity`): the *minimum detectable difference*, the true
 difference of means that Welch's test between two placements of ``n`` seeds each (pooled standard
 deviation ``s``, ``df = 2(n - 1)``) finds with probability :data:`POWER` (0.8) at Holm's first step,
@@ -36,10 +43,15 @@ fraction, Numerical Recipes 6.4), so the library needs no scipy at run time.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 ALPHA = 0.05
 DIVERGED = "diverged"
+SPLIT = "split"
+SPLIT_WITHIN = 4.0  # the gap between the clusters, in spreads within them (see split)
+SPLIT_REFERENCE = 8.0  # in the seed spreads usual at the setting
+SPLIT_FRACTION = 0.05  # and as a fraction of the lower cluster's mean
 
 
 def _betacf(a: float, b: float, x: float) -> float:
@@ -131,10 +143,68 @@ def holm(pvalues: list[float]) -> list[float]:
 
 
 @dataclass
+class Split:
+    """A placement's seeds in two clusters: ``trained`` the lower outcomes, ``untrained`` the higher."""
+
+    trained: list[float]
+    untrained: list[float]
+
+    @property
+    def gap(self) -> float:
+        return min(self.untrained) - max(self.trained)
+
+    def text(self) -> str:
+        n = len(self.trained) + len(self.untrained)
+        low, high = (sum(c) / len(c) for c in (self.trained, self.untrained))
+        return f"split ({len(self.trained)} of {n} trained): {low:.3f} vs {high:.3f}"
+
+
+def split(values: list[float], reference_sd: float = math.nan) -> Split | None:
+    """Whether the outcomes ``values`` of one placement's seeds split into seeds that trained and seeds
+    that did not (bimodal), rather than spreading around one mean.
+
+    The rule: sort the finite outcomes and cut them at the largest gap ``g`` between neighbours into a
+    lower cluster (*trained*) and a higher one (*not trained*: stalled, or trained far worse). They are
+    split when
+
+    - ``g > SPLIT_WITHIN x s_w`` (4), ``s_w`` the pooled standard deviation within the two clusters
+      (sqrt(sum over both clusters of (x - cluster mean)^2 / (n - 2)); undefined for two seeds), and
+    - ``g > SPLIT_REFERENCE x reference_sd`` (8), the seed spread usual at this setting (the median of the
+      placements' standard deviations in the ranking, :func:`reference_sd`: many degrees of freedom,
+      which two or three seeds of one placement do not have), and
+    - ``g > SPLIT_FRACTION x`` the lower cluster's mean (5%: a material difference even where seeds agree
+      to the last digit),
+
+    each spread test applying where its spread is defined, at least one of them; a diverged seed (not
+    finite) makes no cluster (the placement is ``diverged``). A placement whose seeds scatter normally
+    with the setting's usual spread is practically never split (the largest gap between three normal
+    draws exceeds 8 standard deviations with probability below 1e-6); a seed that stalls at the unigram
+    loss (4.06 nats against 3.30 for one that trains, 2.3 for one that trains well, usual spread 0.07)
+    clears every test. The spread tests are what one placement's few seeds can say; a placement far
+    noisier than its setting's others can be called split by them (:func:`rank` looks for splits only
+    when asked: the report asks). Returns the :class:`Split` or None."""
+    if any(not math.isfinite(v) for v in values):
+        return None
+    x = sorted(float(v) for v in values)
+    if len(x) < 2:
+        return None
+    cut = max(range(len(x) - 1), key=lambda i: x[i + 1] - x[i])
+    low, high = x[: cut + 1], x[cut + 1 :]
+    gap = high[0] - low[-1]
+    squares = sum((v - sum(c) / len(c)) ** 2 for c in (low, high) for v in c)
+    within = math.sqrt(squares / (len(x) - 2)) if len(x) > 2 else math.nan
+    tests = [(within, SPLIT_WITHIN), (reference_sd, SPLIT_REFERENCE)]
+    tests = [(sd, k) for sd, k in tests if math.isfinite(sd)]
+    if not tests or gap <= SPLIT_FRACTION * abs(sum(low) / len(low)):
+        return None
+    return Split(low, high) if all(gap > k * sd for sd, k in tests) else None
+
+
+@dataclass
 class Ranked:
     """One placement's row: its outcomes' mean, sd, 95% interval of the mean, rank, the letters of its
-    tied groups (``DIVERGED`` for a placement with a diverged seed) and whether it is tied with the best
-    (shares a letter with rank 1)."""
+    tied groups (``DIVERGED`` for a placement with a diverged seed, ``SPLIT`` for one whose seeds split,
+    see :func:`split`) and whether it is tied with the best (shares a letter with rank 1)."""
 
     name: str
     n: int
@@ -146,10 +216,13 @@ class Ranked:
     groups: str = ""
     best: bool = False
     diverged: int = 0
+    split: Split | None = None
 
     def text(self) -> str:
         if not math.isfinite(self.mean):
             return f"diverged ({self.diverged} of {self.n})"
+        if self.split is not None:
+            return self.split.text()
         spread = "" if math.isnan(self.sd) else f" ± {self.sd:.3f}"
         return f"{self.mean:.3f}{spread}"
 
@@ -195,10 +268,12 @@ def _letter(index: int) -> str:
     return letters[index] if index < len(letters) else f"[{index + 1}]"
 
 
-def rank(samples: dict[str, list[float]], alpha: float = ALPHA) -> list[Ranked]:
+def rank(samples: dict[str, list[float]], alpha: float = ALPHA, splits: bool = False) -> list[Ranked]:
     """``samples``: name -> outcomes over seeds (lower is better; ``inf``/``nan`` for a diverged seed).
     Returns the rows in rank order with their letter groups and tied-with-the-best flags (see the
-    module docstring)."""
+    module docstring). ``splits``: find the placements whose seeds split between trained and not
+    (:func:`split`, against this ranking's :func:`reference_sd`) and show them apart, unlettered (the
+    report's rankings do)."""
     rows = []
     for name, values in samples.items():
         finite = [float(v) for v in values if math.isfinite(v)]
@@ -211,8 +286,12 @@ def rank(samples: dict[str, list[float]], alpha: float = ALPHA) -> list[Ranked]:
             t_quantile(0.975, len(finite) - 1) * sd / math.sqrt(len(finite)) if len(finite) > 1 else math.nan
         )
         rows.append(Ranked(name, len(values), mean, sd, mean - half, mean + half, diverged=diverged))
-    rows.sort(key=lambda r: (r.diverged > 0, r.mean, r.name))
-    clean = [r for r in rows if not r.diverged]
+    reference = reference_sd(samples)
+    for row in rows:
+        if splits and not row.diverged:
+            row.split = split(samples[row.name], reference)
+    rows.sort(key=lambda r: (r.diverged > 0, r.split is not None, r.mean, r.name))
+    clean = [r for r in rows if not r.diverged and r.split is None]
     pairs = [(i, j) for i in range(len(clean)) for j in range(i + 1, len(clean))]
     adjusted = holm([welch(samples[clean[i].name], samples[clean[j].name]) for i, j in pairs])
     tied = {pair: p >= alpha for pair, p in zip(pairs, adjusted, strict=True)}
@@ -225,7 +304,21 @@ def rank(samples: dict[str, list[float]], alpha: float = ALPHA) -> list[Ranked]:
         row.rank = position + 1
         if row.diverged:
             row.groups = DIVERGED
+        elif row.split is not None:
+            row.groups = SPLIT
     return rows
+
+
+def reference_sd(samples: dict[str, list[float]]) -> float:
+    """The seed spread usual in one ranking: the median of the standard deviations of the placements
+    with two or more seeds and none diverged (nan without any); robust to the few placements that
+    split."""
+    sds = sorted(
+        _mean_sd([float(v) for v in values])[1]
+        for values in samples.values()
+        if len(values) >= 2 and all(math.isfinite(v) for v in values)
+    )
+    return statistics.median(sds) if sds else math.nan
 
 
 def spearman(a: dict[str, int], b: dict[str, int]) -> float:
@@ -316,8 +409,8 @@ def seeds_needed(gap: float, sd: float, alpha: float, power: float = POWER, most
 
 @dataclass
 class Sensitivity:
-    """What one ranking could detect: the pooled sd of its placements without a diverged seed, their
-    usual number of seeds, the pairs Holm's correction covers and the level of its first step
+    """What one ranking could detect: the pooled sd of its placements without a diverged seed that do not
+    split, their usual number of seeds, the pairs Holm's correction covers and the level of its first step
     (``alpha / pairs``), the difference detected with :data:`POWER` there, and the largest gap between the
     best and a placement still tied with it, with the seeds per placement that would detect that gap."""
 
@@ -332,8 +425,9 @@ class Sensitivity:
 
 
 def sensitivity(samples: dict[str, list[float]], rows: list[Ranked], alpha: float = ALPHA) -> Sensitivity:
-    """:class:`Sensitivity` of the ranking ``rows`` of ``samples`` (see :func:`rank`)."""
-    clean = [r for r in rows if not r.diverged]
+    """:class:`Sensitivity` of the ranking ``rows`` of ``samples`` (see :func:`rank`), over the
+    placements without a diverged seed that do not split."""
+    clean = [r for r in rows if not r.diverged and r.split is None]
     finite = {r.name: [v for v in samples[r.name] if math.isfinite(v)] for r in clean}
     spread = [(len(v) - 1, _mean_sd(v)[1]) for v in finite.values() if len(v) >= 2]
     dof = sum(d for d, _ in spread)

@@ -98,6 +98,7 @@ class RunRow:
     metric: str | None
     metric_value: float | None
     wall_s: float
+    device: str = ""  # where it trained (provenance.device): a CPU model or a GPU's name
 
 
 @dataclass
@@ -113,13 +114,15 @@ class ExperimentRecord:
 
 @dataclass
 class RankingTable:
-    """One setting's ranking: its title (the keys that differ between settings), the ranked rows, and
-    per placement the runs left out because they failed (missing data, not an outcome)."""
+    """One setting's ranking: its title (the keys that differ between settings; with the device where the
+    setting's runs were measured on several), the ranked rows, per placement the runs left out because
+    they failed (missing data, not an outcome), and the devices its runs trained on."""
 
     title: str
     rows: list[Ranked]
     failed: dict[str, int] = field(default_factory=dict)
     sensitivity: Sensitivity | None = None  # what the ranking could detect, and the seeds it would need
+    devices: list[str] = field(default_factory=list)  # where its runs trained (one unless mixed on purpose)
 
 
 @dataclass
@@ -131,6 +134,7 @@ class RankingRecord:
     lr_tolerance: list[tuple[str, list[float]]]  # placement -> tolerated learning rates, best first
     growth_depth: int
     growth: list[LayerSeries]  # the residual stream's RMS per layer at the end, first seed per placement
+    notes: list[str] = field(default_factory=list)  # a setting ranked per device (one line each)
 
 
 @dataclass

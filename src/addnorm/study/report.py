@@ -18,7 +18,7 @@ from .analysis import analyse, value
 from .figures import MAX_INLINE, palette  # noqa: F401 - the report's figure settings, importable here
 from .figures import facets as _facets  # noqa: F401
 from .figures import robust_top as _robust_top  # noqa: F401
-from .ranking import ALPHA, POWER, Sensitivity
+from .ranking import ALPHA, POWER, SPLIT_FRACTION, SPLIT_REFERENCE, SPLIT_WITHIN, Sensitivity
 from .records import (
     Configuration,
     ExperimentRecord,
@@ -182,10 +182,26 @@ def detectable_note(sens: Sensitivity | None) -> str:
     return f"<p class='note'>{esc(text)}</p>"
 
 
+def split_note(table: RankingTable) -> str:
+    """The line on the placements whose seeds split between trained and not (:func:`.ranking.split`)."""
+    split = [r for r in table.rows if r.split is not None]
+    if not split:
+        return ""
+    which = "; ".join(f"{r.name}: {r.split.text().removeprefix('split ')}" for r in split)
+    return (
+        f"<p class='note'>Seeds split between trained and not trained ({esc(which)}): a mean would describe "
+        "neither cluster, so these are not lettered or compared, and rank after the others. Split: the "
+        f"largest gap between a placement's sorted outcomes exceeds {SPLIT_WITHIN:g} times the spread "
+        f"within its two clusters, {SPLIT_REFERENCE:g} times this setting's usual seed spread (the median "
+        f"sd of its placements) and {SPLIT_FRACTION:.0%} of the lower cluster's mean; more seeds tell how "
+        "often it trains.</p>"
+    )
+
+
 def ranking_table(table: RankingTable) -> str:
     rows = "".join(
         f"<tr><td>{r.rank}</td><td>{esc(r.name)}</td><td>{r.text()}</td>"
-        f"<td>{'' if math.isnan(r.low) or math.isinf(r.low) else f'{r.low:.3f} to {r.high:.3f}'}</td>"
+        f"<td>{'' if math.isnan(r.low) or math.isinf(r.low) or r.split else f'{r.low:.3f} to {r.high:.3f}'}</td>"
         f"<td>{r.groups}</td><td>{'yes' if r.best else ''}</td>"
         f"<td>{seeds_cell(r.n, r.diverged, table.failed.get(r.name, 0))}</td></tr>"
         for r in table.rows
@@ -193,10 +209,11 @@ def ranking_table(table: RankingTable) -> str:
     ranked = {r.name for r in table.rows}
     unranked = [f"{esc(p)} ({n} failed)" for p, n in table.failed.items() if p not in ranked]
     note = f"<p class='note'>Not ranked, no run finished: {', '.join(unranked)}.</p>" if unranked else ""
+    where = f"<p class='note'>Measured on {esc(' and '.join(table.devices))}.</p>" if table.devices else ""
     return (
-        f"<h3>{esc(table.title)}</h3><table><tr><th>rank</th><th>placement</th><th>final loss</th>"
+        f"<h3>{esc(table.title)}</h3>{where}<table><tr><th>rank</th><th>placement</th><th>final loss</th>"
         f"<th>95% interval</th><th>groups</th><th>tied with the best</th><th>seeds</th></tr>{rows}</table>"
-        f"{detectable_note(table.sensitivity)}{note}"
+        f"{split_note(table)}{detectable_note(table.sensitivity)}{note}"
     )
 
 
@@ -250,11 +267,12 @@ def ranking(record: RankingRecord | None) -> str:
         "not the same as equal), two that share none differ (Welch's t-test between every pair, "
         f"Holm-corrected at {ALPHA:g}); letters follow the rank order, and a placement with a wide spread "
         "may carry the letters of neighbours that differ from each other. Tied with the best: shares a "
-        "letter with rank 1. A placement with a diverged seed ranks last. A failed run (an error, a "
+        "letter with rank 1. A placement with a diverged seed ranks last; one whose seeds split between trained and not trained is shown as split, after the others, without letters. A failed run (an error, a "
         "killed worker) is missing data, not an outcome: it is left out and counted in the seeds column; "
         "the placement is ranked on the seeds that finished. Few seeds separate little "
         "(one seed: nothing): sweep more seeds for a ranking to cite.</p>"
     ]
+    parts += [f"<p class='note'>{esc(line)}.</p>" for line in record.notes]
     parts += [ranking_table(table) for table in record.tables]
     if record.tables:
         parts.append(img(figures.ranking(record.tables)))
@@ -272,7 +290,10 @@ def fmt(v) -> str:
 
 
 def runs_table(runs: list[RunRow]) -> str:
-    head = "<tr><th>run</th><th>status</th><th>final train loss</th><th>final held-out loss</th><th>metric</th><th>time</th></tr>"
+    head = (
+        "<tr><th>run</th><th>status</th><th>final train loss</th><th>final held-out loss</th><th>metric</th>"
+        "<th>time</th><th>device</th></tr>"
+    )
     body = []
     for r in runs:
         metric = "" if r.metric_value is None else f"{r.metric} {r.metric_value:.3f}"
@@ -281,7 +302,7 @@ def runs_table(runs: list[RunRow]) -> str:
             status += f": {esc(r.error[:160])}"
         body.append(
             f"<tr><td>{esc(r.label)}</td><td>{status}</td><td>{fmt(r.train_loss)}</td>"
-            f"<td>{fmt(r.val_loss)}</td><td>{metric}</td><td>{r.wall_s:.1f}s</td></tr>"
+            f"<td>{fmt(r.val_loss)}</td><td>{metric}</td><td>{r.wall_s:.1f}s</td><td>{esc(r.device)}</td></tr>"
         )
     return f"<details><summary>{len(runs)} runs</summary><table>{head}{''.join(body)}</table></details>"
 
@@ -336,12 +357,13 @@ built {datetime.now().astimezone().isoformat(timespec="seconds")}.</p>
 </body></html>"""
 
 
-def build_report(out_dir: str | Path) -> Path:
-    """Write ``out_dir/report.html`` from ``out_dir/study.sqlite``; returns its path."""
+def build_report(out_dir: str | Path, mix_devices: bool = False) -> Path:
+    """Write ``out_dir/report.html`` from ``out_dir/study.sqlite``; returns its path. ``mix_devices``: rank
+    runs of one setting measured on different devices in one table (by default one per device)."""
     out = Path(out_dir)
     db = out / "study.sqlite"
     if not db.is_file():
         raise ValueError(f"out: no study database at {str(db)!r}; run `addnorm study` first")
     with Store(db) as store:
-        records = analyse(store)
+        records = analyse(store, mix_devices)
     return write_atomic(out / "report.html", page(records))

@@ -18,68 +18,28 @@ from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedCo
 from rich.table import Column
 from rich.text import Text
 
-from ..train import FAILED, RunConfig, RunResult
-from ..train.loop import eval_batches_total
+from ..train import FAILED, RunResult
+from .budget import (
+    EVAL_BATCH_COST,
+    POOL_START_S,
+    Budget,
+    BudgetTooSmall,
+    Estimator,
+    Timing,
+    estimate_seconds,
+    fmt_time,
+    report_reserve,
+    run_work,
+    window,
+)
 from .executors import Executor, LocalExecutor, ProcessExecutor, make_executor, max_nproc
 from .limits import check_eval, check_plan
 from .lock import folder_lock
 from .report import build_report
+from .resume import check_resumable, timings
 from .spec import PlannedRun, StudySpec
-from .store import Store, stored_finished, write_atomic
+from .store import FINISHED, Store, stored_runs, write_atomic
 from .trackers import Tracker, TrackerGroup
-
-# Seconds per run = steps x (per-layer host overhead x layers + training FLOPs / FLOP rate) plus
-# evaluation; both constants fitted on a 2-core AMD EPYC with one torch thread per run (small models
-# are dominated by per-op host time, which the first term carries). An estimate for --dry-run and the
-# ETA's first guess, not a promise: the ETA corrects itself from measured run times.
-HOST_S_PER_LAYER_STEP = 3.4e-3
-FLOPS_PER_S = 5.7e10
-# On a GPU the host queues kernels while the device computes, so a step takes the longer of the two.
-# Neither constant is measured here (no GPU on the machines this was written on): the FLOP rate is an
-# H100 SXM's dense bf16 peak (989 TFLOP/s) at 25% utilisation, about the best small models (d_model
-# 512) reach; the host time assumes ~80 kernel launches per layer and step at ~5 us each.
-GPU_FLOPS_PER_S = 2.5e14
-GPU_HOST_S_PER_LAYER_STEP = 4e-4
-GPU_START_S = 3.0  # per run: build the model, move it to the device, probe and evaluate
-EVAL_BATCH_COST = 1 / 3  # a held-out batch (forward only) in training steps (forward and backward)
-
-
-def run_flops(config: RunConfig) -> float:
-    """Training FLOPs per step: 6 x tokens x (matmul weights per token) plus attention scores."""
-    m = config.model
-    tokens = config.batch_size * config.seq_len
-    ffn = 3 if m.activation == "swiglu" else 2
-    per_layer = 4 * m.d_model**2 + ffn * m.d_model * m.d_ff + 2 * config.seq_len * m.d_model
-    layers = m.n_layers
-    if config.task != "lm":  # encoder-decoder: encoder and decoder stacks, cross-attention
-        layers = m.encoder_layers + m.decoder_layers * 1.5
-    return 6.0 * tokens * (layers * per_layer + m.d_model * 256)
-
-
-def estimate_seconds(config: RunConfig, gpu: bool = False) -> float:
-    """Rough wall time of one run on one core (see :data:`FLOPS_PER_S`) or on one GPU (``gpu``, see
-    :data:`GPU_FLOPS_PER_S`; a guess until measured on one)."""
-    layers = (
-        config.model.n_layers
-        if config.task == "lm"
-        else config.model.encoder_layers + config.model.decoder_layers
-    )
-    if gpu:
-        per_step = max(GPU_HOST_S_PER_LAYER_STEP * layers, run_flops(config) / GPU_FLOPS_PER_S)
-    else:
-        per_step = HOST_S_PER_LAYER_STEP * layers + run_flops(config) / FLOPS_PER_S
-    return per_step * run_work(config) + (GPU_START_S if gpu else 0.0)
-
-
-def run_work(config: RunConfig) -> float:
-    """A run's work in training steps: its steps, and its held-out batches (a forward pass each, at
-    :data:`EVAL_BATCH_COST` of a step). The time estimate and the progress display both count it."""
-    return config.steps + EVAL_BATCH_COST * eval_batches_total(config)
-
-
-def fmt_time(seconds: float) -> str:
-    seconds = max(0, int(round(seconds)))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def fmt_rate(tokens_per_s: float | None) -> str:
@@ -299,6 +259,8 @@ class StudyOutcome:
     stale: int = 0  # stored runs that are not part of this spec
     pruned: int = 0
     report: Path | None = None
+    left: int = 0  # runs not started because the budget had no room for them (the next invocation's)
+    stored: int = 0  # the plan's runs with a stored result once this invocation is over
 
 
 UNSAVED = "unsaved"  # <out>/unsaved/<run id>.pkl: a finished run whose save to the database failed
@@ -332,6 +294,37 @@ def _store_unsaved(store: Store, out: Path, stream: TextIO) -> None:
         path.unlink()
 
 
+def estimator_for(stored: list[dict], gpu: bool) -> Estimator:
+    """The run-time estimates of this machine (its device: the GPU's name where runs train on one, else
+    the CPU model) from the runs ``stored`` (``Store.measurements``) measured on it."""
+    from ..train.device import device_name
+
+    return Estimator(device_name(), gpu, timings(stored))
+
+
+def _first_cost(executor: Executor, started: int) -> float:
+    """A run's start-up beyond its own time: a new worker process of a pool (spawn and imports)."""
+    return POOL_START_S if isinstance(executor, ProcessExecutor) and started < executor.workers else 0.0
+
+
+def check_budget(
+    todo: list[PlannedRun], estimator: Estimator, budget: Budget, planned: int, executor
+) -> None:
+    """Refuse a ``budget`` in which not even the cheapest of the runs ``todo`` fits (after the report's
+    reserve, :func:`~.budget.report_reserve`): :class:`~.budget.BudgetTooSmall`, nothing started."""
+    if not todo:
+        return
+    room = budget.left() - report_reserve(planned)
+    cheapest = min(todo, key=lambda r: estimator.seconds(r.config))
+    need = estimator.seconds(cheapest.config) + _first_cost(executor, 0)
+    if need > room:
+        raise BudgetTooSmall(
+            f"--budget: {fmt_time(budget.seconds)} leaves {fmt_time(max(room, 0))} for runs after the "
+            f"report's {fmt_time(report_reserve(planned))}; the cheapest of the {len(todo)} runs left "
+            f"needs about {fmt_time(need)} ({estimator.source(cheapest.config)}); nothing was started"
+        )
+
+
 def prepare(
     spec: StudySpec,
     out_dir: str | Path,
@@ -339,19 +332,88 @@ def prepare(
     threads: int | None = None,
     executor: Executor | None = None,
     memory_limit: str | None = None,
+    budget: Budget | None = None,
 ) -> Executor:
     """The study's executor (``executor``, or one for ``workers`` x ``threads``), once the runs still to
     train (as far as a read-only look at ``out_dir``'s database tells) are checked against what this
-    machine can run (:mod:`.limits`; a cluster's nodes are not known here: evaluation only). Raises
-    :class:`~addnorm.study.spec.SpecError` without touching the folder. :func:`run_study` calls it."""
-    stored = stored_finished(Path(out_dir) / "study.sqlite")
-    todo = [r for r in spec.resolved().runs if r.run_id not in stored]
+    machine can run (:mod:`.limits`; a cluster's nodes are not known here: evaluation only), the database
+    against this spec and version (:func:`~.resume.check_resumable`) and, with a ``budget``, the budget
+    against the cheapest run left (:func:`check_budget`). Raises a one-line ``ValueError``
+    (:class:`~addnorm.study.spec.SpecError`, :class:`~.resume.NotResumable`,
+    :class:`~.budget.BudgetTooSmall`) without touching the folder. :func:`run_study` calls it."""
+    db = Path(out_dir) / "study.sqlite"
+    stored = stored_runs(db)
+    plan = spec.resolved()
+    check_resumable(stored, plan, db)
+    finished = {row["id"] for row in stored if row["status"] in FINISHED}
+    todo = [r for r in plan.runs if r.run_id not in finished]
+    if (
+        budget is not None
+        and executor is not None
+        and not isinstance(executor, (LocalExecutor, ProcessExecutor))
+    ):
+        raise ValueError(
+            "--budget: only with the local executor (it starts each run when the last one's time is known)"
+        )
     executor = executor or make_executor(workers, threads, runs=len(todo), nproc=max_nproc(todo))
     if isinstance(executor, (LocalExecutor, ProcessExecutor)):
         check_plan(todo, executor.workers, executor.gpu, memory_limit)
     else:
         check_eval(todo)
+    if budget is not None:
+        check_budget(todo, estimator_for(stored, executor.gpu), budget, len(plan.runs), executor)
     return executor
+
+
+class _Window:
+    """Starts the runs of a study on ``executor``: all at once without a budget; with one, each when a
+    worker is free and its estimate (plus a new worker's start-up) ends inside what is left of the budget
+    after the report's reserve, the first such run in the spec's order (the others wait for the next
+    invocation). Finished runs refine the estimates (:meth:`finished`)."""
+
+    def __init__(
+        self, executor: Executor, todo: list[PlannedRun], budget: Budget | None, estimator, planned: int
+    ):
+        self.executor, self.queue, self.budget, self.estimator = executor, list(todo), budget, estimator
+        self.todo = list(todo)
+        self.reserve = report_reserve(planned)
+        self.started = self.in_flight = 0
+
+    def fill(self) -> None:
+        """Start what may start now."""
+        if self.budget is None:
+            for run in self.queue:
+                self.executor.submit(run)
+            self.started += len(self.queue)
+            self.queue.clear()
+            return
+        while self.in_flight < self.executor.workers:
+            room = self.budget.left() - self.reserve - _first_cost(self.executor, self.started)
+            run = next((r for r in self.queue if self.estimator.seconds(r.config) <= room), None)
+            if run is None:
+                return
+            self.queue.remove(run)
+            self.executor.submit(run)
+            self.started += 1
+            self.in_flight += 1
+
+    def expected(self) -> list[PlannedRun]:
+        """The runs started and those the budget is expected to start (:func:`~.budget.window`, from
+        now): what the progress display's ETA counts."""
+        if self.budget is None:
+            return list(self.todo)
+        room = self.budget.left() - self.reserve
+        start = POOL_START_S if isinstance(self.executor, ProcessExecutor) else 0.0
+        free = max(self.executor.workers - self.in_flight, 1)
+        later, _ = window(self.queue, lambda r: self.estimator.seconds(r.config), room, free, start)
+        return [r for r in self.todo if r not in self.queue or r in later]
+
+    def finished(self, run: PlannedRun, result: RunResult, provenance: dict) -> None:
+        self.in_flight -= 1
+        if self.estimator is not None:
+            done = result.status == "done" and result.steps_done == run.config.steps
+            device = str((provenance or {}).get("device") or "")
+            self.estimator.add(Timing(run.config.to_dict(), device, result.wall_s, done))
 
 
 def run_study(
@@ -367,6 +429,8 @@ def run_study(
     stream: TextIO | None = None,
     trackers: list[Tracker] | None = None,
     memory_limit: str | None = None,
+    budget: Budget | None = None,
+    mix_devices: bool = False,
 ) -> StudyOutcome:
     """Run every run of ``spec`` that ``out_dir/study.sqlite`` has no result for (failed runs are tried
     again), then write ``out_dir/report.html``. The report and findings cover exactly this spec's runs;
@@ -374,13 +438,17 @@ def run_study(
     run of the plan (stored ones they lack included); they only read, and one that fails is dropped
     with a warning while the study goes on. Before anything is written, runs this machine cannot hold
     are refused (:mod:`.limits`: ``memory_limit`` a size per run or ``off``, default by available
-    memory and workers; and evaluations beyond the held-out data)."""
+    memory and workers; and evaluations beyond the held-out data), and so is a database of another
+    version or other settings (:mod:`.resume`). With a ``budget`` (:class:`~.budget.Budget`) a run
+    starts only if its estimate fits in what is left of it; the others are counted in ``left`` for the
+    next invocation. ``mix_devices``: the report ranks runs of one setting measured on different
+    devices in one table (by default one table per device)."""
     out = Path(out_dir)
     plan = spec.resolved()  # the spec's one expansion: the runs, the store's plan, the report's left-out runs
     planned, members = list(plan.runs), plan.memberships
     stream = stream or sys.stderr
     db = out / "study.sqlite"
-    executor = prepare(spec, out, workers, threads, executor, memory_limit)
+    executor = prepare(spec, out, workers, threads, executor, memory_limit, budget)
     with folder_lock(out), Store(db) as store:
         _store_unsaved(store, out, stream)
         done = store.finished_ids()
@@ -390,6 +458,7 @@ def run_study(
         pruned = store.prune() if prune else 0
         stale = len(store.stale_ids())
         retried = sum(1 for r in store.runs() if r["status"] == FAILED)
+        estimator = estimator_for(store.measurements(), executor.gpu) if budget is not None else None
         if progress:
             notes = [f"{len(planned) - len(todo)} already stored", f"{len(todo)} to run"]
             if retried:
@@ -399,21 +468,26 @@ def run_study(
             if pruned:
                 notes.append(f"{pruned} stale runs pruned")
             stream.write(f"study {spec.name!r}: {len(planned)} runs ({', '.join(notes)}) in {out}\n")
+            if estimator is not None:
+                stream.write(
+                    f"budget {fmt_time(budget.seconds)} ({fmt_time(budget.left())} left): a run starts when "
+                    f"its estimate fits ({estimator.source()})\n"
+                )
         tracking = TrackerGroup(trackers or [], stream)
         tracking.open(out, spec.name, store)
         bar = None
         failed = []
+        starter = _Window(executor, todo, budget, estimator, len(planned))
         try:
             try:
-                for run in todo:  # an executor on a cluster connects here, and then knows its size
-                    executor.submit(run)
+                starter.fill()  # an executor on a cluster connects here, and then knows its size
             except BaseException:
                 executor.cancel()
                 raise
             bar = StudyProgress(
                 len(planned),
                 len(planned) - len(todo),
-                todo,
+                starter.expected(),
                 stream=stream,
                 enabled=progress,
                 workers=executor.workers,
@@ -426,18 +500,27 @@ def run_study(
 
             watched = progress or tracking.trackers
             steps = on_step if watched else None
-            with contextlib.closing(executor.results(steps, bar.progress if progress else None)) as results:
-                for run, result in results:
-                    row = (spec.name, run.run_id, members[run.run_id], run.config.to_dict(), result)
-                    _save(store, out, *row, time.time() - result.wall_s)
-                    bar.finished(run, result)
-                    if tracking.trackers:
-                        tracking.log_run(store.run_record(run.run_id))
-                    if result.status == FAILED:
-                        failed.append(f"{run.experiment}: {run.label} ({result.error})")
+            if starter.started:
+                with contextlib.closing(
+                    executor.results(steps, bar.progress if progress else None)
+                ) as results:
+                    for run, result in results:
+                        row = (spec.name, run.run_id, members[run.run_id], run.config.to_dict(), result)
+                        _save(store, out, *row, time.time() - result.wall_s)
+                        bar.finished(run, result)
+                        if tracking.trackers:
+                            tracking.log_run(store.run_record(run.run_id))
+                        if result.status == FAILED:
+                            failed.append(f"{run.experiment}: {run.label} ({result.error})")
+                        starter.finished(run, result, result.provenance)
+                        starter.fill()
         finally:
             if bar is not None:
                 bar.close()
             tracking.close()
-        path = build_report(out) if report else None
-    return StudyOutcome(out, len(planned), len(planned) - len(todo), len(todo), failed, stale, pruned, path)
+        path = build_report(out, mix_devices=mix_devices) if report else None
+        stored = len(store.finished_ids() & {r.run_id for r in planned})
+    return StudyOutcome(
+        out, len(planned), len(planned) - len(todo), starter.started, failed, stale, pruned, path,
+        left=len(starter.queue), stored=stored,
+    )  # fmt: skip

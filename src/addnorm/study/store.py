@@ -217,6 +217,18 @@ class Store:
             row["id"] for row in self.db.execute(f"SELECT id FROM runs WHERE status IN ({marks})", FINISHED)
         }
 
+    def measurements(self) -> list[dict]:
+        """Every stored run, of the plan or not, as what it measured: ``id``, ``config`` and
+        ``provenance`` (decoded), ``status``, ``steps_done`` and ``wall_s``; for the time estimates of
+        runs still to train and the checks before a study resumes."""
+        out = []
+        for row in self.db.execute("SELECT id, config, provenance, status, steps_done, wall_s FROM runs"):
+            d = dict(row)
+            d["config"] = json.loads(d["config"])
+            d["provenance"] = json.loads(d["provenance"]) if d.get("provenance") else {}
+            out.append(d)
+        return out
+
     def stale_ids(self) -> list[str]:
         """Stored runs that are not part of the current plan (an earlier version of the spec)."""
         rows = self.db.execute(
@@ -340,6 +352,15 @@ class Store:
             writer.writerow(header)
             writer.writerows(rows)
         return path
+
+
+def stored_runs(db: str | Path) -> list[dict]:
+    """Every run stored in the database ``db`` (read-only; none when there is no database), as
+    :meth:`Store.measurements` gives them."""
+    if not Path(db).is_file():
+        return []
+    with Store(db, readonly=True) as store:
+        return store.measurements()
 
 
 def stored_finished(db: str | Path) -> set[str]:
