@@ -122,16 +122,16 @@ class NoLaunch:
 def stubbed_launches() -> Iterator[None]:
     """The Triton path with its two kernels replaced by :class:`NoLaunch` (needs the kernels built for
     the interpreter: ``TRITON_INTERPRET=1`` before triton is imported, which ``--stub-launch`` sets)."""
-    from addnorm.ops import triton_add_norm as k
+    from addnorm.ops import triton_launch as k
 
     if not k.kernels_are_interpreted():
         raise RuntimeError("--stub-launch: set TRITON_INTERPRET=1 before triton is imported")
-    saved = k._add_norm_fwd_kernel, k._add_norm_bwd_kernel
-    k._add_norm_fwd_kernel = k._add_norm_bwd_kernel = NoLaunch()
+    saved = k.fwd_kernel, k.bwd_kernel
+    k.fwd_kernel = k.bwd_kernel = NoLaunch()
     try:
         yield
     finally:
-        k._add_norm_fwd_kernel, k._add_norm_bwd_kernel = saved
+        k.fwd_kernel, k.bwd_kernel = saved
 
 
 class _Bare(torch.autograd.Function):
@@ -158,7 +158,7 @@ def breakdown(rows: int, hidden: int, calls: int, samples: int) -> list[dict]:
     autograd); a bare autograd.Function returning the path's outputs (the boundary's own cost). Needs
     :func:`stubbed_launches`."""
     from addnorm.ops import functional
-    from addnorm.ops.triton_add_norm import launch_fwd
+    from addnorm.ops.triton_launch import launch_fwd
 
     g = torch.Generator().manual_seed(0)
     x, r = (torch.randn(rows, hidden, generator=g).requires_grad_(True) for _ in range(2))

@@ -1,9 +1,9 @@
 """Sweep the fused kernels' launch configurations on a GPU: which tile shape and warp count each hidden
 size should get. Build-time tool (like ``triton_variants.py``): it swaps
-``addnorm.ops.triton_add_norm.fwd_config`` / ``bwd_config`` for each candidate rule, clears the cached
+``addnorm.ops.launch_config.fwd_config`` / ``bwd_config`` for each candidate rule, clears the cached
 specs and plans, and times the op's forward (no grad) and backward (on a retained graph) in bf16,
 rows = 2**27 / hidden, LayerNorm and RMSNorm, Pre-LN (y, s) and Post-LN (y). Effective bandwidth as in
-``bench_add_norm.py`` (minimum bytes). The winners go into ``triton_add_norm.py`` by hand
+``bench_add_norm.py`` (minimum bytes). The winners go into ``launch_config.py`` by hand
 (2026-11-24: ``results/gpu_h100.md``).
 
     python benchmarks/sweep_launch_config.py [--hidden 256 1024 ...] [--reps 20] [--out DIR]
@@ -22,8 +22,8 @@ import triton
 from bench_add_norm import make_calls, min_bytes, time_once
 from machine import machine_info, machine_line
 
-import addnorm.ops.triton_add_norm as tk
-from addnorm.ops import add_norm, policy
+import addnorm.ops.launch_config as tk
+from addnorm.ops import add_norm, policy, triton_launch
 
 Launch = tk.Launch
 
@@ -60,7 +60,7 @@ CANDIDATES = {
 
 def install(phase: str, fn) -> None:
     setattr(tk, f"{phase}_config", fn)
-    tk.clear_caches()
+    triton_launch.clear_caches()
     policy.invalidate()
 
 

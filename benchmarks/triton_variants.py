@@ -6,7 +6,8 @@ loads, stack frame and shared memory. Used by the spill test and by
 ``benchmarks/bench_kernel_compile.py``, which writes the table.
 
 Which variants: the launchers map every hidden size to one of a few launch configurations
-(:func:`triton_add_norm.fwd_config` / ``bwd_config``: row tiles, or column chunks for wide rows).
+(:func:`addnorm.ops.launch_config.fwd_config` / ``bwd_config``: row tiles, or column chunks for wide
+rows).
 For each configuration and each path (forward storing s or not; backward from s with a gradient
 arriving at s, from y recomputing s in some columns, from s recomputed from x and residual) the
 variant with every optional input (LayerNorm, weight, bias, a vector gate, dropout, fp32 tensors)
@@ -18,7 +19,7 @@ variants, the registered op's statistics (mean and rstd apart, where the eager p
 buffer, or for a one-pass backward from s keeps none and recomputes them) and hidden sizes that are not
 multiples of 16 (no aligned-vector specialisation).
 The widest configuration also compiles with dropout on given row indices (a DTensor's row shard), and
-the tensor-parallel kernels (``ops/triton_sharded.py``: statistics, normalise, row sums, gradients of
+the tensor-parallel kernels (``ops/triton_tp_kernels.py``: statistics, normalise, row sums, gradients of
 a column shard) join with every option and row indices, at the widest tile and the column-chunk
 configuration (``full``: every configuration).
 
@@ -73,7 +74,7 @@ class Variant(NamedTuple):
 
     @property
     def maxnreg(self) -> int:
-        from addnorm.ops.triton_add_norm import Launch
+        from addnorm.ops.launch_config import Launch
 
         return Launch(self.block_m, self.block_n, self.chunked, self.num_warps).maxnreg
 
@@ -97,8 +98,8 @@ class Variant(NamedTuple):
 
 def _configs(kind: str, heavy: bool = True) -> dict:
     """{launch configuration: hidden sizes} over HIDDEN_SIZES (the backward's for register-heavy
-    variants, ``triton_add_norm.bwd_register_heavy``, or for the others)."""
-    from addnorm.ops.triton_add_norm import bwd_config, fwd_config
+    variants, ``launch_config.bwd_register_heavy``, or for the others)."""
+    from addnorm.ops.launch_config import bwd_config, fwd_config
 
     out: dict = {}
     for h in HIDDEN_SIZES:
@@ -145,7 +146,7 @@ def variants(full: bool = False) -> list[Variant]:
     return out
 
 
-# the tensor-parallel kernels (``ops/triton_sharded.py``) and the configurations they launch with
+# the tensor-parallel kernels (``ops/triton_tp_kernels.py``) and the configurations they launch with
 TP_KERNELS = {"tp_stats": "fwd", "tp_norm": "fwd", "tp_sums": "fwd", "tp_bwd": "bwd"}
 
 
@@ -294,12 +295,12 @@ def compile_variant(v: Variant, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from addnorm.ops import triton_add_norm as k
-    from addnorm.ops import triton_sharded as ts
+    from addnorm.ops import triton_kernels as k
+    from addnorm.ops import triton_tp_kernels as ts
 
     fn = {
-        "fwd": k._add_norm_fwd_kernel, "bwd": k._add_norm_bwd_kernel, "tp_stats": ts._tp_stats_kernel,
-        "tp_norm": ts._tp_norm_kernel, "tp_sums": ts._tp_sums_kernel, "tp_bwd": ts._tp_bwd_kernel,
+        "fwd": k.fwd_kernel, "bwd": k.bwd_kernel, "tp_stats": ts.tp_stats_kernel,
+        "tp_norm": ts.tp_norm_kernel, "tp_sums": ts.tp_sums_kernel, "tp_bwd": ts.tp_bwd_kernel,
     }[v.kernel]  # fmt: skip
     if not hasattr(fn, "arg_names"):
         raise RuntimeError("compile_variant: the kernels were built for the interpreter (TRITON_INTERPRET=1)")

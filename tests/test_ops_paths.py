@@ -38,7 +38,7 @@ def _triton_ready() -> bool:
         return False
     if torch.cuda.is_available():
         return True
-    from addnorm.ops.triton_add_norm import kernels_are_interpreted
+    from addnorm.ops.triton_kernels import kernels_are_interpreted
 
     return kernels_are_interpreted()
 
@@ -100,19 +100,19 @@ def test_eager_cpu_dropout_uses_the_hashed_mask_and_keeps_it_for_backward():
 def small_chunks(monkeypatch):
     """Launch configurations that chunk rows wider than 32 columns (fwd) / 16 (bwd), so the chunked
     kernels run on small shapes in the interpreter."""
-    from addnorm.ops import policy
-    from addnorm.ops import triton_add_norm as k
+    from addnorm.ops import launch_config as k
+    from addnorm.ops import policy, triton_launch
 
     monkeypatch.setattr(k, "FWD_MAX_ONE_PASS", 32)
     monkeypatch.setattr(k, "BWD_MAX_ONE_PASS", 16)
     monkeypatch.setattr(k, "FWD_CHUNK", k.Launch(2, 32, True, 4))
     monkeypatch.setattr(k, "BWD_CHUNK", k.Launch(2, 16, True, 4))
     monkeypatch.setattr(k, "BWD_ONE_PROGRAM_TILES", 0)  # several programs and their partial sums
-    k.clear_caches()
+    triton_launch.clear_caches()
     policy.invalidate()  # cached call plans hold launch specs
     yield k
     monkeypatch.undo()
-    k.clear_caches()
+    triton_launch.clear_caches()
     policy.invalidate()
 
 
@@ -178,7 +178,7 @@ def test_chunked_post_ln_backward_paths(small_chunks, xhat_from):
 @needs_triton
 def test_several_rows_per_program_with_a_partial_last_tile():
     """The forward's multi-row tiles with a ragged last tile; the backward goes one row per step."""
-    from addnorm.ops.triton_add_norm import bwd_config, fwd_config
+    from addnorm.ops.launch_config import bwd_config, fwd_config
 
     assert fwd_config(24).block_m > 1 and bwd_config(24).block_m == 1
     _check_triton_vs_oracle(77, 24, torch.float32, "layernorm", True, True, True)  # 77 rows: a ragged tile
@@ -188,7 +188,7 @@ def test_several_rows_per_program_with_a_partial_last_tile():
 def test_a_small_backward_is_one_program_and_a_larger_one_sums_partials():
     """Up to BWD_ONE_PROGRAM_TILES row tiles one program writes dweight / dbias itself (no torch
     reduction after the kernel); beyond, several programs write partial sums."""
-    from addnorm.ops.triton_add_norm import BWD_ONE_PROGRAM_TILES, bwd_grid
+    from addnorm.ops.launch_config import BWD_ONE_PROGRAM_TILES, bwd_grid
 
     cpu = torch.device("cpu")
     assert bwd_grid(0, 64, cpu, (1, 64)) == (0, 0)
@@ -512,7 +512,7 @@ def test_alternating_call_signatures_and_a_policy_change_each_get_their_own_plan
 def test_a_cached_triton_plan_still_names_a_tensor_on_another_device_or_of_another_shape(monkeypatch):
     """After the plan is cached, the Triton path's per-call checks name a residual, weight or bias on
     another device than x or of another shape, before any kernel is launched."""
-    from addnorm.ops import triton_add_norm as k
+    from addnorm.ops import triton_launch as k
 
     fn.clear_plans()
     x, r, w, b, _ = _inputs(4, 16)
@@ -522,7 +522,7 @@ def test_a_cached_triton_plan_still_names_a_tensor_on_another_device_or_of_anoth
         def __getitem__(self, grid):
             raise AssertionError("a kernel was launched")
 
-    monkeypatch.setattr(k, "_add_norm_fwd_kernel", NoKernel())
+    monkeypatch.setattr(k, "fwd_kernel", NoKernel())
     bad = [
         ({"residual": r.to("meta")}, r"residual: expected a tensor on"),
         ({"weight": w.to("meta")}, r"weight: expected a tensor on"),

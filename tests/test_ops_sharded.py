@@ -155,8 +155,8 @@ def _param_placements(x_placements, case: dict):
 def small_chunks():
     """Launch configurations that split every row into chunks of 2 columns (forward and backward,
     register-heavy variants too), so the chunk loops run on small shapes in the interpreter."""
-    from addnorm.ops import policy
-    from addnorm.ops import triton_add_norm as k
+    from addnorm.ops import launch_config as k
+    from addnorm.ops import policy, triton_launch
 
     names = ("FWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS_HEAVY", "FWD_CHUNK", "BWD_CHUNK")
     saved = {n: getattr(k, n) for n in names}
@@ -164,13 +164,13 @@ def small_chunks():
     try:
         for n, v in zip(names, small, strict=True):
             setattr(k, n, v)
-        k.clear_caches()
+        triton_launch.clear_caches()
         policy.invalidate()  # cached call plans hold launch specs
         yield
     finally:
         for n, v in saved.items():
             setattr(k, n, v)
-        k.clear_caches()
+        triton_launch.clear_caches()
         policy.invalidate()
 
 

@@ -121,7 +121,7 @@ def resolve_backend(backend: str, device: torch.device, hidden: int, dtypes: tup
             "the CPU with TRITON_INTERPRET=1 set before triton is imported; use backend='torch' or 'auto'"
         )
     if device.type == "cpu":
-        from .triton_add_norm import kernels_are_interpreted
+        from .triton_kernels import kernels_are_interpreted
 
         if not kernels_are_interpreted():
             raise RuntimeError(

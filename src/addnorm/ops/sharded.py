@@ -53,7 +53,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-from .args import BwdArgs, FwdArgs
+from .args import BwdArgs, FwdArgs, needs_dx
 from .library import add_norm_bwd, add_norm_fwd
 from .reference import dropout_keep_mask
 from .torch_path import _stream, branch_grads, compute_dtype
@@ -422,8 +422,7 @@ class TensorParallelAddNorm(torch.autograd.Function):
             x if gate is not None else None, weight, bias, gate, seed, rows, s_out, mean, rstd
         )
         ctx.call, ctx.shape = call, shape
-        # dx differs from dresidual unless the branch is the identity and the dtypes agree
-        ctx.need_dx = bool(call.p) or gate is not None or call.alpha != 1.0 or call.x_dtype != call.res_dtype
+        ctx.need_dx = needs_dx(bool(call.p), gate is not None, call.alpha, call.x_dtype, call.res_dtype)
         ctx.set_materialize_grads(False)
         return y.reshape(shape), s_out.reshape(shape)
 
