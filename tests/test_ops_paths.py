@@ -488,6 +488,18 @@ def test_a_call_signature_is_planned_once_and_bad_tensors_still_get_clear_errors
         add_norm(x, r[:2], w, b)
 
 
+def test_an_option_that_cannot_be_keyed_is_checked_not_served_the_last_plan():
+    """An unhashable option (a list for eps) cannot key a plan: the call is checked in full and
+    refused, never run with the previous call's cached plan."""
+    fn.clear_plans()
+    x, r, w, b, _ = _inputs(4, 16, device="cpu")
+    add_norm(x, r, w, b)
+    with pytest.raises(ValueError, match="eps: expected a positive finite float"):
+        add_norm(x, r, w, b, eps=[1e-5])
+    with pytest.raises(TypeError, match="alpha: expected a finite Python float"):
+        add_norm(x, r, w, b, alpha=[2.0])
+
+
 def test_alternating_call_signatures_and_a_policy_change_each_get_their_own_plan():
     """The last call's plan is reused only for the same signature (the key compared, not hashed): calls
     alternating between two signatures get each its own result, and a change of policy plans anew."""
