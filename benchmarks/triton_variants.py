@@ -6,14 +6,15 @@ loads, stack frame and shared memory. Used by the spill test and by
 ``benchmarks/bench_kernel_compile.py``, which writes the table.
 
 Which variants: the launchers map every hidden size to one of a few launch configurations
-(:func:`addnorm.ops.launch_config.fwd_config` / ``bwd_config``: row tiles, or column chunks for wide
-rows).
+(:func:`addnorm.ops.launch_config.fwd_config` / ``bwd_config``: row tiles, or for wide rows column
+chunks, which a forward program loops over and the backward gives a program each, "chunked" in the
+table).
 For each configuration and each path (forward storing s or not; backward from s with a gradient
 arriving at s, from y recomputing s in some columns, from s recomputed from x and residual) the
 variant with every optional input (LayerNorm, weight, bias, a vector gate, dropout, fp32 tensors)
 holds the most values live, so it bounds the registers of the others (the backward gives the
-register-heavy variants, with dropout or a gate, narrower one-pass rows: the
-configurations only the lighter ones launch are compiled with the heaviest of those); ``full=True``
+register-heavy variants, with dropout or a gate, narrower one-pass rows and two 2048-column slices up
+to 4096: the configurations only the lighter ones launch are compiled with the heaviest of those); ``full=True``
 adds RMSNorm, bf16 and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and without-affine
 variants, the registered op's statistics (mean and rstd apart, where the eager path packs them in one
 buffer, or for a one-pass backward from s keeps none and recomputes them) and hidden sizes that are not
@@ -218,6 +219,7 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "BLOCK_M": v.block_m,
         "BLOCK_N": v.block_n,
         "CHUNKED": v.chunked,
+        "SPLIT": v.chunked,  # the backward: rows in column slices
         "HAS_DS": v.path == "from_s",
         "XHAT_FROM": {"from_s": 0, "from_y": 1, "from_xr": 2}.get(v.path, 0),
         "RECOMPUTE": v.path == "from_y" and (v.weight or v.bias),

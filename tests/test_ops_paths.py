@@ -106,7 +106,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(k, "FWD_MAX_ONE_PASS", 32)
     monkeypatch.setattr(k, "BWD_MAX_ONE_PASS", 16)
     monkeypatch.setattr(k, "FWD_CHUNK", k.Launch(2, 32, True, 4))
-    monkeypatch.setattr(k, "BWD_CHUNK", k.Launch(2, 16, True, 4))
+    monkeypatch.setattr(k, "BWD_SLICE", k.Launch(2, 16, True, 4))
     monkeypatch.setattr(k, "BWD_ONE_PROGRAM_TILES", 0)  # several programs and their partial sums
     triton_launch.clear_caches()
     policy.invalidate()  # cached call plans hold launch specs
@@ -183,6 +183,42 @@ def test_several_rows_per_program_with_a_partial_last_tile():
     assert fwd_config(24).block_m > 1 and bwd_config(24).block_m == 1
     _check_triton_vs_oracle(77, 24, torch.float32, "layernorm", True, True, True)  # 77 rows: a ragged tile
     _check_triton_vs_oracle(77, 24, torch.bfloat16, "rmsnorm", False, False, False)
+
+
+@pytest.mark.triton
+@needs_triton
+@pytest.mark.parametrize("hidden", [2049, 4096, 4100, 8192, 16384])
+@pytest.mark.parametrize(
+    "norm, prenorm, dropout, gate, dtype",
+    [
+        ("layernorm", True, True, True, torch.float32),  # register-heavy, x_hat from s
+        ("rmsnorm", False, False, False, torch.float32),  # Post-LN, fp32 y: x_hat from y
+        ("layernorm", False, True, True, torch.bfloat16),  # Post-LN, bf16 y: s recomputed from x, residual
+    ],
+)
+def test_the_launch_tables_at_and_above_the_one_pass_widths_match_the_oracle(
+    hidden, norm, prenorm, dropout, gate, dtype
+):
+    """The launch configurations as they are (no small stand-ins) around and above the widths where the
+    backward stops going in one pass: one pass, two slices of 2048 (heavy variants, 2049-4096 columns),
+    slices of 4096 (each program reading the row's other slices for the row sums), the forward's column
+    chunks above 8192; 3 rows (one program per slice), float64 oracle."""
+    from addnorm.ops.launch_config import bwd_config, bwd_register_heavy
+
+    cfg = bwd_config(hidden, bwd_register_heavy(dtype, dropout, 2 if gate else 0))
+    assert cfg.chunked == (hidden > (2048 if dropout or gate else 4096))
+    _check_triton_vs_oracle(3, hidden, dtype, norm, prenorm, dropout, gate)
+
+
+@pytest.mark.triton
+@needs_triton
+def test_a_row_in_slices_over_several_programs_sums_their_partials():
+    """8192 columns in two slices, 20 rows: several programs per slice, each writing its slice's row of
+    the partial sums once."""
+    from addnorm.ops.launch_config import BWD_ONE_PROGRAM_TILES, bwd_config
+
+    assert bwd_config(8192).chunked and 20 > BWD_ONE_PROGRAM_TILES
+    _check_triton_vs_oracle(20, 8192, torch.float32, "layernorm", True, True, True)
 
 
 def test_a_small_backward_is_one_program_and_a_larger_one_sums_partials():

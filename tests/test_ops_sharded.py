@@ -158,7 +158,7 @@ def small_chunks():
     from addnorm.ops import launch_config as k
     from addnorm.ops import policy, triton_launch
 
-    names = ("FWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS_HEAVY", "FWD_CHUNK", "BWD_CHUNK")
+    names = ("FWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS_HEAVY", "FWD_CHUNK", "BWD_SLICE")
     saved = {n: getattr(k, n) for n in names}
     small = (1, 1, 1, k.Launch(2, 2, True, 1), k.Launch(1, 2, True, 1))
     try:

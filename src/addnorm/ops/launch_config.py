@@ -17,10 +17,10 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
-    "BWD_CHUNK",
     "BWD_MAX_ONE_PASS",
     "BWD_MAX_ONE_PASS_HEAVY",
     "BWD_ONE_PROGRAM_TILES",
+    "BWD_SLICE",
     "FWD_CHUNK",
     "FWD_MAX_ONE_PASS",
     "MIN_BLOCK_N",
@@ -37,7 +37,8 @@ __all__ = [
 
 class Launch(NamedTuple):
     """A kernel's launch configuration: tiles of ``block_m`` rows x ``block_n`` columns, rows wider
-    than ``block_n`` in column chunks (``chunked``), ``num_warps`` warps per program."""
+    than ``block_n`` in column chunks (``chunked``: the forward loops over them in each program, the
+    backward gives each slice a program), ``num_warps`` warps per program."""
 
     block_m: int
     block_n: int
@@ -56,30 +57,36 @@ class Launch(NamedTuple):
         return {"num_warps": self.num_warps, "maxnreg": self.maxnreg}
 
 
-# Rows up to these widths stay in registers in one pass; wider rows go in column chunks. Forward: narrow
-# rows share a program (tiles of TILE elements), about 16 fp32 values per thread per tile tensor
-# (ELEMS_PER_WARP 512). Backward: one row at a time (BLOCK_M 1), 8 values per thread (256), one pass up
-# to 4096 columns (2048 for the register-heavy variants: dropout or a gate, :func:`bwd_register_heavy`),
-# chunks of 4096 with 16 warps beyond. Measured on an H100 (bf16, rows = 2**27 / hidden,
-# ``benchmarks/sweep_launch_config.py``, ``benchmarks/results/gpu_h100.md``): a backward tile of several
-# rows (BLOCK_M 2-8, its dw/db column sums reduced across the tile's rows) ran 2.6-4.7x slower than one
-# row per step at hidden 256-8192; the forward's multi-row tiles were as fast as one row or faster. One
-# pass at 4096 (0.77 ms against about 1.0 chunked) spills 12-340 bytes a thread in the variants with
-# dropout or a gate, so those take the chunks; one pass at 8192 (0.76 ms against 1.18) spills with
-# dropout alone, so 8192 is chunked for every variant.
-# No spills and at most ~130 registers on sm_80 / sm_90 for every variant
-# (``benchmarks/triton_variants.py``, the compile-time test).
+# Rows up to these widths stay in registers in one pass. Forward: narrow rows share a program (tiles of
+# TILE elements), about 16 fp32 values per thread per tile tensor (ELEMS_PER_WARP 512); wider rows in
+# column chunks of FWD_CHUNK, two passes. Measured on an H100 (bf16, rows = 2**27 / hidden,
+# ``benchmarks/sweep_launch_config.py``, ``benchmarks/results/gpu_h100.md``): the forward's multi-row
+# tiles were as fast as one row or faster.
+#
+# Backward: one row per step (BLOCK_M 1: a tile of several rows ran 2.6-4.7x slower on the H100 at
+# hidden 256-8192), 8 values per thread (256 per warp), one pass up to BWD_MAX_ONE_PASS columns
+# (BWD_MAX_ONE_PASS_HEAVY for the register-heavy variants: dropout or a gate, :func:`bwd_register_heavy`).
+# A wider row is split into column slices of BWD_SLICE (at least two: halved where a row would be one
+# slice), one program per slice and run of rows: each holds its slice's dweight / dbias / dgate sums in
+# registers over its rows and reads the other slices only for the row sums (from L2: their own
+# programs read them at the same time), so the row's data comes from memory once and no partial sum is
+# read back (the column-chunked backward this replaced read every row twice and read-modify-wrote the
+# partial sums per row: 1.18-1.24 ms at 8192-16384 on the H100 against 0.76 for one pass).
+# Compiled for sm_80 / sm_90 (``benchmarks/results/kernel_compile_full.md``): one pass at 4096 with 16
+# warps and slices of 4096 with 16 warps hold at most 128 registers with no spill in every variant; one
+# pass or slices of 8192 spill (16-1072 bytes). The heavy variants' one pass stops at 2048, as measured
+# with the old kernel (which spilled at 4096); with this one a GPU session should time 4096 (no spill).
 FWD_MAX_ONE_PASS = 8192
 BWD_MAX_ONE_PASS = 4096
 BWD_MAX_ONE_PASS_HEAVY = 2048
 FWD_CHUNK = Launch(1, 2048, True, 8)
-BWD_CHUNK = Launch(1, 4096, True, 16)
+BWD_SLICE = Launch(1, 4096, True, 16)
 TILE = 2048
 MIN_BLOCK_N = 16
-# A backward of at most this many tiles runs as one program, which writes dweight / dbias / dgate
-# itself: no partial sums, so no torch reduction after the kernel (one per parameter, each a launch:
-# on a small call the largest host cost of the backward); its tiles then run one after another,
-# ~1 us of GPU time each, hidden behind the host time of a call this small.
+# A backward of at most this many tiles runs as one program (per column slice), which writes dweight /
+# dbias / dgate itself: no partial sums, so no torch reduction after the kernel (one per parameter,
+# each a launch: on a small call the largest host cost of the backward); its tiles then run one after
+# another, ~1 us of GPU time each, hidden behind the host time of a call this small.
 BWD_ONE_PROGRAM_TILES = 16
 
 
@@ -103,13 +110,15 @@ def fwd_config(n: int) -> Launch:
 
 @functools.lru_cache(maxsize=256)
 def bwd_config(n: int, heavy: bool = False) -> Launch:
-    """The backward's launch configuration for rows of ``n`` columns: one row per step; ``heavy``
-    (:func:`bwd_register_heavy`) variants go in column chunks from narrower rows."""
-    return (
-        _one_pass(n, 256, tile=1)
-        if n <= (BWD_MAX_ONE_PASS_HEAVY if heavy else BWD_MAX_ONE_PASS)
-        else BWD_CHUNK
-    )
+    """The backward's launch configuration for rows of ``n`` columns: one row per step, in one pass or
+    (``chunked``) in column slices of ``block_n``, at least two; ``heavy`` (:func:`bwd_register_heavy`)
+    variants go in slices from narrower rows."""
+    if n <= (BWD_MAX_ONE_PASS_HEAVY if heavy else BWD_MAX_ONE_PASS):
+        return _one_pass(n, 256, tile=1)
+    cfg = BWD_SLICE
+    while cfg.block_n >= n and cfg.block_n > 1:  # a row of one slice: halve the slice and its warps
+        cfg = Launch(cfg.block_m, cfg.block_n // 2, True, max(1, cfg.num_warps // 2))
+    return cfg
 
 
 def bwd_register_heavy(s_dtype: torch.dtype, dropout: bool, gate_code: int) -> bool:
@@ -127,9 +136,10 @@ def _sm_count(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=1024)
 def _bwd_grid(tiles: int, n: int, device: torch.device, block_m: int, block_n: int) -> tuple[int, int]:
+    slices = -(-n // block_n)
     if device.type == "cuda":
         per_sm = max(1, 8192 // (block_m * min(block_n, n)))
-        target = _sm_count(device) * per_sm
+        target = max(1, _sm_count(device) * per_sm // slices)
     else:
         target = 4
     per_program = -(-tiles // max(1, min(tiles, target)))
@@ -139,12 +149,12 @@ def _bwd_grid(tiles: int, n: int, device: torch.device, block_m: int, block_n: i
 def bwd_grid(
     rows: int, n: int, device: torch.device, block: tuple[int, int] | None = None
 ) -> tuple[int, int]:
-    """(programs, tiles per program) of the backward: one program up to ``BWD_ONE_PROGRAM_TILES``
-    tiles (it writes the parameter gradients themselves), beyond that enough programs to fill the GPU
-    (about 8192 elements per tile's worth of work each), few enough that the (programs, hidden) fp32
-    partial sums stay small. The interpreter takes at most 4 (still more than one partial sum).
-    ``block``: the launch's (rows, columns) per tile, ``bwd_config(n)``'s by default. Cached per
-    shape."""
+    """(programs, tiles per program) of the backward, per column slice (a launch runs ``programs`` x
+    the row's slices): one program up to ``BWD_ONE_PROGRAM_TILES`` tiles (it writes the parameter
+    gradients themselves), beyond that enough programs to fill the GPU (about 8192 elements per tile's
+    worth of work each, over all slices), few enough that the (programs, hidden) fp32 partial sums stay
+    small. The interpreter takes at most 4 (still more than one partial sum). ``block``: the launch's
+    (rows, columns) per tile, ``bwd_config(n)``'s by default. Cached per shape."""
     if not rows:
         return 0, 0
     if block is None:

@@ -42,8 +42,8 @@ class EagerLaunch:
         self.bwd = bwd_spec(*args, False, *rest)
         self.bwd_ds = bwd_spec(*args, True, *rest) if prenorm else self.bwd
         # the statistics in one buffer where the backward reads them: x_hat from y, or rows in column
-        # chunks; else none (the backward recomputes them from s: an allocation fewer per call)
-        stats = "packed" if bp.xhat_from == XHAT_FROM_Y or self.bwd.chunked else "none"
+        # slices; else none (the backward recomputes them from s: an allocation fewer per call)
+        stats = "packed" if bp.xhat_from == XHAT_FROM_Y or self.bwd.split else "none"
         self.fwd = fwd_spec(
             n, plan.norm, plan.eps, plan.alpha, p, has_w, has_b, gate_code, bp.store_s, plan.s_dtype,
             plan.y_dtype, stats,

@@ -20,11 +20,17 @@ Backward, with g = w * dy and x_hat from s (saved), from y (x_hat = (y - b) / w 
     LayerNorm: ds = rstd * (g - x_hat * mean(x_hat * g) - mean(g))
     RMSNorm:   ds = rstd * (g - x_hat * mean(x_hat * g))
 
-Each program takes a contiguous run of row tiles and accumulates dweight / dbias / dgate over them in
-fp32 (per-program partial sums, summed afterwards by torch: deterministic, no atomics; a single
-program, for few rows, writes the gradients themselves); chunked rows accumulate each chunk's partial
-sums in the program's row of the partial buffer. The dropout mask is regenerated from the seed with
-the hash of :func:`addnorm.ops.reference.dropout_keep_mask`, bit for bit.
+The backward's program (j, p) takes column slice j of a contiguous run p of row tiles (one slice, the
+whole row, up to ``launch_config.BWD_MAX_ONE_PASS`` columns) and accumulates that slice's dweight /
+dbias / dgate over its rows in registers, in fp32, written once as row p of per-program partial sums
+(summed afterwards by torch: deterministic, no atomics; a single program per slice, for few rows,
+writes the gradients themselves). A row of several slices needs the row sums mean(x_hat * g) and
+mean(g) of every slice: each slice's program reads the row's other slices for them (only the sums,
+not the gradients), each while that slice's own program reads it, so the row's data comes from memory
+once and from L2 after; per element the backward then reads dy, x_hat's source (s, y, or x and
+residual) and the gradient at s once, writes dresidual (and dx) once, and reads back no partial sum.
+The dropout mask is regenerated from the seed with the hash of
+:func:`addnorm.ops.reference.dropout_keep_mask`, bit for bit.
 
 Which configuration a launch uses is :mod:`addnorm.ops.launch_config`'s; the launches themselves are
 :mod:`addnorm.ops.triton_launch`'s. The kernels keep the names they have in profiler traces and in
@@ -40,14 +46,15 @@ import triton
 import triton.language as tl
 
 from .triton_tiles import (
-    add_partial_sums,
     dsum_tile,
     hash_rows,
     load_vec,
     mean_at,
     merge_chunk,
     normalize,
+    row_slices_sums,
     row_stats,
+    store_col_sums,
     store_dx,
     stream_tile,
     tile_keep,
@@ -198,34 +205,10 @@ def _add_norm_fwd_kernel(
 
 @triton.jit
 def _add_norm_bwd_kernel(
-    DY,
-    DS,
-    SAVED,
-    X,
-    R,
-    W,
-    B,
-    G,
-    SEED,
-    MEAN,
-    RSTD,
-    DX,
-    DRES,
-    DW_PART,
-    DB_PART,
-    DG_PART,
-    stride_dy,
-    stride_ds,
-    stride_x,
-    stride_r,
-    n_rows,
-    N,
-    n_chunks,
-    tiles_per_program,
+    DY, DS, SAVED, X, R, W, B, G, SEED, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, DG_PART,
+    stride_dy, stride_ds, stride_x, stride_r, n_rows, N, n_slices, tiles_per_program,
     eps,  # read only where the statistics are recomputed (RSTD None)
-    alpha,
-    drop_thr,
-    drop_scale,
+    alpha, drop_thr, drop_scale,
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
@@ -238,201 +221,71 @@ def _add_norm_bwd_kernel(
     WRITE_DX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    CHUNKED: tl.constexpr,  # rows wider than BLOCK_N: n_chunks column chunks, two passes per tile
+    SPLIT: tl.constexpr,  # rows wider than BLOCK_N: n_slices programs per row tile, one slice each
     ROWS=None,  # the rows' indices for the dropout hash (int64, one per row) where ROW_IDS
     ROW_IDS: tl.constexpr = False,
-):
-    pid = tl.program_id(0)
+):  # fmt: skip
+    # program (j, pid): column slice j of the rows of pid's run of tiles. Its slice's dweight / dbias /
+    # dgate accumulate in registers over the run and are written once (row pid of the partial sums).
+    j = tl.program_id(0)
+    pid = tl.program_id(1)
     lane = tl.arange(0, BLOCK_N)[None, :]
-    lane1 = tl.arange(0, BLOCK_N)
-    part = pid.to(tl.int64) * N
-    if not CHUNKED:
-        col_ok = lane < N
-        w = load_vec(W, lane, col_ok, 1.0, HAS_W)
-        b = load_vec(B, lane, col_ok, 0.0, HAS_B)
-        dw_acc = tl.zeros((BLOCK_N,), tl.float32)
-        db_acc = tl.zeros((BLOCK_N,), tl.float32)
-        dg_acc = tl.zeros((BLOCK_N,), tl.float32)
-        for t in range(tiles_per_program):
-            rows = (pid * tiles_per_program + t) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-            row_ok = rows < n_rows
-            rows64 = rows.to(tl.int64)
-            m = row_ok & col_ok
-            ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
-            keep = tile_keep(SEED, ids, lane, m, drop_thr, DROPOUT)
-            if RSTD is None:  # no statistics kept: from s (saved or recomputed), as the forward did
-                tl.static_assert(XHAT_FROM != 1, "x_hat from y needs the forward's statistics")
-                if XHAT_FROM == 0:
-                    s = tl.load(SAVED + rows64 * N + lane, mask=m, other=0.0).to(tl.float32)
-                else:
-                    s = stream_tile(
-                        X,
-                        R,
-                        G,
-                        keep,
-                        rows64,
-                        lane,
-                        col_ok,
-                        m,
-                        stride_x,
-                        stride_r,
-                        alpha,
-                        drop_scale,
-                        GATE,
-                        DROPOUT,
-                        S_CODE,
-                    )
-                _, rstd, xhat = normalize(s, m, N, eps, IS_RMS)
-                rstd = rstd[:, None]
+    cols = j * BLOCK_N + lane
+    col_ok = cols < N
+    dw_acc = tl.zeros((BLOCK_N,), tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), tl.float32)
+    dg_acc = tl.zeros((BLOCK_N,), tl.float32)
+    for t in range(tiles_per_program):
+        rows = (pid * tiles_per_program + t) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        row_ok = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        m = row_ok & col_ok
+        ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
+        keep = tile_keep(SEED, ids, cols, m, drop_thr, DROPOUT)
+        # the slice's weight and bias, read per tile (L1-resident) rather than held across the rows
+        w = load_vec(W, cols, col_ok, 1.0, HAS_W)
+        b = load_vec(B, cols, col_ok, 0.0, HAS_B)
+        if RSTD is None:  # no statistics kept: from s (saved or recomputed), as the forward did
+            tl.static_assert(XHAT_FROM != 1, "x_hat from y needs the forward's statistics")
+            tl.static_assert(not SPLIT, "a row in slices needs the forward's statistics")
+            if XHAT_FROM == 0:
+                s = tl.load(SAVED + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
             else:
-                mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
-                xhat = xhat_tile(
-                    SAVED,
-                    X,
-                    R,
-                    G,
-                    keep,
-                    rows64,
-                    lane,
-                    col_ok,
-                    m,
-                    N,
-                    w,
-                    b,
-                    mean,
-                    rstd,
-                    stride_x,
-                    stride_r,
-                    alpha,
-                    drop_scale,
-                    IS_RMS,
-                    HAS_W,
-                    HAS_B,
-                    GATE,
-                    DROPOUT,
-                    XHAT_FROM,
-                    RECOMPUTE,
-                    S_CODE,
-                )
-            dy = tl.load(DY + rows64 * stride_dy + lane, mask=m, other=0.0).to(tl.float32)
-            wdy = dy * w
-            c1 = tl.sum(xhat * wdy, axis=1)[:, None] / N
-            c2 = tl.sum(wdy, axis=1)[:, None] / N
-            dsum = dsum_tile(dy, wdy, xhat, c1, c2, rstd, DS, rows64, lane, m, stride_ds, IS_RMS, HAS_DS)
-            gterm = store_dx(
-                dsum,
-                X,
-                G,
-                keep,
-                DX,
-                DRES,
-                rows64,
-                lane,
-                col_ok,
-                m,
-                N,
-                stride_x,
-                alpha,
-                drop_scale,
-                GATE,
-                DROPOUT,
-                WRITE_DX,
-            )
-            if HAS_W:
-                dw_acc += tl.sum(dy * xhat, axis=0)
-            if HAS_B:
-                db_acc += tl.sum(dy, axis=0)
-            if GATE != 0:
-                dg_acc += tl.sum(gterm, axis=0)
-        ok1 = lane1 < N
-        if HAS_W:
-            tl.store(DW_PART + part + lane1, dw_acc, mask=ok1)
-        if HAS_B:
-            tl.store(DB_PART + part + lane1, db_acc, mask=ok1)
-        if GATE != 0:
-            tl.store(DG_PART + part + lane1, dg_acc, mask=ok1)
-    else:
-        tl.static_assert(RSTD is not None, "rows in column chunks need the forward's statistics")
-        for t in range(tiles_per_program):
-            rows = (pid * tiles_per_program + t) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-            row_ok = rows < n_rows
-            rows64 = rows.to(tl.int64)
-            ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
+                s = stream_tile(
+                    X, R, G, keep, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_scale, GATE,
+                    DROPOUT, S_CODE,
+                )  # fmt: skip
+            _, rstd, xhat = normalize(s, m, N, eps, IS_RMS)
+            rstd = rstd[:, None]
+        else:
             mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
-            c1 = tl.zeros((BLOCK_M, 1), tl.float32)
-            c2 = tl.zeros((BLOCK_M, 1), tl.float32)
-            # pass 0: the row sums mean(x_hat * w dy), mean(w dy); pass 1 (the tile's rows are
-            # L2-resident by now): the gradients, partial sums into this program's row
-            for pas in tl.static_range(2):
-                if pas == 1:
-                    c1 = c1 / N
-                    c2 = c2 / N
-                for c in range(n_chunks):
-                    cols = c * BLOCK_N + lane
-                    col_ok = cols < N
-                    m = row_ok & col_ok
-                    keep = tile_keep(SEED, ids, cols, m, drop_thr, DROPOUT)
-                    w = load_vec(W, cols, col_ok, 1.0, HAS_W)
-                    b = load_vec(B, cols, col_ok, 0.0, HAS_B)
-                    xhat = xhat_tile(
-                        SAVED,
-                        X,
-                        R,
-                        G,
-                        keep,
-                        rows64,
-                        cols,
-                        col_ok,
-                        m,
-                        N,
-                        w,
-                        b,
-                        mean,
-                        rstd,
-                        stride_x,
-                        stride_r,
-                        alpha,
-                        drop_scale,
-                        IS_RMS,
-                        HAS_W,
-                        HAS_B,
-                        GATE,
-                        DROPOUT,
-                        XHAT_FROM,
-                        RECOMPUTE,
-                        S_CODE,
-                    )
-                    dy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-                    if pas == 0:
-                        c1 += tl.sum(xhat * dy * w, axis=1)[:, None]
-                        c2 += tl.sum(dy * w, axis=1)[:, None]
-                    else:
-                        dsum = dsum_tile(
-                            dy, dy * w, xhat, c1, c2, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS
-                        )
-                        gterm = store_dx(
-                            dsum,
-                            X,
-                            G,
-                            keep,
-                            DX,
-                            DRES,
-                            rows64,
-                            cols,
-                            col_ok,
-                            m,
-                            N,
-                            stride_x,
-                            alpha,
-                            drop_scale,
-                            GATE,
-                            DROPOUT,
-                            WRITE_DX,
-                        )
-                        add_partial_sums(
-                            DW_PART, DB_PART, DG_PART, part, c * BLOCK_N + lane1, N, dy, xhat, gterm, HAS_W,
-                            HAS_B, GATE,
-                        )  # fmt: skip
+            if SPLIT:  # the row's sums first, over every slice (this one last: in L1 for what follows)
+                c1, c2 = row_slices_sums(
+                    j, n_slices, SAVED, X, R, W, B, G, SEED, DY, ids, row_ok, rows64, lane, N, mean, rstd,
+                    stride_dy, stride_x, stride_r, alpha, drop_thr, drop_scale, IS_RMS, HAS_W, HAS_B, GATE,
+                    DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+            xhat = xhat_tile(
+                SAVED, X, R, G, keep, rows64, cols, col_ok, m, N, w, b, mean, rstd, stride_x, stride_r,
+                alpha, drop_scale, IS_RMS, HAS_W, HAS_B, GATE, DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE,
+            )  # fmt: skip
+        dy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+        wdy = dy * w
+        if HAS_W:
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if HAS_B:
+            db_acc += tl.sum(dy, axis=0)
+        if not SPLIT:  # the row is this slice
+            c1 = tl.sum(xhat * wdy, axis=1)[:, None]
+            c2 = tl.sum(wdy, axis=1)[:, None]
+        dsum = dsum_tile(dy, wdy, xhat, c1 / N, c2 / N, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS)
+        gterm = store_dx(
+            dsum, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_x, alpha, drop_scale, GATE,
+            DROPOUT, WRITE_DX,
+        )  # fmt: skip
+        if GATE != 0:
+            dg_acc += tl.sum(gterm, axis=0)
+    store_col_sums(DW_PART, DB_PART, DG_PART, pid, j, N, dw_acc, db_acc, dg_acc, HAS_W, HAS_B, GATE, BLOCK_N)
 
 
 fwd_kernel = _add_norm_fwd_kernel

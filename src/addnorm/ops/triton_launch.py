@@ -99,8 +99,8 @@ class BwdSpec(NamedTuple):
     """The backward's launch for one set of options (see :class:`FwdSpec`)."""
 
     n: int
-    n_chunks: int
-    chunked: bool
+    n_slices: int  # programs per row tile: column slices of ``block[1]`` (one: the row in one pass)
+    split: bool  # rows in several slices (the forward must keep the statistics)
     is_rms: bool
     xhat_from: int
     recompute: bool  # s recomputed from x and residual (XR, or Y with an affine)
@@ -179,7 +179,7 @@ def bwd_spec(
         "IS_RMS": norm == "rmsnorm", "HAS_W": has_w, "HAS_B": has_b, "GATE": gate_code, "DROPOUT": p > 0,
         "HAS_DS": has_ds, "XHAT_FROM": xhat_from, "RECOMPUTE": bp.recompute and xhat_from == XHAT_FROM_Y,
         "S_CODE": S_CODES[s_dtype], "WRITE_DX": need_dx, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-        "CHUNKED": cfg.chunked,
+        "SPLIT": cfg.chunked,
     }  # fmt: skip
     sp = BwdSpec(
         n, -(-n // cfg.block_n), cfg.chunked, norm == "rmsnorm", xhat_from, bp.recompute, bp.keep_x,
@@ -312,9 +312,9 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
 def _bwd_launcher(sp: BwdSpec) -> Callable:
     """``launch(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None,
     row_ids=None)`` for ``sp``: see :func:`launch_bwd`."""
-    n, n_chunks, need_dx, recompute, need_x = sp.n, sp.n_chunks, sp.need_dx, sp.recompute, sp.need_x
+    n, n_slices, need_dx, recompute, need_x = sp.n, sp.n_slices, sp.need_dx, sp.recompute, sp.need_x
     x_dtype, res_dtype, block, tail, options = sp.x_dtype, sp.res_dtype, sp.block, sp.tail, sp.options
-    chunked, block_m = sp.chunked, sp.block[0]
+    block_m = sp.block[0]
     one_program_rows = lc.BWD_ONE_PROGRAM_TILES * block_m  # bwd_grid's one program, without its frame
     empty_like = torch.empty_like
 
@@ -333,9 +333,9 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
         else:
             programs, per_program = lc.bwd_grid(rows, n, dy.device, block)
             part = (programs, n)
-        # per-program partial sums of dweight / dbias / dgate in fp32, summed below; one program (few
-        # rows) writes the sums themselves; chunked rows add into them (zeros)
-        alloc = dy.new_zeros if chunked else dy.new_empty
+        # per-program partial sums of dweight / dbias / dgate in fp32 (each program writes its slice of
+        # its row once), summed below; one program (few rows) writes the sums themselves
+        alloc = dy.new_empty
         if dy_dtype is _F32:  # no keywords: a third less host time
             dw_part = None if weight is None else alloc(part)
             db_part = None if bias is None else alloc(part)
@@ -365,9 +365,9 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
                 stride_r = n
             else:
                 residual, stride_r = as_rows(residual, n)
-            (bwd_kernel if kernel is None else kernel)[(programs,)](
+            (bwd_kernel if kernel is None else kernel)[(n_slices, programs)](  # column slices x row runs
                 dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part,
-                db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_chunks, per_program,
+                db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices, per_program,
                 *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
             )  # fmt: skip
         return (dx, dres, *param_grads(dw_part, db_part, dg_part, programs == 1, weight, bias, gate))

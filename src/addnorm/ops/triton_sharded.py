@@ -101,13 +101,12 @@ def grads(call, dy, ds, s, x, weight, bias, gate, seed, rows, mean, rstd, row_su
         dy, stride_dy = as_rows(dy, n)
         ds, stride_ds = (None, 0) if ds is None else as_rows(ds, n)
         x, stride_x = (None, 0) if x is None else as_rows(x, n)
-        tp_bwd_kernel[(programs,)](
+        tp_bwd_kernel[(triton.cdiv(n, cfg.block_n), programs)](  # column slices x runs of rows
             dy, ds, s, x, gate, weight, seed, ids, mean, rstd, row_sums, dx if need_dx else None, dres,
-            *parts,
-            stride_dy, stride_ds, stride_x, nrows, n, triton.cdiv(n, cfg.block_n), per_program, call.col0,
-            1.0 / call.hidden, call.alpha, thr, scale, IS_RMS=call.rms, HAS_W=weight is not None,
-            HAS_B=bias is not None, GATE=gated, DROPOUT=seed is not None, HAS_DS=ds is not None,
-            ROW_IDS=ids is not None, WRITE_DX=need_dx, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-            num_warps=cfg.num_warps, maxnreg=cfg.maxnreg,
+            *parts, stride_dy, stride_ds, stride_x, nrows, n, per_program, call.col0, 1.0 / call.hidden,
+            call.alpha, thr, scale, IS_RMS=call.rms, HAS_W=weight is not None, HAS_B=bias is not None,
+            GATE=gated, DROPOUT=seed is not None, HAS_DS=ds is not None, ROW_IDS=ids is not None,
+            WRITE_DX=need_dx, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+            maxnreg=cfg.maxnreg,
         )  # fmt: skip
     return (dx, dres, *param_grads(*parts, False, weight, bias, gate))

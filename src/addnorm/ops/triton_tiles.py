@@ -23,7 +23,6 @@ import triton.language as tl
 from .reference import HASH_COL, HASH_M1, HASH_M2, HASH_ROW
 
 __all__ = [
-    "add_partial_sums",
     "dsum_tile",
     "hash32",
     "hash_rows",
@@ -32,8 +31,10 @@ __all__ = [
     "mean_at",
     "merge_chunk",
     "normalize",
+    "row_slices_sums",
     "round_to",
     "row_stats",
+    "store_col_sums",
     "store_dx",
     "store_per_row",
     "stream_tile",
@@ -286,36 +287,6 @@ def dsum_tile(
 
 
 @triton.jit
-def add_partial_sums(
-    DW_PART,
-    DB_PART,
-    DG_PART,
-    part,
-    cols1,
-    N,
-    dy,
-    xhat,
-    gterm,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
-    GATE: tl.constexpr,
-):
-    # a chunk's column sums of dy * x_hat, dy and the gate's term added into this program's row
-    # (``part``) of the partial-sum buffers
-    ok1 = cols1 < N
-    tl.debug_barrier()  # the previous tile's read-modify-write of these columns is done
-    if HAS_W:
-        p = DW_PART + part + cols1
-        tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy * xhat, axis=0), mask=ok1)
-    if HAS_B:
-        p = DB_PART + part + cols1
-        tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(dy, axis=0), mask=ok1)
-    if GATE != 0:
-        p = DG_PART + part + cols1
-        tl.store(p, tl.load(p, mask=ok1, other=0.0) + tl.sum(gterm, axis=0), mask=ok1)
-
-
-@triton.jit
 def store_dx(
     dsum,
     X,
@@ -375,3 +346,55 @@ def store_per_row(P, a, b, n_rows, PAIR: tl.constexpr, BLOCK_M: tl.constexpr):
         tl.store(P + 2 * out + 1, b, mask=ok)
     else:
         tl.store(P + out, a, mask=ok)
+
+
+@triton.jit
+def row_slices_sums(
+    j, n_slices, SAVED, X, R, W, B, G, SEED, DY, ids, row_ok, rows64, lane, N, mean, rstd, stride_dy,
+    stride_x, stride_r, alpha, drop_thr, drop_scale, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr, GATE: tl.constexpr, DROPOUT: tl.constexpr, XHAT_FROM: tl.constexpr,
+    RECOMPUTE: tl.constexpr, S_CODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # the row sums sum(x_hat * w dy) and sum(w dy) of rows in n_slices slices, as [BLOCK_M, 1], read by
+    # the program of slice j: the other slices first, each while its own program reads it (the
+    # siblings start one slice apart, so a slice comes from memory once and from L2 to the others),
+    # slice j last (still in L1 when its gradients are computed)
+    c1 = tl.zeros((BLOCK_M, 1), tl.float32)
+    c2 = tl.zeros((BLOCK_M, 1), tl.float32)
+    for k in range(1, n_slices + 1):
+        o = (j + k) % n_slices
+        cols = o * BLOCK_N + lane
+        col_ok = cols < N
+        m = row_ok & col_ok
+        if DROPOUT and (XHAT_FROM == 2 or RECOMPUTE):  # the mask only where s is recomputed
+            keep = tile_keep(SEED, ids, cols, m, drop_thr, DROPOUT)
+        else:
+            keep = m
+        w = load_vec(W, cols, col_ok, 1.0, HAS_W)
+        b = load_vec(B, cols, col_ok, 0.0, HAS_B)
+        xhat = xhat_tile(
+            SAVED, X, R, G, keep, rows64, cols, col_ok, m, N, w, b, mean, rstd, stride_x, stride_r, alpha,
+            drop_scale, IS_RMS, HAS_W, HAS_B, GATE, DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE,
+        )  # fmt: skip
+        wdy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32) * w
+        c1 += tl.sum(xhat * wdy, axis=1)[:, None]
+        c2 += tl.sum(wdy, axis=1)[:, None]
+    return c1, c2
+
+
+@triton.jit
+def store_col_sums(
+    DW_PART, DB_PART, DG_PART, pid, j, N, dw, db, dg, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    GATE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # a program's column sums over its rows (dy * x_hat, dy, the gate's term) of its slice j, into row
+    # pid of the partial-sum buffers: written once, no read-modify-write
+    cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    at = pid.to(tl.int64) * N + cols
+    if HAS_W:
+        tl.store(DW_PART + at, dw, mask=ok)
+    if HAS_B:
+        tl.store(DB_PART + at, db, mask=ok)
+    if GATE != 0:
+        tl.store(DG_PART + at, dg, mask=ok)

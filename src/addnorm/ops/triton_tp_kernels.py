@@ -8,7 +8,8 @@ chunks for wide rows, the collectives between them in ``sharded``::
     normalise y = w * x_hat + b, x_hat = (s - mean) * rstd (RMSNorm s * rstd), the whole rows' statistics
     sums      per row: sum(x_hat * w dy), and for LayerNorm sum(w dy), over this rank's columns
     grads     ds = rstd * (w dy - x_hat * c1 - c2) (+ the gradient at s), c = the whole rows' sums / hidden;
-              dresidual, dx (dropout, gate), and per-program partial sums of dweight, dbias, dgate
+              dresidual, dx (dropout, gate), and per-program partial sums of dweight, dbias, dgate (each
+              program one column slice of a run of rows, its sums in registers, written once)
 
 The dropout mask hashes the global coordinates (row ids where the rows are a shard too, columns from
 ``col0``), so it is the whole tensor's mask (:func:`addnorm.ops.reference.dropout_keep_mask`). The
@@ -23,12 +24,12 @@ import triton
 import triton.language as tl
 
 from .triton_tiles import (
-    add_partial_sums,
     dsum_tile,
     hash_rows,
     load_vec,
     merge_chunk,
     row_stats,
+    store_col_sums,
     store_dx,
     store_per_row,
     stream_tile,
@@ -161,33 +162,8 @@ def tp_sums_kernel(
 
 @triton.jit
 def tp_bwd_kernel(
-    DY,
-    DS,
-    S,
-    X,
-    G,
-    W,
-    SEED,
-    ROWS,
-    MEAN,
-    RSTD,
-    SUMS,
-    DX,
-    DRES,
-    DW_PART,
-    DB_PART,
-    DG_PART,
-    stride_dy,
-    stride_ds,
-    stride_x,
-    n_rows,
-    N,
-    n_chunks,
-    tiles_per_program,
-    col0,
-    inv_hidden,
-    alpha,
-    drop_thr,
+    DY, DS, S, X, G, W, SEED, ROWS, MEAN, RSTD, SUMS, DX, DRES, DW_PART, DB_PART, DG_PART,
+    stride_dy, stride_ds, stride_x, n_rows, N, tiles_per_program, col0, inv_hidden, alpha, drop_thr,
     drop_scale,
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
@@ -199,15 +175,24 @@ def tp_bwd_kernel(
     WRITE_DX: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):
-    pid = tl.program_id(0)
+):  # fmt: skip
+    # program (j, pid): column slice j of pid's run of row tiles, as the single-device backward's
+    # slices (the row sums come from the all-reduce); the slice's parameter-gradient sums accumulate in
+    # registers and are written once
+    j = tl.program_id(0)
+    pid = tl.program_id(1)
     lane = tl.arange(0, BLOCK_N)[None, :]
-    lane1 = tl.arange(0, BLOCK_N)
-    part = pid.to(tl.int64) * N
+    cols = j * BLOCK_N + lane
+    col_ok = cols < N
+    w = load_vec(W, cols, col_ok, 1.0, HAS_W)
+    dw_acc = tl.zeros((BLOCK_N,), tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), tl.float32)
+    dg_acc = tl.zeros((BLOCK_N,), tl.float32)
     for t in range(tiles_per_program):
         rows = (pid * tiles_per_program + t) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
         row_ok = rows < n_rows
         rows64 = rows.to(tl.int64)
+        m = row_ok & col_ok
         ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
         mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
         # the whole rows' means of x_hat * w dy and w dy
@@ -217,20 +202,19 @@ def tp_bwd_kernel(
         else:
             c1 = tl.load(SUMS + 2 * rows, mask=row_ok, other=0.0) * inv_hidden
             c2 = tl.load(SUMS + 2 * rows + 1, mask=row_ok, other=0.0) * inv_hidden
-        for c in range(n_chunks):
-            cols = c * BLOCK_N + lane
-            col_ok = cols < N
-            m = row_ok & col_ok
-            keep = tile_keep(SEED, ids, cols + col0, m, drop_thr, DROPOUT)
-            w = load_vec(W, cols, col_ok, 1.0, HAS_W)
-            s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
-            xhat = tl.where(m, (s - mean) * rstd, 0.0)
-            dy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-            dsum = dsum_tile(dy, dy * w, xhat, c1, c2, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS)
-            gterm = store_dx(
-                dsum, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_x, alpha, drop_scale, GATE,
-                DROPOUT, WRITE_DX,
-            )  # fmt: skip
-            add_partial_sums(
-                DW_PART, DB_PART, DG_PART, part, c * BLOCK_N + lane1, N, dy, xhat, gterm, HAS_W, HAS_B, GATE
-            )
+        keep = tile_keep(SEED, ids, cols + col0, m, drop_thr, DROPOUT)
+        s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+        xhat = tl.where(m, (s - mean) * rstd, 0.0)
+        dy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_W:
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if HAS_B:
+            db_acc += tl.sum(dy, axis=0)
+        dsum = dsum_tile(dy, dy * w, xhat, c1, c2, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS)
+        gterm = store_dx(
+            dsum, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_x, alpha, drop_scale, GATE,
+            DROPOUT, WRITE_DX,
+        )  # fmt: skip
+        if GATE != 0:
+            dg_acc += tl.sum(gterm, axis=0)
+    store_col_sums(DW_PART, DB_PART, DG_PART, pid, j, N, dw_acc, db_acc, dg_acc, HAS_W, HAS_B, GATE, BLOCK_N)
