@@ -8,21 +8,19 @@ loads, stack frame and shared memory. Used by the spill test and by
 Which variants: the launchers map every hidden size to one of a few launch configurations
 (:func:`addnorm.ops.launch_config.fwd_config` / ``bwd_config``: row tiles, or for wide rows column
 chunks, which a forward program loops over and the backward gives a program each, "chunked" in the
-table).
-For each configuration and each path (forward storing s or not; backward from s with a gradient
-arriving at s, from y recomputing s in some columns, from s recomputed from x and residual) the
-variant with every optional input (LayerNorm, weight, bias, a vector gate, dropout, fp32 tensors)
-holds the most values live, so it bounds the registers of the others (the backward gives the
-register-heavy variants, with dropout or a gate, narrower one-pass rows and two 2048-column slices up
-to 4096: the configurations only the lighter ones launch are compiled with the heaviest of those); ``full=True``
-adds RMSNorm, bf16 and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and without-affine
-variants, the registered op's statistics (mean and rstd apart, where the eager path packs them in one
-buffer, or for a one-pass backward from s keeps none and recomputes them) and hidden sizes that are not
-multiples of 16 (no aligned-vector specialisation).
-The widest configuration also compiles with dropout on given row indices (a DTensor's row shard), and
-the tensor-parallel kernels (``ops/triton_tp_kernels.py``: statistics, normalise, row sums, gradients of
-a column shard) join with every option and row indices, at the widest tile and the column-chunk
-configuration (``full``: every configuration).
+table). For each configuration and each path (forward storing s or not; backward from s with a gradient
+arriving at s, from y recomputing s in some columns, from s recomputed from x and residual) the variant
+with every optional input (LayerNorm, weight, bias, a vector gate, dropout, fp32 tensors) holds the most
+values live, so it bounds the registers of the others (the backward gives the register-heavy variants,
+with dropout or a gate, narrower one-pass rows and 2048-column slices: the configurations
+only the lighter ones launch are compiled with the heaviest of those); ``full=True`` adds RMSNorm, bf16
+and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and without-affine variants, the
+registered op's statistics (mean and rstd apart, where the eager path packs them in one buffer, or for a
+one-pass backward from s keeps none and recomputes them) and hidden sizes that are not multiples of 16
+(no aligned-vector specialisation). The widest configuration also compiles with dropout on given row
+indices (a DTensor's row shard), and the tensor-parallel kernels (``ops/triton_tp_kernels.py``:
+statistics, normalise, row sums, gradients of a column shard) join with every option and row indices, at
+the widest tile and the column-chunk configuration (``full``: every configuration).
 
 This module does not import triton at import time.
 """

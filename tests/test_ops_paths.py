@@ -98,15 +98,17 @@ def test_eager_cpu_dropout_uses_the_hashed_mask_and_keeps_it_for_backward():
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Launch configurations that chunk rows wider than 32 columns (fwd) / 16 (bwd), so the chunked
-    kernels run on small shapes in the interpreter."""
+    """Launch configurations that chunk rows wider than 32 columns (fwd) / 16 (bwd, the register-heavy
+    variants too), so the chunked kernels run on small shapes in the interpreter."""
     from addnorm.ops import launch_config as k
     from addnorm.ops import policy, triton_launch
 
     monkeypatch.setattr(k, "FWD_MAX_ONE_PASS", 32)
     monkeypatch.setattr(k, "BWD_MAX_ONE_PASS", 16)
+    monkeypatch.setattr(k, "BWD_MAX_ONE_PASS_HEAVY", 16)
     monkeypatch.setattr(k, "FWD_CHUNK", k.Launch(2, 32, True, 4))
     monkeypatch.setattr(k, "BWD_SLICE", k.Launch(2, 16, True, 4))
+    monkeypatch.setattr(k, "BWD_SLICE_HEAVY", k.Launch(2, 16, True, 4))
     monkeypatch.setattr(k, "BWD_ONE_PROGRAM_TILES", 0)  # several programs and their partial sums
     triton_launch.clear_caches()
     policy.invalidate()  # cached call plans hold launch specs
@@ -200,9 +202,9 @@ def test_the_launch_tables_at_and_above_the_one_pass_widths_match_the_oracle(
     hidden, norm, prenorm, dropout, gate, dtype
 ):
     """The launch configurations as they are (no small stand-ins) around and above the widths where the
-    backward stops going in one pass: one pass, two slices of 2048 (heavy variants, 2049-4096 columns),
-    slices of 4096 (each program reading the row's other slices for the row sums), the forward's column
-    chunks above 8192; 3 rows (one program per slice), float64 oracle."""
+    backward stops going in one pass: one pass, slices of 2048 (the heavy variants, from 2049 columns)
+    or 4096 (each program reading the row's other slices for the row sums), the forward's column chunks
+    above 8192; 3 rows (one program per slice), float64 oracle."""
     from addnorm.ops.launch_config import bwd_config, bwd_register_heavy
 
     cfg = bwd_config(hidden, bwd_register_heavy(dtype, dropout, 2 if gate else 0))
