@@ -108,7 +108,7 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(k, "BWD_MAX_ONE_PASS_HEAVY", 16)
     monkeypatch.setattr(k, "FWD_CHUNK", k.Launch(2, 32, True, 4))
     monkeypatch.setattr(k, "BWD_SLICE", k.Launch(2, 16, True, 4))
-    monkeypatch.setattr(k, "BWD_SLICE_HEAVY", k.Launch(2, 16, True, 4))
+    monkeypatch.setattr(k, "BWD_SLICE_NARROW", k.Launch(2, 16, True, 4))
     monkeypatch.setattr(k, "BWD_ONE_PROGRAM_TILES", 0)  # several programs and their partial sums
     triton_launch.clear_caches()
     policy.invalidate()  # cached call plans hold launch specs
@@ -189,7 +189,7 @@ def test_several_rows_per_program_with_a_partial_last_tile():
 
 @pytest.mark.triton
 @needs_triton
-@pytest.mark.parametrize("hidden", [2049, 4096, 4100, 8192, 16384])
+@pytest.mark.parametrize("hidden", [2049, 4096, 4100, 4112, 8192, 16384])
 @pytest.mark.parametrize(
     "norm, prenorm, dropout, gate, dtype",
     [
@@ -202,9 +202,9 @@ def test_the_launch_tables_at_and_above_the_one_pass_widths_match_the_oracle(
     hidden, norm, prenorm, dropout, gate, dtype
 ):
     """The launch configurations as they are (no small stand-ins) around and above the widths where the
-    backward stops going in one pass: one pass, slices of 2048 (the heavy variants, from 2049 columns)
-    or 4096 (each program reading the row's other slices for the row sums), the forward's column chunks
-    above 8192; 3 rows (one program per slice), float64 oracle."""
+    backward stops going in one pass: one pass, slices of 2048 (the heavy variants, from 2049 columns,
+    and widths not a multiple of 16) or 4096 (each program reading the row's other slices for the row
+    sums), the forward's column chunks above 8192; 3 rows (one program per slice), float64 oracle."""
     from addnorm.ops.launch_config import bwd_config, bwd_register_heavy
 
     cfg = bwd_config(hidden, bwd_register_heavy(dtype, dropout, 2 if gate else 0))

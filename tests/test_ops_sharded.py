@@ -159,7 +159,7 @@ def small_chunks():
     from addnorm.ops import policy, triton_launch
 
     names = ("FWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS_HEAVY", "FWD_CHUNK", "BWD_SLICE")
-    names += ("BWD_SLICE_HEAVY",)
+    names += ("BWD_SLICE_NARROW",)
     saved = {n: getattr(k, n) for n in names}
     small = (1, 1, 1, k.Launch(2, 2, True, 1), k.Launch(1, 2, True, 1), k.Launch(1, 2, True, 1))
     try:

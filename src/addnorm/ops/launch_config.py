@@ -21,7 +21,7 @@ __all__ = [
     "BWD_MAX_ONE_PASS_HEAVY",
     "BWD_ONE_PROGRAM_TILES",
     "BWD_SLICE",
-    "BWD_SLICE_HEAVY",
+    "BWD_SLICE_NARROW",
     "FWD_CHUNK",
     "FWD_MAX_ONE_PASS",
     "MIN_BLOCK_N",
@@ -64,27 +64,28 @@ class Launch(NamedTuple):
 # ``benchmarks/sweep_launch_config.py``, ``benchmarks/results/gpu_h100.md``): the forward's multi-row
 # tiles were as fast as one row or faster.
 #
-# Backward: one row per step (BLOCK_M 1: a tile of several rows ran 2.6-4.7x slower on the H100 at
-# hidden 256-8192), 8 values per thread (256 per warp), one pass up to BWD_MAX_ONE_PASS columns
+# Backward: one row per step (BLOCK_M 1: a tile of several rows ran 2.6-4.7x slower on the H100 at hidden
+# 256-8192), 8 values per thread (256 per warp), one pass up to BWD_MAX_ONE_PASS columns
 # (BWD_MAX_ONE_PASS_HEAVY for the register-heavy variants: dropout or a gate, :func:`bwd_register_heavy`).
-# A wider row is split into column slices of BWD_SLICE (BWD_SLICE_HEAVY for the heavy variants), one
-# program per slice and run of rows: each holds its slice's dweight / dbias / dgate sums in
-# registers over its rows and reads the other slices only for the row sums (from L2: their own
-# programs read them at the same time), so the row's data comes from memory once and no partial sum is
-# read back (the column-chunked backward this replaced read every row twice and read-modify-wrote the
-# partial sums per row: 1.18-1.24 ms at 8192-16384 on the H100 against 0.76 for one pass).
-# Compiled for sm_80 / sm_90 (``benchmarks/results/kernel_compile_full.md``): one pass at 4096 with 16
-# warps holds at most 128 registers with no spill in every variant, slices of 4096 with 16 warps in the
-# light ones, slices of 2048 with 16 warps in the heavy ones (at most 125; 4096 spilled 12-168 bytes in
-# their fp32-unaligned and mixed-precision variants); one pass or slices of 8192 spill (16-1072 bytes).
-# The heavy variants' one pass stops at 2048, as measured with the old kernel (which spilled at 4096);
-# with this one a GPU session should time one pass at 4096 against two slices (neither spills).
+# A wider row is split into column slices of BWD_SLICE (BWD_SLICE_NARROW for the heavy variants and for
+# widths that are not a multiple of 16), one program per slice and run of rows: each holds its slice's
+# dweight / dbias / dgate sums in registers over its rows and reads the other slices only for the row sums
+# (from L2: their own programs read them at the same time), so the row's data comes from memory once and
+# no partial sum is read back (the column-chunked backward this replaced read every row twice and read-
+# modify-wrote the partial sums per row: 1.18-1.24 ms at 8192-16384 on the H100 against 0.76 for one
+# pass). Compiled for sm_80 / sm_90 (``benchmarks/results/kernel_compile_full.md``): one pass at 4096 with
+# 16 warps holds at most 128 registers with no spill in every variant, slices of 4096 with 16 warps in the
+# light ones on aligned widths (unaligned fp32 spilled 12-36 bytes on sm_80), slices of 2048 with 16 warps
+# in every variant (at most 125; the heavy ones spilled 12-168 bytes at 4096 in their unaligned and mixed-
+# precision variants); one pass or slices of 8192 spill (16-1072 bytes). The heavy variants' one pass
+# stops at 2048, as measured with the old kernel (which spilled at 4096); with this one a GPU session
+# should time one pass at 4096 against two slices (neither spills).
 FWD_MAX_ONE_PASS = 8192
 BWD_MAX_ONE_PASS = 4096
 BWD_MAX_ONE_PASS_HEAVY = 2048
 FWD_CHUNK = Launch(1, 2048, True, 8)
 BWD_SLICE = Launch(1, 4096, True, 16)
-BWD_SLICE_HEAVY = Launch(1, 2048, True, 16)
+BWD_SLICE_NARROW = Launch(1, 2048, True, 16)
 TILE = 2048
 MIN_BLOCK_N = 16
 # A backward of at most this many tiles runs as one program (per column slice), which writes dweight /
@@ -116,10 +117,11 @@ def fwd_config(n: int) -> Launch:
 def bwd_config(n: int, heavy: bool = False) -> Launch:
     """The backward's launch configuration for rows of ``n`` columns: one row per step, in one pass or
     (``chunked``) in column slices of ``block_n``; ``heavy`` (:func:`bwd_register_heavy`) variants go
-    in narrower slices, from narrower rows."""
+    in slices from narrower rows, and they and widths that are not a multiple of 16 (no vector loads:
+    more registers) in narrower slices."""
     if n <= (BWD_MAX_ONE_PASS_HEAVY if heavy else BWD_MAX_ONE_PASS):
         return _one_pass(n, 256, tile=1)
-    return BWD_SLICE_HEAVY if heavy else BWD_SLICE
+    return BWD_SLICE_NARROW if heavy or n % 16 else BWD_SLICE
 
 
 def bwd_register_heavy(s_dtype: torch.dtype, dropout: bool, gate_code: int) -> bool:

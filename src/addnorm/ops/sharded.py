@@ -50,6 +50,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.compiler import is_compiling
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
@@ -312,25 +313,30 @@ def _tensor_parallel(plan, x, residual, weight, bias, gate, seed_t, tp: int, lea
     return y, DTensor.from_local(s_l, mesh, placements, run_check=False, shape=x.shape, stride=stride)
 
 
-def _exchange(call: TPCall, local, rows: int, device, gather: bool) -> Tensor:
+def _exchange(call: TPCall, mine: Tensor | None, failure: Exception | None, rows: int, device, gather: bool):
     """The collective of a tensor-parallel step, joined by every rank whatever happened before it:
-    ``local()`` computes this rank's per-row numbers ((rows,) for RMSNorm, (rows, 2) for LayerNorm, in
-    ``call.cdt``); where it raises, the rank sends zeros instead. One more row carries each rank's
-    failure flag, so a failure on one rank is an error on every rank right after the same collective,
-    never ranks waiting for one that left (the failing rank raises its own error, the others a
-    RuntimeError saying so). Returns the all-gathered (k, rows, ...) numbers (``gather``) or the
-    all-reduced (rows, ...). The flag is read on the host: on CUDA a wait for the collective."""
-    width = () if call.rms else (2,)
-    failure = None
-    try:
-        mine = local()
-    except Exception as e:  # this rank's failure: joined to the collective, raised after it
-        failure, mine = e, torch.zeros((rows, *width), dtype=call.cdt, device=device)
+    ``mine`` is this rank's per-row numbers ((rows,) for RMSNorm, (rows, 2) for LayerNorm, in
+    ``call.cdt``), or None where computing them raised ``failure``, and the rank sends zeros instead.
+    One more row carries each rank's failure flag, so a failure on one rank is an error on every rank
+    right after the same collective, never ranks waiting for one that left (the failing rank raises
+    its own error, the others a RuntimeError saying so). Returns the all-gathered (k, rows, ...)
+    numbers (``gather``) or the all-reduced (rows, ...). The flag is read on the host (on CUDA a wait
+    for the collective); a graph torch.compile traces has no Python to catch a failure in, and
+    exchanges the numbers alone."""
+    width, k = (() if call.rms else (2,)), len(call.counts)
+    if is_compiling():
+        if gather:
+            out = mine.new_empty((k * rows, *width))
+            _all_gather(out, mine, group=call.group)
+            return out.view(k, rows, *width)
+        dist.all_reduce(mine, group=call.group)
+        return mine
+    if failure is not None:
+        mine = torch.zeros((rows, *width), dtype=call.cdt, device=device)
     flag = mine.new_zeros((1, *width))
     if failure is not None:
         flag.view(-1)[0] = 1.0
     payload = torch.cat([mine, flag])
-    k = len(call.counts)
     if gather:
         out = payload.new_empty((k * (rows + 1), *width))
         _all_gather(out, payload, group=call.group)
@@ -347,8 +353,8 @@ def _exchange(call: TPCall, local, rows: int, device, gather: bool) -> Tensor:
         which = f"rank {failed.index(1.0)} of the group" if gather else "another rank"
         raise RuntimeError(
             f"add_norm: {which} sharding the hidden dimension failed before the "
-            f"{'statistics' if gather or call.rms else 'row sums'}' collective (its own error says why); "
-            "this rank stops too"
+            f"{'row sums' if not gather and not call.rms else 'statistics'}' collective (its own error says "
+            "why); this rank stops too"
         )
     return result
 
@@ -456,10 +462,8 @@ class TensorParallelAddNorm(torch.autograd.Function):
         if call.triton:
             from . import triton_sharded as impl
 
-        s_out = None  # s, kept where this rank's statistics were computed
-
-        def local_stats():
-            nonlocal s_out
+        failure = None
+        try:  # this rank's part before the collective: a failure joins it (_exchange), then raises
             if x.shape[-1] != n:
                 raise ValueError(
                     f"x: this rank holds {x.shape[-1]} of the {call.hidden} columns, DTensor's Shard would "
@@ -469,9 +473,9 @@ class TensorParallelAddNorm(torch.autograd.Function):
             x2, r2 = x.reshape(nrows, n), residual.reshape(nrows, n)
             stats_of = impl.stats if call.triton else _stats_torch
             s_out, stats = stats_of(call, x2, r2, gate, seed, rows)
-            return stats
-
-        stats = _exchange(call, local_stats, nrows, x.device, not call.rms)
+        except Exception as e:
+            failure, s_out, stats = e, None, None
+        stats = _exchange(call, stats, failure, nrows, x.device, not call.rms)
         mean, rstd = _combine(call, stats)
         if call.triton:
             y = impl.normalise(call, s_out, mean, rstd, weight, bias)
@@ -496,12 +500,13 @@ class TensorParallelAddNorm(torch.autograd.Function):
         if call.triton:
             from . import triton_sharded as impl
 
-        def local_sums():
-            if call.triton:
-                return impl.sums(call, dy, s_out, mean, rstd, weight)
-            return _sums_torch(call, dy, s_out, mean, rstd, weight)
-
-        sums = _exchange(call, local_sums, nrows, s_out.device, False)
+        failure = None
+        try:  # as in forward: a failure joins the collective, then raises
+            sums_of = impl.sums if call.triton else _sums_torch
+            sums = sums_of(call, dy, s_out, mean, rstd, weight)
+        except Exception as e:
+            failure, sums = e, None
+        sums = _exchange(call, sums, failure, nrows, s_out.device, False)
         args = (call, dy, ds, s_out, x2, weight, bias, gate, seed, rows, mean, rstd, sums, ctx.need_dx)
         dx, dres, dw, db, dg = impl.grads(*args) if call.triton else _grads_torch(*args)
         dres = dres.reshape(shape)
