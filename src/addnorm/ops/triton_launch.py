@@ -23,10 +23,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 from torch.library import wrap_triton
+from triton.runtime.jit import JITFunction
 
 from . import launch_config as lc
 from .args import XHAT_FROM_XR, XHAT_FROM_Y, BwdArgs, FwdArgs, bwd_plan, gate_code, interpreting
 from .reference import dropout_threshold
+from .triton_direct import SUPPORTED as DIRECT
+from .triton_direct import DirectLaunch, defaults_of, int_kind
 from .triton_kernels import bwd_kernel, fwd_kernel, kernels_are_interpreted
 
 __all__ = [
@@ -129,6 +132,8 @@ def _required_params(kernel) -> tuple[str, ...]:
 
 _FWD_PARAMS = _required_params(fwd_kernel)
 _BWD_PARAMS = _required_params(bwd_kernel)
+_FWD_DEFAULTS = defaults_of(fwd_kernel)
+_BWD_DEFAULTS = defaults_of(bwd_kernel)
 
 
 def _tail(params: tuple[str, ...], scalars: tuple, constexprs: dict) -> tuple:
@@ -190,6 +195,20 @@ def bwd_spec(
 
 
 # --- launchers -----------------------------------------------------------------------------------
+
+
+def _ptr_bits(*tensors) -> int:
+    """The low 4 bits of the tensors' addresses, OR-ed (None taken as aligned): 0 where every one is
+    16-byte aligned (what Triton specialises a pointer on)."""
+    bits = 0
+    for t in tensors:
+        if t is not None:
+            bits |= t.data_ptr()
+    return bits & 15
+
+
+def _dtype(t: Tensor | None) -> torch.dtype | None:
+    return None if t is None else t.dtype
 
 
 def param_grads(
@@ -264,6 +283,7 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
     s_kind = 0 if not sp.store_s else (1 if s_dtype is y_dtype else 2)  # s: none, like y, in its dtype
     keep_x, keep_r, save_y, prenorm = keep or (False, False, False, False)
     empty_like = torch.empty_like
+    direct = DirectLaunch(_FWD_DEFAULTS)  # this launcher's compiled kernels, by specialisation
 
     def launch(ctx, x, residual, weight, bias, gate=None, seed=None, kernel=None, row_ids=None):
         x_in, r_in, x_dtype = x, residual, x.dtype
@@ -289,10 +309,36 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
                 stride_r = n
             else:
                 residual, stride_r = as_rows(residual, n)
-            (fwd_kernel if kernel is None else kernel)[(-(-rows // block_m),)](
-                x, residual, weight, bias, gate, seed, y, s, mean, rstd, stride_x, stride_r, rows, n,
-                n_chunks, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
-            )  # fmt: skip
+            k = fwd_kernel if kernel is None else kernel
+            grid = (-(-rows // block_m),)
+            args = (
+                x,
+                residual,
+                weight,
+                bias,
+                gate,
+                seed,
+                y,
+                s,
+                mean,
+                rstd,
+                stride_x,
+                stride_r,
+                rows,
+                n,
+                n_chunks,
+            )
+            if (  # the compiled kernel launched directly: a JIT kernel, rows of n columns, 16-byte aligned
+                DIRECT
+                and type(k) is JITFunction
+                and row_ids is None
+                and stride_x == stride_r == n
+                and not _ptr_bits(x, residual, weight, bias, gate, seed)
+            ):
+                key = (x_dtype, residual.dtype, _dtype(weight), _dtype(bias), _dtype(gate), int_kind(rows))
+                direct.launch(k, key, grid, (*args, *tail), options)
+            else:
+                k[grid](*args, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)))
         if ctx is None:
             return y, s, mean, rstd
         # what ``save_for_backward`` sets, without its frame; the statistics too (created here, they
@@ -317,6 +363,7 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
     block_m = sp.block[0]
     one_program_rows = lc.BWD_ONE_PROGRAM_TILES * block_m  # bwd_grid's one program, without its frame
     empty_like = torch.empty_like
+    direct = DirectLaunch(_BWD_DEFAULTS)
 
     def launch(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None, row_ids=None):
         dy_dtype = dy.dtype
@@ -365,11 +412,29 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
                 stride_r = n
             else:
                 residual, stride_r = as_rows(residual, n)
-            (bwd_kernel if kernel is None else kernel)[(n_slices, programs)](  # column slices x row runs
-                dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part,
-                db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices, per_program,
-                *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
+            k = bwd_kernel if kernel is None else kernel
+            grid = (n_slices, programs)  # column slices x runs of rows
+            args = (
+                dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part, db_part,
+                dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices, per_program,
             )  # fmt: skip
+            if (  # as the forward's: a JIT kernel, rows of n columns, 16-byte aligned
+                DIRECT
+                and type(k) is JITFunction
+                and row_ids is None
+                and stride_dy == n
+                and stride_ds in (0, n)
+                and stride_x in (0, n)
+                and stride_r in (0, n)
+                and not _ptr_bits(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd)
+            ):
+                key = (
+                    dy_dtype, _dtype(ds), _dtype(saved), _dtype(x), _dtype(residual), _dtype(weight),
+                    _dtype(bias), _dtype(gate), int_kind(rows), int_kind(per_program),
+                )  # fmt: skip
+                direct.launch(k, key, grid, (*args, *tail), options)
+            else:
+                k[grid](*args, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)))
         return (dx, dres, *param_grads(dw_part, db_part, dg_part, programs == 1, weight, bias, gate))
 
     return launch
