@@ -311,34 +311,38 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
                 residual, stride_r = as_rows(residual, n)
             k = fwd_kernel if kernel is None else kernel
             grid = (-(-rows // block_m),)
-            args = (
-                x,
-                residual,
-                weight,
-                bias,
-                gate,
-                seed,
-                y,
-                s,
-                mean,
-                rstd,
-                stride_x,
-                stride_r,
-                rows,
-                n,
-                n_chunks,
-            )
             if (  # the compiled kernel launched directly: a JIT kernel, rows of n columns, 16-byte aligned
-                DIRECT
-                and type(k) is JITFunction
+                type(k) is JITFunction
+                and DIRECT
                 and row_ids is None
                 and stride_x == stride_r == n
                 and not _ptr_bits(x, residual, weight, bias, gate, seed)
             ):
                 key = (x_dtype, residual.dtype, _dtype(weight), _dtype(bias), _dtype(gate), int_kind(rows))
-                direct.launch(k, key, grid, (*args, *tail), options)
-            else:
-                k[grid](*args, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)))
+                args = (
+                    x,
+                    residual,
+                    weight,
+                    bias,
+                    gate,
+                    seed,
+                    y,
+                    s,
+                    mean,
+                    rstd,
+                    n,
+                    n,
+                    rows,
+                    n,
+                    n_chunks,
+                    *tail,
+                )
+                direct.launch(k, key, grid, args, options)
+            else:  # the same arguments (the direct launch's test compares them with run()'s)
+                k[grid](
+                    x, residual, weight, bias, gate, seed, y, s, mean, rstd, stride_x, stride_r, rows, n,
+                    n_chunks, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
+                )  # fmt: skip
         if ctx is None:
             return y, s, mean, rstd
         # what ``save_for_backward`` sets, without its frame; the statistics too (created here, they
@@ -414,13 +418,9 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
                 residual, stride_r = as_rows(residual, n)
             k = bwd_kernel if kernel is None else kernel
             grid = (n_slices, programs)  # column slices x runs of rows
-            args = (
-                dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part, db_part,
-                dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices, per_program,
-            )  # fmt: skip
             if (  # as the forward's: a JIT kernel, rows of n columns, 16-byte aligned
-                DIRECT
-                and type(k) is JITFunction
+                type(k) is JITFunction
+                and DIRECT
                 and row_ids is None
                 and stride_dy == n
                 and stride_ds in (0, n)
@@ -432,9 +432,18 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
                     dy_dtype, _dtype(ds), _dtype(saved), _dtype(x), _dtype(residual), _dtype(weight),
                     _dtype(bias), _dtype(gate), int_kind(rows), int_kind(per_program),
                 )  # fmt: skip
-                direct.launch(k, key, grid, (*args, *tail), options)
-            else:
-                k[grid](*args, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)))
+                args = (
+                    dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part,
+                    db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices,
+                    per_program, *tail,
+                )  # fmt: skip
+                direct.launch(k, key, grid, args, options)
+            else:  # the same arguments (the direct launch's test compares them with run()'s)
+                k[grid](
+                    dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part,
+                    db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices,
+                    per_program, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
+                )  # fmt: skip
         return (dx, dres, *param_grads(dw_part, db_part, dg_part, programs == 1, weight, bias, gate))
 
     return launch
