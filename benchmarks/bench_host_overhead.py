@@ -42,6 +42,8 @@ from collections.abc import Callable, Iterator
 
 if "--stub-launch" in sys.argv:  # the kernels must be built for the interpreter: before triton imports
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if "--jit-launch" in sys.argv:  # the real JIT kernels (Triton's own launch path), the driver faked
+    os.environ["TRITON_INTERPRET"] = "0"
 
 import torch
 import torch.nn.functional as F
@@ -122,16 +124,16 @@ class NoLaunch:
 def stubbed_launches() -> Iterator[None]:
     """The Triton path with its two kernels replaced by :class:`NoLaunch` (needs the kernels built for
     the interpreter: ``TRITON_INTERPRET=1`` before triton is imported, which ``--stub-launch`` sets)."""
-    from addnorm.ops import triton_add_norm as k
+    from addnorm.ops import triton_launch as k
 
     if not k.kernels_are_interpreted():
         raise RuntimeError("--stub-launch: set TRITON_INTERPRET=1 before triton is imported")
-    saved = k._add_norm_fwd_kernel, k._add_norm_bwd_kernel
-    k._add_norm_fwd_kernel = k._add_norm_bwd_kernel = NoLaunch()
+    saved = k.fwd_kernel, k.bwd_kernel
+    k.fwd_kernel = k.bwd_kernel = NoLaunch()
     try:
         yield
     finally:
-        k._add_norm_fwd_kernel, k._add_norm_bwd_kernel = saved
+        k.fwd_kernel, k.bwd_kernel = saved
 
 
 class _Bare(torch.autograd.Function):
@@ -158,7 +160,7 @@ def breakdown(rows: int, hidden: int, calls: int, samples: int) -> list[dict]:
     autograd); a bare autograd.Function returning the path's outputs (the boundary's own cost). Needs
     :func:`stubbed_launches`."""
     from addnorm.ops import functional
-    from addnorm.ops.triton_add_norm import launch_fwd
+    from addnorm.ops.triton_launch import launch_fwd
 
     g = torch.Generator().manual_seed(0)
     x, r = (torch.randn(rows, hidden, generator=g).requires_grad_(True) for _ in range(2))
@@ -186,6 +188,86 @@ def breakdown(rows: int, hidden: int, calls: int, samples: int) -> list[dict]:
         for stage, t in us.items():
             out.append({"case": name, "stage": stage, "us": t})
             print(f"{name:24s} {stage:42s} {t:6.2f} us", flush=True)
+    return out
+
+
+def jit_launch(rows: int, hidden: int, calls: int, samples: int) -> list[dict]:
+    """Triton's launch path on the CPU (``--jit-launch``): the op's forward and backward launchers with
+    the real ``JITFunction`` kernels, their binder and kernel cache, Triton's driver faked (device 0, a
+    stream) and its compiler replaced by a compiled kernel whose launch does nothing; per call, through
+    ``kernel[grid](...)`` (``JITFunction.run``) and launched directly (``addnorm.ops.triton_direct``),
+    timed in alternation (CPU time). What the stubbed mode leaves out: the launch's own Python."""
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    from addnorm.ops import triton_launch as tl
+
+    class FakeDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    class NoOpCompiled:
+        function, packed_metadata = 0, ()
+
+        def launch_metadata(self, grid, stream, *args):
+            return None
+
+        def run(self, *args):
+            return None
+
+    def compile_nothing(self, key, signature, device, constexprs, options, attrs, warmup):
+        ck = self.device_caches[device][0][key] = NoOpCompiled()
+        return ck
+
+    driver.set_active(FakeDriver())
+    real_compile, JITFunction._do_compile = JITFunction._do_compile, compile_nothing
+    direct_before = tl.DIRECT
+    try:
+        f32 = torch.float32
+        fwd = tl.fwd_spec(hidden, "layernorm", 1e-5, 1.0, 0.0, True, True, 0, True, f32, f32, "none").launch
+        bwd = tl.bwd_spec(
+            hidden, "layernorm", 1.0, 0.0, True, True, 0, True, 0, f32, f32, f32, False, 1e-5
+        ).launch
+        g = torch.Generator().manual_seed(0)
+        x, r, dy = (torch.randn(rows, hidden, generator=g) for _ in range(3))
+        w, b = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g)
+        s = torch.randn(rows, hidden, generator=g)
+
+        def call(launcher_call, direct):
+            def fn():
+                tl.DIRECT = direct
+                launcher_call()
+
+            return fn
+
+        def fwd_call():
+            fwd(None, x, r, w, b)
+
+        def bwd_call():
+            bwd(dy, None, s, None, None, w, b, None, None, None, s[:, 0])
+
+        fns = {}
+        for name, c in (("forward launcher", fwd_call), ("backward launcher", bwd_call)):
+            fns[f"{name}, kernel[grid](...)"] = call(c, False)
+            fns[f"{name}, direct"] = call(c, True)
+        for fn in fns.values():
+            fn()
+        us = per_call_us(fns, calls, samples, clock="cpu")
+    finally:
+        JITFunction._do_compile = real_compile
+        with contextlib.suppress(RuntimeError):  # without a GPU there is no driver to go back to
+            driver.reset_active()
+        tl.DIRECT = direct_before
+    out = [{"case": k, "us": v} for k, v in us.items()]
+    for r_ in out:
+        print(f"{r_['case']:42s} {r_['us']:6.2f} us", flush=True)
     return out
 
 
@@ -465,11 +547,19 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="--stub-launch: also peel the forward into layers (add_norm, apply, launcher, boundary)",
     )
+    ap.add_argument(
+        "--jit-launch",
+        action="store_true",
+        help="Triton's launch path on the CPU, driver faked: kernel[grid](...) against the direct launch",
+    )
     ap.add_argument("--no-record", action="store_true", help="print only (CI): write no results")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() and not (args.cpu or args.stub_launch) else "cpu"
     run = {"machine": machine_info(device), "rows": args.rows, "hidden": args.hidden, "note": args.note}
+    if args.jit_launch:
+        jit_launch(args.rows, args.hidden, args.calls, args.samples)
+        return
     if args.stub_launch:
         with stubbed_launches():
             run["ops"] = bench_ops(

@@ -19,7 +19,7 @@ import sys
 import time
 
 import triton
-from machine import cpu_model, write_results
+from machine import cpu_model, machine_info, write_results
 from results_path import add_out_argument
 from triton_variants import ARCHS, compile_all, variants
 
@@ -42,8 +42,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     spilled = [r for r in rows if r["spill_bytes"]]
     head = (
-        f"Triton {triton.__version__}; compiled on {cpu_model()} ({os.cpu_count()} cores, no GPU) "
-        f"in {wall:.0f} s; "
+        f"Triton {triton.__version__}; commit {machine_info('cpu').get('commit', '?')}; compiled on "
+        f"{cpu_model()} ({os.cpu_count()} cores, no GPU) in {wall:.0f} s; "
         f"{dt.date.today()}. {len(vs)} variants x sm_{'/sm_'.join(map(str, ARCHS))}"
         f"{' (--full)' if args.full else ''}; {len(spilled)} spill."
     )

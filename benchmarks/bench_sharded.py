@@ -211,8 +211,9 @@ def markdown(rows: list[dict], machine: dict, world: int) -> str:
         "",
         "Collectives per call: TP LayerNorm forward all-gathers (mean, M2) per row (8 bytes per row per "
         "rank), RMSNorm all-reduces sum(s^2) (4 bytes per row); the backward all-reduces the row sums "
-        "(8 / 4 bytes per row). The gather baselines move the whole activations: x and residual "
-        "forward, and the output gradients backward.",
+        "(8 / 4 bytes per row); each collective carries one row more, the ranks' failure flags. The "
+        "gather baselines move the whole activations: x and residual forward, and the output gradients "
+        "backward.",
         "",
     ]
     return "\n".join(lines)

@@ -1,9 +1,9 @@
 """Sweep the fused kernels' launch configurations on a GPU: which tile shape and warp count each hidden
 size should get. Build-time tool (like ``triton_variants.py``): it swaps
-``addnorm.ops.triton_add_norm.fwd_config`` / ``bwd_config`` for each candidate rule, clears the cached
+``addnorm.ops.launch_config.fwd_config`` / ``bwd_config`` for each candidate rule, clears the cached
 specs and plans, and times the op's forward (no grad) and backward (on a retained graph) in bf16,
 rows = 2**27 / hidden, LayerNorm and RMSNorm, Pre-LN (y, s) and Post-LN (y). Effective bandwidth as in
-``bench_add_norm.py`` (minimum bytes). The winners go into ``triton_add_norm.py`` by hand
+``bench_add_norm.py`` (minimum bytes). The winners go into ``launch_config.py`` by hand
 (2026-11-24: ``results/gpu_h100.md``).
 
     python benchmarks/sweep_launch_config.py [--hidden 256 1024 ...] [--reps 20] [--out DIR]
@@ -22,8 +22,8 @@ from bench_add_norm import make_calls, min_bytes, time_once
 from machine import machine_info, machine_line
 from results_path import add_out_argument
 
-import addnorm.ops.triton_add_norm as tk
-from addnorm.ops import add_norm, policy
+import addnorm.ops.launch_config as tk
+from addnorm.ops import add_norm, policy, triton_launch
 
 Launch = tk.Launch
 
@@ -36,6 +36,8 @@ def one_pass(n: int, tile: int, elems_per_warp: int, max_warps: int = 16) -> Lau
 
 
 def rule(max_one_pass: int, tile: int, epw: int, chunk: Launch):
+    """A forward rule: one pass up to ``max_one_pass`` columns, ``chunk`` beyond."""
+
     @functools.lru_cache(maxsize=256)
     def cfg(n: int) -> Launch:
         return one_pass(n, tile, epw) if n <= max_one_pass else chunk
@@ -43,29 +45,47 @@ def rule(max_one_pass: int, tile: int, epw: int, chunk: Launch):
     return cfg
 
 
+def bwd_rule(max_one_pass: int, max_one_pass_heavy: int, slice_: Launch, narrow: Launch):
+    """A backward rule as ``launch_config.bwd_config`` takes it, ``(n, heavy)``: one row per step in one
+    pass up to ``max_one_pass`` (``max_one_pass_heavy`` for dropout or a gate) columns, beyond that in
+    column slices of ``slice_`` (``narrow`` for the heavy variants and widths not a multiple of 16)."""
+
+    @functools.lru_cache(maxsize=256)
+    def cfg(n: int, heavy: bool = False) -> Launch:
+        if n <= (max_one_pass_heavy if heavy else max_one_pass):
+            return one_pass(n, 1, 256)
+        return narrow if heavy or n % 16 else slice_
+
+    return cfg
+
+
 ORIGINAL = {"fwd": tk.fwd_config, "bwd": tk.bwd_config}
-# candidate rules: (phase, name) -> config function
+SLICE_4096, SLICE_2048 = Launch(1, 4096, True, 16), Launch(1, 2048, True, 16)
+# candidate rules: (phase, name) -> config function; the backward's: where one pass stops and how wide
+# the slices of a wider row are (no candidate spills: benchmarks/results/kernel_compile_full.md and
+# launch_config's notes: one pass at 4096 does not spill for the heavy variants either)
 CANDIDATES = {
     ("fwd", "current"): tk.fwd_config,
     ("fwd", "row1_epw512"): rule(8192, 1, 512, Launch(1, 2048, True, 8)),
     ("fwd", "row1_epw256"): rule(8192, 1, 256, Launch(1, 2048, True, 8)),
     ("fwd", "tile4096_epw512"): rule(8192, 4096, 512, Launch(1, 2048, True, 8)),
     ("bwd", "current"): tk.bwd_config,
-    ("bwd", "row1_epw256_c8192"): rule(8192, 1, 256, Launch(1, 2048, True, 8)),
-    ("bwd", "row1_epw512_c8192"): rule(8192, 1, 512, Launch(1, 2048, True, 8)),
-    ("bwd", "row1_epw256_c2048"): rule(2048, 1, 256, Launch(1, 2048, True, 8)),
-    ("bwd", "row1_epw128_c4096"): rule(4096, 1, 128, Launch(1, 4096, True, 16)),
+    ("bwd", "heavy_one_pass_4096"): bwd_rule(4096, 4096, SLICE_4096, SLICE_2048),
+    ("bwd", "slices_2048"): bwd_rule(4096, 2048, SLICE_2048, SLICE_2048),
+    ("bwd", "one_pass_2048_slices_2048"): bwd_rule(2048, 2048, SLICE_2048, SLICE_2048),
 }
 
 
 def install(phase: str, fn) -> None:
     setattr(tk, f"{phase}_config", fn)
-    tk.clear_caches()
+    triton_launch.clear_caches()
     policy.invalidate()
 
 
-def fused(x, r, w, b, norm, prenorm):
-    return add_norm(x, r, w, b if norm == "layernorm" else None, norm=norm, prenorm=prenorm)
+def fused(x, r, w, b, norm, prenorm, dropout_p=0.0):
+    return add_norm(
+        x, r, w, b if norm == "layernorm" else None, norm=norm, prenorm=prenorm, dropout_p=dropout_p, seed=0
+    )
 
 
 def main() -> None:
@@ -76,32 +96,38 @@ def main() -> None:
     args = ap.parse_args()
     rows_out = []
     print(machine_line(machine_info("cuda")), flush=True)
-    for norm, prenorm in (("layernorm", True), ("layernorm", False), ("rmsnorm", True)):
-        if True:
-            for n in args.hidden:
-                rows = 2**27 // n
-                nbytes = min_bytes(rows, n, 2, 2, prenorm)
-                for (phase, name), fn in CANDIDATES.items():
-                    install("fwd", ORIGINAL["fwd"])
-                    install("bwd", ORIGINAL["bwd"])
-                    install(phase, fn)
-                    calls = make_calls(
-                        fused, rows, n, (torch.bfloat16, torch.bfloat16), norm, prenorm, "cuda"
-                    )
-                    call = calls[phase]
-                    for _ in range(3):
-                        call()
-                    t = statistics.median(time_once(call, "cuda") for _ in range(args.reps))
-                    cfg = fn(n)
-                    row = {"norm": norm, "prenorm": prenorm, "hidden": n, "phase": phase, "rule": name,
-                           "config": list(cfg), "ms": t * 1e3, "GBps": nbytes / t / 1e9}  # fmt: skip
-                    rows_out.append(row)
-                    print(f"{norm:9s} pre={int(prenorm)} h={n:5d} {phase} {name:20s} {tuple(cfg)!s:24s} "
-                          f"{t * 1e3:7.3f} ms {row['GBps']:7.1f} GB/s", flush=True)  # fmt: skip
-                    del calls, call
-                    # written as it goes: a timeout keeps the rows measured so far
-                    args.out.mkdir(parents=True, exist_ok=True)
-                    (args.out / "launch_config_sweep.json").write_text(json.dumps(rows_out, indent=1) + "\n")
+    # the fourth case has dropout (a register-heavy backward variant: its own one-pass width and slices)
+    cases = (
+        ("layernorm", True, 0.0),
+        ("layernorm", False, 0.0),
+        ("rmsnorm", True, 0.0),
+        ("layernorm", True, 0.1),
+    )
+    for norm, prenorm, p in cases:
+        for n in args.hidden:
+            rows = 2**27 // n
+            nbytes = min_bytes(rows, n, 2, 2, prenorm)
+            for (phase, name), fn in CANDIDATES.items():
+                install("fwd", ORIGINAL["fwd"])
+                install("bwd", ORIGINAL["bwd"])
+                install(phase, fn)
+                op = functools.partial(fused, dropout_p=p)
+                calls = make_calls(op, rows, n, (torch.bfloat16, torch.bfloat16), norm, prenorm, "cuda")
+                call = calls[phase]
+                for _ in range(3):
+                    call()
+                t = statistics.median(time_once(call, "cuda") for _ in range(args.reps))
+                cfg = fn(n) if phase == "fwd" else fn(n, p > 0)
+                ms, gbps = t * 1e3, nbytes / t / 1e9
+                row = {"norm": norm, "prenorm": prenorm, "dropout": p, "hidden": n, "phase": phase,
+                       "rule": name, "config": list(cfg), "ms": ms, "GBps": gbps}  # fmt: skip
+                rows_out.append(row)
+                print(f"{norm:9s} pre={int(prenorm)} p={p} h={n:5d} {phase} {name:26s} {tuple(cfg)!s:24s} "
+                      f"{t * 1e3:7.3f} ms {row['GBps']:7.1f} GB/s", flush=True)  # fmt: skip
+                del calls, call
+                # written as it goes: a timeout keeps the rows measured so far
+                args.out.mkdir(parents=True, exist_ok=True)
+                (args.out / "launch_config_sweep.json").write_text(json.dumps(rows_out, indent=1) + "\n")
     install("fwd", ORIGINAL["fwd"])
     install("bwd", ORIGINAL["bwd"])
 

@@ -6,21 +6,21 @@ loads, stack frame and shared memory. Used by the spill test and by
 ``benchmarks/bench_kernel_compile.py``, which writes the table.
 
 Which variants: the launchers map every hidden size to one of a few launch configurations
-(:func:`triton_add_norm.fwd_config` / ``bwd_config``: row tiles, or column chunks for wide rows).
-For each configuration and each path (forward storing s or not; backward from s with a gradient
-arriving at s, from y recomputing s in some columns, from s recomputed from x and residual) the
-variant with every optional input (LayerNorm, weight, bias, a vector gate, dropout, fp32 tensors)
-holds the most values live, so it bounds the registers of the others (the backward gives the
-register-heavy variants, with dropout or a gate, narrower one-pass rows: the
-configurations only the lighter ones launch are compiled with the heaviest of those); ``full=True``
-adds RMSNorm, bf16 and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and without-affine
-variants, the registered op's statistics (mean and rstd apart, where the eager path packs them in one
-buffer, or for a one-pass backward from s keeps none and recomputes them) and hidden sizes that are not
-multiples of 16 (no aligned-vector specialisation).
-The widest configuration also compiles with dropout on given row indices (a DTensor's row shard), and
-the tensor-parallel kernels (``ops/triton_sharded.py``: statistics, normalise, row sums, gradients of
-a column shard) join with every option and row indices, at the widest tile and the column-chunk
-configuration (``full``: every configuration).
+(:func:`addnorm.ops.launch_config.fwd_config` / ``bwd_config``: row tiles, or for wide rows column
+chunks, which a forward program loops over and the backward gives a program each, "chunked" in the
+table). For each configuration and each path (forward storing s or not; backward from s with a gradient
+arriving at s, from y recomputing s in some columns, from s recomputed from x and residual) the variant
+with every optional input (LayerNorm, weight, bias, a vector gate, dropout, fp32 tensors) holds the most
+values live, so it bounds the registers of the others (the backward gives the register-heavy variants,
+with dropout or a gate, narrower one-pass rows and 2048-column slices: the configurations
+only the lighter ones launch are compiled with the heaviest of those); ``full=True`` adds RMSNorm, bf16
+and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and without-affine variants, the
+registered op's statistics (mean and rstd apart, where the eager path packs them in one buffer, or for a
+one-pass backward from s keeps none and recomputes them) and hidden sizes that are not multiples of 16
+(no aligned-vector specialisation). The widest configuration also compiles with dropout on given row
+indices (a DTensor's row shard), and the tensor-parallel kernels (``ops/triton_tp_kernels.py``:
+statistics, normalise, row sums, gradients of a column shard) join with every option and row indices, at
+the widest tile and the column-chunk configuration (``full``: every configuration).
 
 This module does not import triton at import time.
 """
@@ -40,7 +40,7 @@ __all__ = ["ARCHS", "HIDDEN_SIZES", "Variant", "compile_all", "compile_variant",
 ARCHS = (80, 90)
 # the issue's range, 64 .. 65,536, with non-powers of two; below 64 the tests' tiny rows
 HIDDEN_SIZES = (16, 33, 64, 100, 128, 256, 384, 512, 768, 1000, 1024, 1536, 2048, 3000, 4096, 5120)
-HIDDEN_SIZES += (6144, 8192, 10000, 12288, 16384, 24576, 32768, 50000, 65536)
+HIDDEN_SIZES += (5000, 6144, 8192, 10000, 12288, 16384, 24576, 32768, 50000, 65536)
 
 
 class Variant(NamedTuple):
@@ -73,7 +73,7 @@ class Variant(NamedTuple):
 
     @property
     def maxnreg(self) -> int:
-        from addnorm.ops.triton_add_norm import Launch
+        from addnorm.ops.launch_config import Launch
 
         return Launch(self.block_m, self.block_n, self.chunked, self.num_warps).maxnreg
 
@@ -97,13 +97,24 @@ class Variant(NamedTuple):
 
 def _configs(kind: str, heavy: bool = True) -> dict:
     """{launch configuration: hidden sizes} over HIDDEN_SIZES (the backward's for register-heavy
-    variants, ``triton_add_norm.bwd_register_heavy``, or for the others)."""
-    from addnorm.ops.triton_add_norm import bwd_config, fwd_config
+    variants, ``launch_config.bwd_register_heavy``, or for the others)."""
+    from addnorm.ops.launch_config import bwd_config, fwd_config
 
     out: dict = {}
     for h in HIDDEN_SIZES:
         out.setdefault(fwd_config(h) if kind == "fwd" else bwd_config(h, heavy), []).append(h)
     return out
+
+
+def _takes_unaligned(kind: str, cfg) -> bool:
+    """Whether a row width that is not a multiple of 16 can get launch configuration ``cfg`` (the
+    backward gives such widths its narrow slices only)."""
+    from addnorm.ops.launch_config import bwd_config, fwd_config
+
+    widths = range(8, 65537, 16)
+    if kind == "fwd":
+        return any(fwd_config(h) == cfg for h in widths)
+    return any(bwd_config(h, heavy) == cfg for h in widths for heavy in (False, True))
 
 
 def _light(base: Variant) -> list[Variant]:
@@ -125,7 +136,9 @@ def variants(full: bool = False) -> list[Variant]:
                 )
                 out.append(base)
                 if full or cfg == widest:
-                    out += [base._replace(aligned=False), base._replace(row_ids=True)]
+                    out.append(base._replace(row_ids=True))
+                    if _takes_unaligned(kind, cfg):
+                        out.append(base._replace(aligned=False))
                 if full:
                     out += [base._replace(norm="rmsnorm", bias=False), base._replace(dtypes="mixed")]
                     out += [base._replace(dtypes="bf16"), base._replace(dtypes="fp16", gate=1)]
@@ -135,7 +148,8 @@ def variants(full: bool = False) -> list[Variant]:
             light = {c: h for c, h in _configs(kind, heavy=False).items() if c not in configs}
             widest = max(light, key=lambda c: (c.chunked, c.block_n), default=None)
             for cfg, hidden in light.items():
-                aligned = (True, False) if full or cfg == widest else (True,)
+                unaligned = (full or cfg == widest) and _takes_unaligned(kind, cfg)
+                aligned = (True, False) if unaligned else (True,)
                 for path in paths:
                     base = Variant(
                         kind, *cfg, "layernorm", path, "fp32", True, True, 2, True, True, tuple(hidden)
@@ -145,7 +159,7 @@ def variants(full: bool = False) -> list[Variant]:
     return out
 
 
-# the tensor-parallel kernels (``ops/triton_sharded.py``) and the configurations they launch with
+# the tensor-parallel kernels (``ops/triton_tp_kernels.py``) and the configurations they launch with
 TP_KERNELS = {"tp_stats": "fwd", "tp_norm": "fwd", "tp_sums": "fwd", "tp_bwd": "bwd"}
 
 
@@ -217,6 +231,7 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "BLOCK_M": v.block_m,
         "BLOCK_N": v.block_n,
         "CHUNKED": v.chunked,
+        "SPLIT": v.chunked,  # the backward: rows in column slices
         "HAS_DS": v.path == "from_s",
         "XHAT_FROM": {"from_s": 0, "from_y": 1, "from_xr": 2}.get(v.path, 0),
         "RECOMPUTE": v.path == "from_y" and (v.weight or v.bias),
@@ -294,12 +309,12 @@ def compile_variant(v: Variant, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from addnorm.ops import triton_add_norm as k
-    from addnorm.ops import triton_sharded as ts
+    from addnorm.ops import triton_kernels as k
+    from addnorm.ops import triton_tp_kernels as ts
 
     fn = {
-        "fwd": k._add_norm_fwd_kernel, "bwd": k._add_norm_bwd_kernel, "tp_stats": ts._tp_stats_kernel,
-        "tp_norm": ts._tp_norm_kernel, "tp_sums": ts._tp_sums_kernel, "tp_bwd": ts._tp_bwd_kernel,
+        "fwd": k.fwd_kernel, "bwd": k.bwd_kernel, "tp_stats": ts.tp_stats_kernel,
+        "tp_norm": ts.tp_norm_kernel, "tp_sums": ts.tp_sums_kernel, "tp_bwd": ts.tp_bwd_kernel,
     }[v.kernel]  # fmt: skip
     if not hasattr(fn, "arg_names"):
         raise RuntimeError("compile_variant: the kernels were built for the interpreter (TRITON_INTERPRET=1)")

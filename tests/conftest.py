@@ -64,7 +64,7 @@ def triton_backend(backend_env):
 
     if importlib.util.find_spec("triton") is None or not interpreting():
         pytest.skip("needs triton and TRITON_INTERPRET=1")
-    from addnorm.ops.triton_add_norm import kernels_are_interpreted
+    from addnorm.ops.triton_kernels import kernels_are_interpreted
 
     if not kernels_are_interpreted():
         pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1")

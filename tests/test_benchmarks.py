@@ -349,15 +349,15 @@ def test_host_overhead_stub_launch_times_the_triton_path_without_running_a_kerne
     """--stub-launch: backend='triton' on CPU tensors with both launches stubbed; every case of the
     issue's table, the issue-21 targets; the stub is the benchmark's, and the library gets its kernels
     back afterwards."""
-    from addnorm.ops import triton_add_norm as k
+    from addnorm.ops import triton_launch as k
 
-    kernels = k._add_norm_fwd_kernel, k._add_norm_bwd_kernel
+    kernels = k.fwd_kernel, k.bwd_kernel
     hb = bench_module("bench_host_overhead")
     argv = ["--stub-launch", "--calls", "2", "--samples", "1"]
     hb.main([*argv, "--no-record", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # --no-record (CI) writes nothing
     hb.main([*argv, "--breakdown", "--out", str(tmp_path)])
-    assert (k._add_norm_fwd_kernel, k._add_norm_bwd_kernel) == kernels
+    assert (k.fwd_kernel, k.bwd_kernel) == kernels
     run = json.loads((tmp_path / "host_overhead_stub_cpu.json").read_text())["runs"]["after"]
     assert "lm_step" not in run
     # --breakdown: each case's forward peeled into the same five layers

@@ -35,7 +35,7 @@ def _triton_ready() -> bool:
         return False
     if HAS_CUDA:
         return True
-    from addnorm.ops.triton_add_norm import kernels_are_interpreted
+    from addnorm.ops.triton_kernels import kernels_are_interpreted
 
     return kernels_are_interpreted()
 

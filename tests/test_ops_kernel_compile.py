@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 
 
 def test_launch_configurations_cover_the_hidden_sizes_with_few_variants(bench_module):
-    from addnorm.ops.triton_add_norm import bwd_config, fwd_config
+    from addnorm.ops.launch_config import bwd_config, fwd_config
 
     tv = bench_module("triton_variants")  # a build-time tool: benchmarks/, not the runtime package
     HIDDEN_SIZES, variants = tv.HIDDEN_SIZES, tv.variants

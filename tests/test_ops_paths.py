@@ -38,7 +38,7 @@ def _triton_ready() -> bool:
         return False
     if torch.cuda.is_available():
         return True
-    from addnorm.ops.triton_add_norm import kernels_are_interpreted
+    from addnorm.ops.triton_kernels import kernels_are_interpreted
 
     return kernels_are_interpreted()
 
@@ -98,21 +98,23 @@ def test_eager_cpu_dropout_uses_the_hashed_mask_and_keeps_it_for_backward():
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    """Launch configurations that chunk rows wider than 32 columns (fwd) / 16 (bwd), so the chunked
-    kernels run on small shapes in the interpreter."""
-    from addnorm.ops import policy
-    from addnorm.ops import triton_add_norm as k
+    """Launch configurations that chunk rows wider than 32 columns (fwd) / 16 (bwd, the register-heavy
+    variants too), so the chunked kernels run on small shapes in the interpreter."""
+    from addnorm.ops import launch_config as k
+    from addnorm.ops import policy, triton_launch
 
     monkeypatch.setattr(k, "FWD_MAX_ONE_PASS", 32)
     monkeypatch.setattr(k, "BWD_MAX_ONE_PASS", 16)
+    monkeypatch.setattr(k, "BWD_MAX_ONE_PASS_HEAVY", 16)
     monkeypatch.setattr(k, "FWD_CHUNK", k.Launch(2, 32, True, 4))
-    monkeypatch.setattr(k, "BWD_CHUNK", k.Launch(2, 16, True, 4))
+    monkeypatch.setattr(k, "BWD_SLICE", k.Launch(2, 16, True, 4))
+    monkeypatch.setattr(k, "BWD_SLICE_NARROW", k.Launch(2, 16, True, 4))
     monkeypatch.setattr(k, "BWD_ONE_PROGRAM_TILES", 0)  # several programs and their partial sums
-    k.clear_caches()
+    triton_launch.clear_caches()
     policy.invalidate()  # cached call plans hold launch specs
     yield k
     monkeypatch.undo()
-    k.clear_caches()
+    triton_launch.clear_caches()
     policy.invalidate()
 
 
@@ -178,17 +180,53 @@ def test_chunked_post_ln_backward_paths(small_chunks, xhat_from):
 @needs_triton
 def test_several_rows_per_program_with_a_partial_last_tile():
     """The forward's multi-row tiles with a ragged last tile; the backward goes one row per step."""
-    from addnorm.ops.triton_add_norm import bwd_config, fwd_config
+    from addnorm.ops.launch_config import bwd_config, fwd_config
 
     assert fwd_config(24).block_m > 1 and bwd_config(24).block_m == 1
     _check_triton_vs_oracle(77, 24, torch.float32, "layernorm", True, True, True)  # 77 rows: a ragged tile
     _check_triton_vs_oracle(77, 24, torch.bfloat16, "rmsnorm", False, False, False)
 
 
+@pytest.mark.triton
+@needs_triton
+@pytest.mark.parametrize("hidden", [2049, 4096, 4100, 4112, 8192, 16384])
+@pytest.mark.parametrize(
+    "norm, prenorm, dropout, gate, dtype",
+    [
+        ("layernorm", True, True, True, torch.float32),  # register-heavy, x_hat from s
+        ("rmsnorm", False, False, False, torch.float32),  # Post-LN, fp32 y: x_hat from y
+        ("layernorm", False, True, True, torch.bfloat16),  # Post-LN, bf16 y: s recomputed from x, residual
+    ],
+)
+def test_the_launch_tables_at_and_above_the_one_pass_widths_match_the_oracle(
+    hidden, norm, prenorm, dropout, gate, dtype
+):
+    """The launch configurations as they are (no small stand-ins) around and above the widths where the
+    backward stops going in one pass: one pass, slices of 2048 (the heavy variants, from 2049 columns,
+    and widths not a multiple of 16) or 4096 (each program reading the row's other slices for the row
+    sums), the forward's column chunks above 8192; 3 rows (one program per slice), float64 oracle."""
+    from addnorm.ops.launch_config import bwd_config, bwd_register_heavy
+
+    cfg = bwd_config(hidden, bwd_register_heavy(dtype, dropout, 2 if gate else 0))
+    assert cfg.chunked == (hidden > (2048 if dropout or gate else 4096))
+    _check_triton_vs_oracle(3, hidden, dtype, norm, prenorm, dropout, gate)
+
+
+@pytest.mark.triton
+@needs_triton
+def test_a_row_in_slices_over_several_programs_sums_their_partials():
+    """8192 columns in two slices, 20 rows: several programs per slice, each writing its slice's row of
+    the partial sums once."""
+    from addnorm.ops.launch_config import BWD_ONE_PROGRAM_TILES, bwd_config
+
+    assert bwd_config(8192).chunked and 20 > BWD_ONE_PROGRAM_TILES
+    _check_triton_vs_oracle(20, 8192, torch.float32, "layernorm", True, True, True)
+
+
 def test_a_small_backward_is_one_program_and_a_larger_one_sums_partials():
     """Up to BWD_ONE_PROGRAM_TILES row tiles one program writes dweight / dbias itself (no torch
     reduction after the kernel); beyond, several programs write partial sums."""
-    from addnorm.ops.triton_add_norm import BWD_ONE_PROGRAM_TILES, bwd_grid
+    from addnorm.ops.launch_config import BWD_ONE_PROGRAM_TILES, bwd_grid
 
     cpu = torch.device("cpu")
     assert bwd_grid(0, 64, cpu, (1, 64)) == (0, 0)
@@ -488,6 +526,18 @@ def test_a_call_signature_is_planned_once_and_bad_tensors_still_get_clear_errors
         add_norm(x, r[:2], w, b)
 
 
+def test_an_option_that_cannot_be_keyed_is_checked_not_served_the_last_plan():
+    """An unhashable option (a list for eps) cannot key a plan: the call is checked in full and
+    refused, never run with the previous call's cached plan."""
+    fn.clear_plans()
+    x, r, w, b, _ = _inputs(4, 16, device="cpu")
+    add_norm(x, r, w, b)
+    with pytest.raises(ValueError, match="eps: expected a positive finite float"):
+        add_norm(x, r, w, b, eps=[1e-5])
+    with pytest.raises(TypeError, match="alpha: expected a finite Python float"):
+        add_norm(x, r, w, b, alpha=[2.0])
+
+
 def test_alternating_call_signatures_and_a_policy_change_each_get_their_own_plan():
     """The last call's plan is reused only for the same signature (the key compared, not hashed): calls
     alternating between two signatures get each its own result, and a change of policy plans anew."""
@@ -512,7 +562,7 @@ def test_alternating_call_signatures_and_a_policy_change_each_get_their_own_plan
 def test_a_cached_triton_plan_still_names_a_tensor_on_another_device_or_of_another_shape(monkeypatch):
     """After the plan is cached, the Triton path's per-call checks name a residual, weight or bias on
     another device than x or of another shape, before any kernel is launched."""
-    from addnorm.ops import triton_add_norm as k
+    from addnorm.ops import triton_launch as k
 
     fn.clear_plans()
     x, r, w, b, _ = _inputs(4, 16)
@@ -522,7 +572,7 @@ def test_a_cached_triton_plan_still_names_a_tensor_on_another_device_or_of_anoth
         def __getitem__(self, grid):
             raise AssertionError("a kernel was launched")
 
-    monkeypatch.setattr(k, "_add_norm_fwd_kernel", NoKernel())
+    monkeypatch.setattr(k, "fwd_kernel", NoKernel())
     bad = [
         ({"residual": r.to("meta")}, r"residual: expected a tensor on"),
         ({"weight": w.to("meta")}, r"weight: expected a tensor on"),

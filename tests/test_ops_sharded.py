@@ -94,23 +94,23 @@ def _cases() -> dict[str, dict]:
 CASES = _cases()
 
 
-def _data(case: dict, dtype=torch.float32, offset: float = 3.0) -> dict:
+def _data(case: dict, dtype=torch.float32, offset: float = 3.0, shape: tuple = SHAPE) -> dict:
     """The case's whole tensors (the same in every process: a fixed generator)."""
     g = torch.Generator().manual_seed(7)
-    h = SHAPE[-1]
+    h = shape[-1]
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float64)
 
     gate = CONFIGS[case["config"]]["gate"]
     t = {
-        "x": rnd(*SHAPE),
-        "r": rnd(*SHAPE) + offset,
+        "x": rnd(*shape),
+        "r": rnd(*shape) + offset,
         "w": 1 + 0.5 * rnd(h),
         "b": 0.5 * rnd(h),
         "g": None if gate is None else (rnd(1) if gate == "scalar" else rnd(h)),
-        "dy": rnd(*SHAPE),
-        "ds": rnd(*SHAPE),
+        "dy": rnd(*shape),
+        "ds": rnd(*shape),
     }
     return {k: None if v is None else v.to(dtype) for k, v in t.items()}
 
@@ -155,22 +155,23 @@ def _param_placements(x_placements, case: dict):
 def small_chunks():
     """Launch configurations that split every row into chunks of 2 columns (forward and backward,
     register-heavy variants too), so the chunk loops run on small shapes in the interpreter."""
-    from addnorm.ops import policy
-    from addnorm.ops import triton_add_norm as k
+    from addnorm.ops import launch_config as k
+    from addnorm.ops import policy, triton_launch
 
-    names = ("FWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS_HEAVY", "FWD_CHUNK", "BWD_CHUNK")
+    names = ("FWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS_HEAVY", "FWD_CHUNK", "BWD_SLICE")
+    names += ("BWD_SLICE_NARROW",)
     saved = {n: getattr(k, n) for n in names}
-    small = (1, 1, 1, k.Launch(2, 2, True, 1), k.Launch(1, 2, True, 1))
+    small = (1, 1, 1, k.Launch(2, 2, True, 1), k.Launch(1, 2, True, 1), k.Launch(1, 2, True, 1))
     try:
         for n, v in zip(names, small, strict=True):
             setattr(k, n, v)
-        k.clear_caches()
+        triton_launch.clear_caches()
         policy.invalidate()  # cached call plans hold launch specs
         yield
     finally:
         for n, v in saved.items():
             setattr(k, n, v)
-        k.clear_caches()
+        triton_launch.clear_caches()
         policy.invalidate()
 
 
@@ -405,7 +406,8 @@ def test_outputs_and_gradients_are_placed_as_promised(results, name):
 def test_communication_is_none_for_rows_and_one_collective_of_row_statistics_for_columns(results, name):
     """Leading-dimension shards and Replicate: no collective forward or backward (no gather). The
     hidden dimension sharded: forward one all-gather of (mean, M2) per row (LayerNorm: 8 bytes a row)
-    or one all-reduce of sum(s^2) (RMSNorm: 4), backward one all-reduce of the row sums (8 / 4)."""
+    or one all-reduce of sum(s^2) (RMSNorm: 4), backward one all-reduce of the row sums (8 / 4), each
+    with one row more: the ranks' failure flags."""
     case, got = CASES[name], _got(results, name)
     _, spec = LAYOUTS[case["layout"]]
     if not any(kind == "S" and dim in (-1, len(SHAPE) - 1) for kind, dim in spec):
@@ -414,8 +416,8 @@ def test_communication_is_none_for_rows_and_one_collective_of_row_statistics_for
     per_row = 8 if case["norm"] == "layernorm" else 4
     rows = got["local_rows"]
     fwd_op = "_allgather_base" if case["norm"] == "layernorm" else "allreduce"
-    assert got["fwd"] == (1, rows * per_row, [fwd_op])
-    assert got["bwd"] == (1, rows * per_row, ["allreduce"])
+    assert got["fwd"] == (1, (rows + 1) * per_row, [fwd_op])
+    assert got["bwd"] == (1, (rows + 1) * per_row, ["allreduce"])
 
 
 def test_plain_parameters_get_their_whole_gradient_with_one_all_reduce_each(results):
@@ -522,7 +524,8 @@ def test_the_ops_take_leading_dimensions_and_the_rows_of_a_shard(backend, norm):
 
 def test_the_communication_benchmark_runs_and_counts_bytes(bench_module, tmp_path):
     """bench_sharded.py on a tiny shape: every (norm, strategy) row, the SP path silent, the TP path 8
-    (LayerNorm) or 4 (RMSNorm) bytes a row each way, the gather baselines whole shards of x and r."""
+    (LayerNorm) or 4 (RMSNorm) bytes a row each way (and a row of failure flags), the gather baselines
+    whole shards of x and r."""
     bench = bench_module("bench_sharded")
     b, t, h = 2, 4, 8
     report = bench.main(["--shapes", f"{b}x{t}x{h}", "--reps", "1", "--out", str(tmp_path)])
@@ -539,11 +542,163 @@ def test_the_communication_benchmark_runs_and_counts_bytes(bench_module, tmp_pat
             )
         elif strategy == "TP":
             per_row = 8 if norm == "layernorm" else 4
-            assert (r["fwd_collectives"], r["fwd_bytes"]) == (1, local_rows * per_row)
-            assert (r["bwd_collectives"], r["bwd_bytes"]) == (1, local_rows * per_row)
+            # one row more: the ranks' failure flags (addnorm.ops.sharded._exchange)
+            assert (r["fwd_collectives"], r["fwd_bytes"]) == (1, (local_rows + 1) * per_row)
+            assert (r["bwd_collectives"], r["bwd_bytes"]) == (1, (local_rows + 1) * per_row)
         else:  # x and residual gathered forward, the gradients of y and s backward
             assert (r["fwd_collectives"], r["fwd_bytes"]) == (2, 2 * shard_bytes)
             assert (r["bwd_collectives"], r["bwd_bytes"]) == (2, 2 * shard_bytes)
         assert r["fwd_ms"] > 0 and r["fwd+bwd_ms"] > 0
     md = (tmp_path / "sharded_cpu.md").read_text()
     assert "| shape (B, T, H) |" in md and "gather from Shard(-1)" in md
+
+
+# --- a rank with no columns, and a rank that fails inside the collectives ---------------------------------
+
+# hidden sizes whose column shards over 2 ranks leave one rank with nothing (1: 1 + 0, as 5 or 6 over 4
+# ranks do) or uneven (3: 2 + 1)
+EMPTY_SHARDS = {
+    f"{backend}-h{h}-{norm}-{config}": {"backend": backend, "norm": norm, "config": config, "hidden": h}
+    for backend in BACKENDS
+    for h in (1, 3)
+    for norm in ("layernorm", "rmsnorm")
+    for config in ("pre-dropout-rezero", "post-dropout-layerscale")
+}
+FAULTS = ("a rank's columns disagree with its shard", "forward fails on rank 0", "backward fails on rank 1")
+
+
+def run_empty_shard(case: dict) -> dict:
+    """x, residual, weight, bias and gate sharded on the hidden dimension of (2, 3, hidden): the gathered
+    outputs and gradients."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,))
+    shape = (2, 3, case["hidden"])
+    data = _data(case, shape=shape)
+    names = [n for n in ("x", "r", "w", "b", "g") if data[n] is not None]
+    leaves = {}
+    for n in names:
+        pl = [Shard(2)] if n in ("x", "r") else [Replicate() if data[n].numel() == 1 else Shard(0)]
+        leaves[n] = distribute_tensor(data[n], mesh, pl).requires_grad_(True)
+    out = add_norm(
+        leaves["x"], leaves["r"], leaves["w"], leaves["b"], gate=leaves.get("g"), seed=11,
+        backend=case["backend"], **_kwargs(case),
+    )  # fmt: skip
+    outs = list(out) if isinstance(out, tuple) else [out]
+    dout = [distribute_tensor(data[k], mesh, [Shard(2)]) for k in ("dy", "ds")][: len(outs)]
+    grads = torch.autograd.grad(outs, [leaves[n] for n in names], dout)
+    return {"outs": [o.full_tensor() for o in outs], "grads": [g.full_tensor() for g in grads]}
+
+
+def run_fault(name: str) -> list[str]:
+    """Every rank's error (type: first line) for a call that fails on one rank only, then a good call on
+    the same group (which must still work: every rank left the failed call after the same collective)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    from addnorm.ops import sharded
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    data = _data({"config": "post"})
+    x, r = (distribute_tensor(data[k], mesh, [Shard(2)]).requires_grad_(True) for k in ("x", "r"))
+    norm = "rmsnorm" if name == "forward fails on rank 0" else "layernorm"
+
+    def fail(*args):
+        raise RuntimeError(f"injected on rank {rank}")
+
+    saved = sharded._stats_torch, sharded._sums_torch
+    try:
+        if name == "a rank's columns disagree with its shard":  # 5 + 4 columns, rank 1 holding 3
+            local = x.to_local()[..., :3] if rank == 1 else x.to_local()
+            stride = torch.empty(SHAPE, device="meta").stride()
+            x = DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=SHAPE, stride=stride)
+            r = DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=SHAPE, stride=stride)
+        elif name == "forward fails on rank 0" and rank == 0:
+            sharded._stats_torch = fail
+        elif name == "backward fails on rank 1" and rank == 1:
+            sharded._sums_torch = fail
+        y = add_norm(x, r, None, norm=norm, backend="torch")
+        y.to_local().sum().backward()
+        error = "no error"
+    except Exception as e:  # the test reads every rank's type and message
+        error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
+    finally:
+        sharded._stats_torch, sharded._sums_torch = saved
+    errors = [None, None]
+    dist.all_gather_object(errors, error)
+    x, r = (distribute_tensor(data[k], mesh, [Shard(2)]) for k in ("x", "r"))
+    good = add_norm(x, r, None, norm=norm, backend="torch").full_tensor()
+    torch.testing.assert_close(good, add_norm(data["x"], data["r"], None, norm=norm, backend="torch"))
+    return errors
+
+
+def _fault_worker(rank: int, port: int, out: str) -> None:
+    import datetime
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    sys.path.insert(0, BENCHMARKS)
+    import torch.distributed as dist
+
+    # a rank left waiting in a collective errors after this long instead of gloo's 30 minutes (what the
+    # tests see without the fix; with it, no rank waits for one that has left)
+    timeout = datetime.timedelta(seconds=90)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timeout
+    )
+    jobs = {name: (lambda c=case: run_empty_shard(c)) for name, case in EMPTY_SHARDS.items()}
+    jobs.update({name: (lambda n=name: run_fault(n)) for name in FAULTS})
+    results = {}
+    for name, job in jobs.items():
+        try:
+            results[name] = job()
+        except Exception as e:  # reported per case by the test
+            results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
+    if rank == 0:
+        torch.save(results, out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def fault_results():
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "results.pt")
+        run_spawned(_fault_worker, out, nprocs=WORLD, deadline=900.0)
+        yield torch.load(out, weights_only=False)
+
+
+@pytest.mark.parametrize("name", list(EMPTY_SHARDS))
+def test_a_rank_with_no_columns_takes_part_and_the_call_equals_one_process(fault_results, name):
+    """Hidden 1 over 2 ranks (one rank holds no column, as hidden 5 or 6 over 4 ranks leaves one) and 3
+    over 2 (2 + 1), both backends, forward and backward: the one-process op's outputs and gradients, to
+    within twice the one-process fp32 op's own distance from the float64 op (LayerNorm of one column is
+    degenerate: x_hat is 0 and rstd 1 / sqrt(eps) magnifies rounding)."""
+    case = EMPTY_SHARDS[name]
+    got = _got(fault_results, name)
+    shape = (2, 3, case["hidden"])
+    outs, grads = single_process(case, _data(case, shape=shape))
+    outs64, grads64 = single_process({**case, "backend": "torch"}, _data(case, torch.float64, shape=shape))
+    for a, b, ref in zip(got["outs"] + got["grads"], outs + grads, outs64 + grads64, strict=True):
+        err, base = (a.double() - ref).abs().max().item(), (b.double() - ref).abs().max().item()
+        assert err <= 2 * base + TOL["atol"] * max(1.0, ref.abs().max().item()), (err, base)
+
+
+@pytest.mark.parametrize("name", FAULTS)
+def test_a_rank_that_fails_inside_the_collectives_is_an_error_on_every_rank(fault_results, name):
+    """A failure on one rank before a collective (its columns not DTensor's shard; a failure injected
+    into the forward's statistics or the backward's row sums) is that rank's own error and, on the other
+    rank, an error naming it, after the same collective; the group then runs a good call."""
+    errors = _got(fault_results, name)
+    failing = {"a rank's columns disagree with its shard": 1, "forward fails on rank 0": 0}.get(name, 1)
+    own = {
+        "a rank's columns disagree with its shard": "ValueError: x: this rank holds 3 of the 9 columns",
+        "forward fails on rank 0": "RuntimeError: injected on rank 0",
+        "backward fails on rank 1": "RuntimeError: injected on rank 1",
+    }[name]
+    assert errors[failing].startswith(own), errors
+    other = errors[1 - failing]
+    assert other.startswith("RuntimeError: add_norm: "), errors
+    assert ("another rank" if name != "a rank's columns disagree with its shard" else "rank 1") in other

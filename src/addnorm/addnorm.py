@@ -289,8 +289,9 @@ class AddNorm(nn.Module):
         unfused then); None: the unfused modules. Fused when ``fused`` is on, the op computes this add
         (residual on, dropout on the branch, a scalar alpha, gate none / ReZero / LayerScale, a stream
         dtype it keeps: base's, or float32) and :func:`addnorm.ops.policy.fused_op_preferred` prefers
-        the op on the stream's device with this call's dropout (always on a DTensor stream). Hooks play
-        no part.
+        the op on the stream's device with this call's dropout (always on a DTensor stream) and no
+        recorded measurement found a call of this size faster unfused
+        (:func:`addnorm.ops.policy.eager_faster_at_size`). Hooks play no part.
         """
         if not (
             self._fused
@@ -305,6 +306,8 @@ class AddNorm(nn.Module):
         sharded = type(base) is not Tensor and policy.is_dtensor(base)
         if not policy.fused_op_preferred(base.device, dropout=dropout, sharded=sharded):
             return None
+        if not sharded and policy.eager_faster_at_size(base.device.type, base.numel(), dropout):
+            return None  # a call this small ran faster unfused (ops.policy.MEASURED)
         n3 = self.output_norm
         if n3 is None:
             return "next"

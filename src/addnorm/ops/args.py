@@ -15,14 +15,20 @@ from torch import Tensor
 
 __all__ = [
     "BwdArgs",
+    "BwdPlan",
     "FwdArgs",
     "MAX_FUSED_HIDDEN",
     "TRITON_DTYPES",
     "XHAT_FROM_S",
     "XHAT_FROM_XR",
     "XHAT_FROM_Y",
+    "bwd_plan",
+    "gate_code",
     "interpreting",
+    "needs_dx",
     "op_signature",
+    "recomputes_s",
+    "xhat_source",
 ]
 
 MAX_FUSED_HIDDEN = 65536  # the widest row the Triton kernels take; wider rows use the torch path
@@ -32,6 +38,61 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 XHAT_FROM_S = 0  # s, stored by the forward: x_hat = (s - mean) * rstd
 XHAT_FROM_Y = 1  # the output y: x_hat = (y - b) / w where that is exact, else s recomputed from x, r
 XHAT_FROM_XR = 2  # s recomputed from x and residual in every column (y too coarse for the statistics)
+
+
+# --- what the backward reads: each rule once (the plans, the registered op's autograd, the launch
+# specs and the tensor-parallel path ask these) ------------------------------------------------------
+
+
+def xhat_source(prenorm: bool, xhat_from: int) -> int:
+    """Where the backward takes x_hat from: Pre-LN from s (an output, so the forward stores it
+    anyway), Post-LN as ``xhat_from`` says."""
+    return XHAT_FROM_S if prenorm else xhat_from
+
+
+def recomputes_s(xhat_from: int, affine: bool) -> bool:
+    """Whether the backward recomputes s from x and residual (the forward's operations, mask and
+    rounding): in every column for ``XHAT_FROM_XR``; for ``XHAT_FROM_Y`` with an ``affine`` (a weight
+    or a bias) in the columns where x_hat = (y - b) / w is not exact
+    (:func:`addnorm.ops.reference.xhat_from_y_ok`)."""
+    return xhat_from == XHAT_FROM_XR or (xhat_from == XHAT_FROM_Y and affine)
+
+
+def needs_dx(dropout: bool, gated: bool, alpha: float, x_dtype: torch.dtype, res_dtype: torch.dtype) -> bool:
+    """Whether dx is a tensor of its own: it equals dresidual only where the branch is the identity
+    (no dropout, no gate, ``alpha`` 1) and x and residual have one dtype."""
+    return dropout or gated or alpha != 1.0 or x_dtype != res_dtype
+
+
+def gate_code(gate: Tensor | None) -> int:
+    """The gate's kind as the kernels take it: 0 none, 1 one element (ReZero), 2 a vector (LayerScale)."""
+    return 0 if gate is None else (1 if gate.numel() == 1 else 2)
+
+
+class BwdPlan(NamedTuple):
+    """What a call's backward reads and writes, decided once from its options (:func:`bwd_plan`)."""
+
+    xhat_from: int  # where x_hat comes from (:func:`xhat_source`)
+    store_s: bool  # the forward writes s (Pre-LN's output, or what the backward reads)
+    save_y: bool  # y is kept: x_hat comes from it
+    recompute: bool  # s is recomputed from x and residual (:func:`recomputes_s`)
+    keep_x: bool  # x is kept: s is recomputed, or the gate's gradient sums ds * dropout(x)
+    keep_r: bool  # residual is kept: s is recomputed
+    need_dx: bool  # dx is a tensor of its own (:func:`needs_dx`)
+
+
+def bwd_plan(
+    prenorm: bool, xhat_from: int, affine: bool, gated: bool, dropout: bool, alpha: float,
+    x_dtype: torch.dtype, res_dtype: torch.dtype,
+) -> BwdPlan:  # fmt: skip
+    """The backward's :class:`BwdPlan` for a call's options. x and residual are kept as references (the
+    memory cost of one activation), never copied."""
+    source = xhat_source(prenorm, xhat_from)
+    recompute = recomputes_s(source, affine)
+    return BwdPlan(
+        source, source == XHAT_FROM_S, source == XHAT_FROM_Y, recompute, recompute or gated, recompute,
+        needs_dx(dropout, gated, alpha, x_dtype, res_dtype),
+    )  # fmt: skip
 
 
 class FwdArgs(NamedTuple):
@@ -67,7 +128,7 @@ class FwdArgs(NamedTuple):
     @property
     def store_s(self) -> bool:
         """Whether the forward writes s: Pre-LN returns it, and Post-LN backward may read it."""
-        return self.prenorm or self.xhat_from == XHAT_FROM_S
+        return xhat_source(self.prenorm, self.xhat_from) == XHAT_FROM_S
 
     @property
     def dropout(self) -> bool:
@@ -110,9 +171,7 @@ class BwdArgs(NamedTuple):
     @property
     def recompute_s(self) -> bool:
         """Whether s is recomputed from x and residual (in some columns for Y, all for XR)."""
-        if self.xhat_from == XHAT_FROM_XR:
-            return True
-        return self.xhat_from == XHAT_FROM_Y and (self.weight is not None or self.bias is not None)
+        return recomputes_s(self.xhat_from, self.weight is not None or self.bias is not None)
 
 
 def op_signature(args: type[NamedTuple], returns: int) -> inspect.Signature:

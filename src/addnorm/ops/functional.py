@@ -3,8 +3,8 @@ a call runs.
 
 Everything a call's options, dtypes, device and hidden size determine (the checks of those, the
 backend, the dtypes of s and y, where the backward takes x_hat from, the composite's casts) is decided
-once and cached as a :class:`Plan`; a call then checks only what can differ between calls with the
-same plan (shapes, the gate, the seed). How it runs:
+once and cached as a :class:`Plan`, with the path its calls take (``Plan.run``); a call then checks
+only what can differ between calls with the same plan (shapes, the gate, the seed). How it runs:
 
 - eager, torch backend (the CPU; CUDA for float64 or rows wider than ``MAX_FUSED_HIDDEN``): the
   :class:`~addnorm.ops.torch_path.Composite` under torch's autograd, the dropout multiplier from the
@@ -55,17 +55,21 @@ _NP_DTYPES = {torch.float32: np.float32, torch.float64: np.float64}
 
 class Plan:
     """What a call signature fixes, decided once: the backend (``triton``), the composite (torch
-    backend), the effective dropout rate ``p`` (0 in eval), the op's dtypes and ``xhat_from``."""
+    backend), the effective dropout rate ``p`` (0 in eval), the op's dtypes, ``xhat_from``, the eager
+    Triton path's launches (what each gate kind's backward reads: :func:`~addnorm.ops.args.bwd_plan`)
+    and ``run``, the path a call takes: ``run(x, residual, weight, bias, gate, seed)`` checks what can
+    differ between calls of one signature (shapes and devices against x's, the gate, the seed) and
+    runs the call. ``traced`` is the path while torch.compile traces."""
 
-    __slots__ = ("alpha", "apply", "backend", "composite", "eps", "hidden", "launches", "norm", "np_dtype")
-    __slots__ += ("p", "prenorm", "rms", "s_dtype", "scale", "shape", "simple", "triton", "xhat_from")
-    __slots__ += ("y_dtype",)
+    __slots__ = ("alpha", "apply", "backend", "composite", "device", "eps", "hidden", "launches", "norm")
+    __slots__ += ("np_dtype", "p", "prenorm", "rms", "run", "s_dtype", "scale", "shape", "simple", "triton")
+    __slots__ += ("xhat_from", "y_dtype")
 
     def __init__(self, x, residual, weight, bias, norm, eps, prenorm, alpha, p, s_dtype, y_dtype, backend):
         hidden = x.shape[-1]
         dtypes = (x.dtype, residual.dtype, s_dtype, y_dtype)
-        self.backend = backend
-        self.triton = resolve_backend(backend, x.device, hidden, dtypes) == "triton"
+        self.backend, self.device = backend, x.device
+        self.triton = resolve_backend(backend, x.device, hidden, dtypes, norm, prenorm) == "triton"
         self.norm, self.eps, self.alpha, self.prenorm, self.p = norm, float(eps), float(alpha), prenorm, p
         self.hidden, self.s_dtype, self.y_dtype = hidden, s_dtype, y_dtype
         self.shape, self.rms = torch.Size([hidden]), norm == "rmsnorm"
@@ -91,8 +95,10 @@ class Plan:
         # plan made while torch.compile traces (never cached, never launched from: the graph takes the
         # composite or the registered op): Dynamo cannot trace their making (an autograd.Function
         # subclass per launch, made with type() and staticmethod) and would trace the specs' caches
-        self.launches, self.apply = [None, None, None], None
-        if self.triton and not is_compiling():
+        self.launches, self.apply, self.run = [None, None, None], None, None
+        if is_compiling():
+            return
+        if self.triton:
             from .triton_eager import EagerLaunch
 
             self.launches = [
@@ -100,6 +106,115 @@ class Plan:
                 for code in (0, 1, 2)
             ]
             self.apply = self.launches[0].apply  # no gate: the common call
+        self.run = self._triton_runner() if self.triton else self._run_torch  # the eager call's path
+
+    def _triton_runner(self):
+        """The Triton backend's call, made once per plan with its constants bound (no attribute reads
+        per call): the eager launches (no op dispatch), or the composite under a torch.func transform,
+        the registered op under a dispatch mode or for a tensor subclass."""
+        dev, shape, hidden, p, apply = self.device, self.shape, self.hidden, self.p, self.apply
+        launches = self.launches
+
+        def run(x, residual, weight, bias, gate, seed):
+            if type(x) is not Tensor and is_dtensor(x):
+                return self._dtensor(x, residual, weight, bias, gate, seed)
+            if (  # x's device is the plan's (it is keyed on it)
+                residual.shape != x.shape
+                or residual.device != dev
+                or (weight is not None and (weight.shape != shape or weight.device != dev))
+                or (bias is not None and (bias.shape != shape or bias.device != dev))
+            ):
+                _check_tensors(x, residual, weight, bias, gate)  # raises, naming the tensor
+            # no dispatch mode, tensor subclass or torch.func transform
+            plain = type(x) is Tensor and not (_dispatch_depth() or _functorch_active())
+            if plain and gate is None and not p:
+                return apply(x, residual, weight, bias)  # the common call: nothing else to check
+            if gate is not None:
+                _check_gate(gate, hidden, dev)
+            seed_t = _seed_value(seed, dev, False) if p else None
+            if plain:
+                if gate is None:
+                    return apply(x, residual, weight, bias, None, seed_t)
+                return launches[1 if gate.numel() == 1 else 2].apply(x, residual, weight, bias, gate, seed_t)
+            if _functorch_active():
+                return _composite(self, x, residual, weight, bias, gate, seed_t)
+            return _via_op(self, x, residual, weight, bias, gate, seed_t)
+
+        return run
+
+    def _run_torch(self, x, residual, weight, bias, gate, seed):
+        """The torch backend's call: eager's own ops (s = x + r, then the norm) where they cover it,
+        else the composite with the dropout multiplier (NumPy's hashed mask on the CPU, or without a
+        seed ``nn.Dropout``'s draws), the registered op under a dispatch mode or for a subclass."""
+        if type(x) is not Tensor and is_dtensor(x):
+            return self._dtensor(x, residual, weight, bias, gate, seed)
+        xs = x.shape
+        if residual.shape != xs:
+            raise ValueError(f"residual: expected the shape of x {tuple(xs)}, got {tuple(residual.shape)}")
+        traced = _dispatch_depth() > 0 or type(x) is not Tensor  # a dispatch mode or a subclass
+        if self.simple and gate is None and not traced:  # s = x + r, then the norm: eager's own ops
+            try:
+                s = x + residual
+                if self.rms:
+                    y = torch.rms_norm(s, self.shape, weight, self.eps)
+                    if bias is not None:
+                        y = y + _bias_checked(bias, self.shape)
+                else:
+                    y = torch.layer_norm(s, self.shape, weight, bias, self.eps, False)
+            except (RuntimeError, TypeError, ValueError, IndexError):
+                _check_tensors(x, residual, weight, bias, gate)  # a clear error for what torch rejected
+                raise
+            return (y, s) if self.prenorm else y
+        if gate is not None:
+            _check_gate(gate, self.hidden, x.device)
+        if traced:
+            seed_t = _seed_value(seed, x.device, False) if self.p else None
+            return _via_op(self, x, residual, weight, bias, gate, seed_t)
+        if self.rms and bias is not None:
+            _bias_checked(bias, self.shape)
+        mult = None
+        if self.p:
+            if seed is None and self.np_dtype is not None:
+                # the CPU with no seed given: torch's Bernoulli draws, exactly as nn.Dropout makes them
+                # (a drawn seed's hashed mask costs ~2x a whole eager call here; no other backend draws
+                # the same seed from the same generator, so no equality across backends is lost)
+                mult = torch.empty(xs, dtype=self.composite.cdt).bernoulli_(1.0 - self.p).div_(1.0 - self.p)
+            elif self.np_dtype is not None:  # the CPU, a given seed: the hashed mask in NumPy, kept
+                rows = x.numel() // self.hidden
+                keep = dropout_keep_mask_numpy(_seed_value(seed, x.device, True), rows, self.hidden, self.p)
+                mult = torch.from_numpy((keep * self.np_dtype(self.scale)).reshape(xs))
+            else:
+                mult = dropout_multiplier(_seed_value(seed, x.device, False), x, self.p, self.composite.cdt)
+        try:
+            y, s = self.composite(x, residual, weight, bias, gate, mult)
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            _check_tensors(x, residual, weight, bias, gate)  # a clear error for what torch rejected
+            raise
+        return (y, s) if self.prenorm else y
+
+    def traced(self, x, residual, weight, bias, gate, seed):
+        """The call while torch.compile traces (a plan made for this trace): the DTensor paths, or what
+        :func:`addnorm.ops.policy.compile_path` says: the composite or the registered op."""
+        if type(x) is not Tensor and is_dtensor(x):
+            return self._dtensor(x, residual, weight, bias, gate, seed)
+        seed_t = _seed_value(seed, x.device, False) if self.p else None
+        if policy.compile_path() == "composite":
+            return _composite(self, x, residual, weight, bias, gate, seed_t)
+        return _via_op(self, x, residual, weight, bias, gate, seed_t)
+
+    def _dtensor(self, x, residual, weight, bias, gate, seed):
+        """The call on DTensors (:mod:`addnorm.ops.sharded`); without a seed, the dropout's seed is drawn
+        from torch's generator on every rank (seeded alike, they draw the same)."""
+        from . import sharded
+
+        if residual.shape != x.shape:
+            raise ValueError(
+                f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}"
+            )
+        if gate is not None:
+            _check_gate(gate, self.hidden, x.device)
+        seed_t = _seed_value(seed, x.device, False) if self.p else None
+        return sharded.add_norm_dtensor(self, x, residual, weight, bias, gate, seed_t, _via_op)
 
 
 # call plans, keyed on the policy's version and the call signature; and the last call's (key, plan):
@@ -284,14 +399,13 @@ def add_norm(
     gradients come out ``Partial()`` where x's rows are sharded. See :mod:`addnorm.ops.sharded`.
     """
     global _last
-    compiling, plan, key = is_compiling(), None, None
+    compiling, key, plan = is_compiling(), None, None
     if not compiling:
-        try:
-            xs, dev = x.shape, x.device
+        try:  # the call signature: everything the plan depends on
             key = (
-                policy.VERSION, x.dtype, residual.dtype, dev, xs[-1], weight is None or weight.dtype,
-                bias is None or bias.dtype, norm, eps, prenorm, alpha, dropout_p if training else 0.0,
-                residual_in_fp32, out_dtype, backend,
+                policy.VERSION, x.dtype, residual.dtype, x.device, x.shape[-1],
+                weight is None or weight.dtype, bias is None or bias.dtype, norm, eps, prenorm, alpha,
+                dropout_p if training else 0.0, residual_in_fp32, out_dtype, backend,
             )  # fmt: skip
             last_key, plan = _last
             if key != last_key:  # another signature than the last call's (equal: compared, not hashed)
@@ -299,87 +413,18 @@ def add_norm(
                 if plan is not None:
                     _last = key, plan
         except Exception:  # arguments that cannot be keyed: the checks below name the bad one
-            key = None
+            key = plan = None
     if plan is None:  # a new call signature (or under torch.compile: once per trace): checked in full
         plan = _new_plan(
-            x, residual, weight, bias, gate, norm, eps, prenorm, alpha, dropout_p, training,
-            residual_in_fp32, out_dtype, backend,
+            x, residual, weight, bias, gate, norm, eps, prenorm, alpha, dropout_p, training, residual_in_fp32,
+            out_dtype, backend,
         )  # fmt: skip
         if key is not None:
             _PLANS[key] = plan
             _last = key, plan
-    if type(x) is not Tensor and is_dtensor(x):  # eager or compiled: the sharded paths
-        return _dtensor_call(plan, x, residual, weight, bias, gate, seed)
     if compiling:
-        seed_t = _seed_value(seed, x.device, False) if plan.p else None
-        if policy.compile_path() == "composite":
-            return _composite(plan, x, residual, weight, bias, gate, seed_t)
-        return _via_op(plan, x, residual, weight, bias, gate, seed_t)
-    if residual.shape != xs:
-        raise ValueError(f"residual: expected the shape of x {tuple(xs)}, got {tuple(residual.shape)}")
-    if plan.triton:  # the GPU's path first, its per-call checks inline (each costs host time)
-        shape = plan.shape
-        if (
-            residual.device != dev
-            or (weight is not None and (weight.shape != shape or weight.device != dev))
-            or (bias is not None and (bias.shape != shape or bias.device != dev))
-        ):
-            _check_tensors(x, residual, weight, bias, gate)  # raises, naming the tensor
-        # no dispatch mode, tensor subclass or torch.func transform
-        plain = type(x) is Tensor and not (_dispatch_depth() or _functorch_active())
-        if plain and gate is None and not plan.p:
-            return plan.apply(x, residual, weight, bias)  # the common call: nothing else to check
-        if gate is not None:
-            _check_gate(gate, plan.hidden, dev)
-        seed_t = _seed_value(seed, dev, False) if plan.p else None
-        if plain:
-            if gate is None:
-                return plan.apply(x, residual, weight, bias, None, seed_t)
-            return plan.launches[1 if gate.numel() == 1 else 2].apply(x, residual, weight, bias, gate, seed_t)
-        if _functorch_active():
-            return _composite(plan, x, residual, weight, bias, gate, seed_t)
-        return _via_op(plan, x, residual, weight, bias, gate, seed_t)  # a dispatch mode or a subclass
-    traced = _dispatch_depth() > 0 or type(x) is not Tensor  # a dispatch mode or a subclass
-    if plan.simple and gate is None and not traced:  # s = x + r, then the norm: eager's own ops
-        try:
-            s = x + residual
-            if plan.rms:
-                y = torch.rms_norm(s, plan.shape, weight, plan.eps)
-                if bias is not None:
-                    y = y + _bias_checked(bias, plan.shape)
-            else:
-                y = torch.layer_norm(s, plan.shape, weight, bias, plan.eps, False)
-        except (RuntimeError, TypeError, ValueError, IndexError):
-            _check_tensors(x, residual, weight, bias, gate)  # a clear error for what torch rejected
-            raise
-        return (y, s) if plan.prenorm else y
-    if gate is not None:
-        _check_gate(gate, plan.hidden, x.device)
-    if traced:
-        return _via_op(
-            plan, x, residual, weight, bias, gate, _seed_value(seed, x.device, False) if plan.p else None
-        )
-    if plan.rms and bias is not None:
-        _bias_checked(bias, plan.shape)
-    mult = None
-    if plan.p:
-        if seed is None and plan.np_dtype is not None:
-            # the CPU with no seed given: torch's Bernoulli draws, exactly as nn.Dropout makes them
-            # (a drawn seed's hashed mask costs ~2x a whole eager call here; no other backend draws
-            # the same seed from the same generator, so no equality across backends is lost)
-            mult = torch.empty(xs, dtype=plan.composite.cdt).bernoulli_(1.0 - plan.p).div_(1.0 - plan.p)
-        elif plan.np_dtype is not None:  # the CPU, a given seed: the hashed mask in NumPy, kept for backward
-            rows = x.numel() // plan.hidden
-            keep = dropout_keep_mask_numpy(_seed_value(seed, x.device, True), rows, plan.hidden, plan.p)
-            mult = torch.from_numpy((keep * plan.np_dtype(plan.scale)).reshape(xs))
-        else:
-            mult = dropout_multiplier(_seed_value(seed, x.device, False), x, plan.p, plan.composite.cdt)
-    try:
-        y, s = plan.composite(x, residual, weight, bias, gate, mult)
-    except (RuntimeError, TypeError, ValueError, IndexError):
-        _check_tensors(x, residual, weight, bias, gate)  # a clear error for what torch rejected
-        raise
-    return (y, s) if plan.prenorm else y
+        return plan.traced(x, residual, weight, bias, gate, seed)
+    return plan.run(x, residual, weight, bias, gate, seed)
 
 
 def _bias_checked(bias: Tensor, shape: torch.Size) -> Tensor:
@@ -396,19 +441,6 @@ def _composite(plan: Plan, x, residual, weight, bias, gate, seed_t) -> Tensor | 
     mult = dropout_multiplier(seed_t, x, plan.p, plan.composite.cdt) if plan.p else None
     y, s = plan.composite(x, residual, weight, bias, gate, mult)
     return (y, s) if plan.prenorm else y
-
-
-def _dtensor_call(plan: Plan, x, residual, weight, bias, gate, seed) -> Tensor | tuple[Tensor, Tensor]:
-    """The call on DTensors (:mod:`addnorm.ops.sharded`); without a seed, the dropout's seed is drawn
-    from torch's generator on every rank (seeded alike, they draw the same)."""
-    from . import sharded
-
-    if residual.shape != x.shape:
-        raise ValueError(f"residual: expected the shape of x {tuple(x.shape)}, got {tuple(residual.shape)}")
-    if gate is not None:
-        _check_gate(gate, plan.hidden, x.device)
-    seed_t = _seed_value(seed, x.device, False) if plan.p else None
-    return sharded.add_norm_dtensor(plan, x, residual, weight, bias, gate, seed_t, _via_op)
 
 
 def _via_op(plan: Plan, x, residual, weight, bias, gate, seed_t, rows=None) -> Tensor | tuple[Tensor, Tensor]:

@@ -18,25 +18,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .args import (
-    XHAT_FROM_S,
-    XHAT_FROM_XR,
-    XHAT_FROM_Y,
-    BwdArgs,
-    FwdArgs,
-    op_signature,
-)
+from .args import BwdArgs, FwdArgs, bwd_plan, op_signature
 from .policy import resolve_backend, use_triton_op
 from .torch_path import add_norm_bwd_torch, add_norm_fwd_torch
 
 __all__ = ["TRITON_OP", "add_norm_bwd", "add_norm_fwd"]
 
 
-def _on_triton(backend: str, t: Tensor, dtypes: tuple[torch.dtype, ...]) -> bool:
-    """Whether an op body runs the Triton launchers: the backend resolves to triton, and on the CPU
-    (interpreter) only for real tensors (fake or functional ones, while tracing, take the torch path,
-    which has the same outputs' metadata)."""
-    if resolve_backend(backend, t.device, t.shape[-1], dtypes) != "triton":
+def _on_triton(backend: str, t: Tensor, dtypes: tuple[torch.dtype, ...], norm=None, prenorm=None) -> bool:
+    """Whether an op body runs the Triton launchers: the backend resolves to triton (for this norm and
+    placement where known), and on the CPU (interpreter) only for real tensors (fake or functional
+    ones, while tracing, take the torch path, which has the same outputs' metadata)."""
+    if resolve_backend(backend, t.device, t.shape[-1], dtypes, norm, prenorm) != "triton":
         return False
     return t.device.type == "cuda" or type(t) is Tensor
 
@@ -46,23 +39,23 @@ def _on_triton(backend: str, t: Tensor, dtypes: tuple[torch.dtype, ...]) -> bool
 
 TRITON_OP = use_triton_op()
 if TRITON_OP:  # imported here, so that triton_op's analysis of the op bodies finds the kernels
-    from .triton_add_norm import add_norm_bwd_triton, add_norm_fwd_triton
+    from .triton_launch import add_norm_bwd_triton, add_norm_fwd_triton
 else:  # imported on first use: only where the Triton backend runs (the CPU interpreter)
 
     def add_norm_fwd_triton(a: FwdArgs, *, traceable: bool = False) -> tuple[Tensor, ...]:
-        from . import triton_add_norm
+        from . import triton_launch
 
-        return triton_add_norm.add_norm_fwd_triton(a, traceable=traceable)
+        return triton_launch.add_norm_fwd_triton(a, traceable=traceable)
 
     def add_norm_bwd_triton(a: BwdArgs, *, traceable: bool = False) -> tuple[Tensor, ...]:
-        from . import triton_add_norm
+        from . import triton_launch
 
-        return triton_add_norm.add_norm_bwd_triton(a, traceable=traceable)
+        return triton_launch.add_norm_bwd_triton(a, traceable=traceable)
 
 
 def _fwd_body(a: FwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y, s or empty, mean or empty, rstd) for (..., hidden) x and residual."""
-    if _on_triton(a.backend, a.x, (a.x.dtype, a.residual.dtype, a.s_dtype, a.y_dtype)):
+    if _on_triton(a.backend, a.x, (a.x.dtype, a.residual.dtype, a.s_dtype, a.y_dtype), a.norm, a.prenorm):
         return add_norm_fwd_triton(a, traceable=True)
     return add_norm_fwd_torch(a)
 
@@ -102,25 +95,25 @@ add_norm_bwd = _register("addnorm::add_norm_bwd", add_norm_bwd_op, BwdArgs, 5)
 def _setup_context(ctx, inputs: tuple, output: tuple) -> None:
     a = FwdArgs._make(inputs)
     y, s, mean, rstd = output
-    # Pre-LN keeps s (an output anyway); Post-LN keeps what its xhat_from says: s (S), y (Y: x and
-    # residual too where an affine may make some columns recompute s), or x and residual (XR). x
-    # and residual are references, not copies: the memory cost of one activation.
-    xhat_from = XHAT_FROM_S if a.prenorm else a.xhat_from
-    with_affine = a.weight is not None or a.bias is not None
-    keep_xr = xhat_from == XHAT_FROM_XR or (xhat_from == XHAT_FROM_Y and with_affine)
+    # what the backward reads (args.bwd_plan): s, y, x and residual as its x_hat source needs
+    bp = bwd_plan(
+        a.prenorm, a.xhat_from, a.weight is not None or a.bias is not None, a.gate is not None, a.dropout,
+        a.alpha, a.x.dtype, a.residual.dtype,
+    )  # fmt: skip
     ctx.save_for_backward(
-        a.x if a.gate is not None or keep_xr else None,
-        a.residual if keep_xr else None,
+        a.x if bp.keep_x else None,
+        a.residual if bp.keep_r else None,
         a.weight,
         a.bias,
         a.gate,
         a.seed,
         a.rows,
-        y if xhat_from == XHAT_FROM_Y else s,
+        y if bp.save_y else s,
         mean,
         rstd,
     )
-    ctx.meta = (a.norm, a.alpha, a.dropout_p, a.prenorm, xhat_from, a.x.dtype, a.residual.dtype, a.s_dtype)
+    ctx.meta = (a.norm, a.alpha, a.dropout_p, a.prenorm, bp.xhat_from, a.x.dtype, a.residual.dtype, a.s_dtype)
+    ctx.need_dx = bp.need_dx
     ctx.backend = a.backend
     ctx.set_materialize_grads(False)  # no zero-filled gradients for the outputs that go unused
 
@@ -131,9 +124,7 @@ def _grads(bwd, ctx, dy: Tensor | None, ds: Tensor | None) -> tuple:
     norm, alpha, p, prenorm, xhat_from, x_dtype, res_dtype, s_dtype = ctx.meta
     if dy is None:  # only s was used (Pre-LN: saved is s)
         dy = torch.zeros_like(saved)
-    dropout = seed is not None and p > 0
-    # dx differs from dresidual unless the branch is the identity and the dtypes agree
-    need_dx = dropout or gate is not None or alpha != 1.0 or x_dtype != res_dtype
+    need_dx = ctx.need_dx
     a = BwdArgs(
         dy, ds if prenorm else None, saved, x, residual, weight, bias, gate, seed, rows, mean, rstd,
         xhat_from, norm, alpha, p, x_dtype, res_dtype, s_dtype, need_dx, ctx.backend,

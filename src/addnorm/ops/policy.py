@@ -1,18 +1,23 @@
-"""The fused op's policy, in one place: which backend a call runs on, the environment variables that
-steer it, what the op hands torch.compile, and where a model's Add & Norm runs through the op.
+"""The fused op's policy, in one place: which backend a call runs on, the environment variables that steer
+it, what the op hands torch.compile, and where a model's Add & Norm runs through the op.
 
 :func:`resolve_backend` is the backend rule (an explicit ``backend`` wins, then ``ADDNORM_BACKEND``,
-then Triton for CUDA tensors when triton imports; float64 and rows wider than ``MAX_FUSED_HIDDEN`` fall
-back to torch). ``add_norm`` caches a plan per call signature holding what these rules decided; the
-cache is keyed on :data:`VERSION`, which every change of policy (:func:`read_backend_env`,
-:func:`invalidate`) bumps, so no plan outlives the policy it was made under.
+then Triton for CUDA tensors when triton imports, except for the shapes a recorded table found faster on
+the eager ops; float64 and rows wider than ``MAX_FUSED_HIDDEN`` fall back to torch). ``add_norm`` caches
+a plan per call signature holding what these rules decided; the cache is keyed on :data:`VERSION`, which
+every change of policy (:func:`read_backend_env`, :func:`invalidate`) bumps, so no plan outlives the
+policy it was made under.
 
 :func:`fused_op_preferred` is the one rule that a model's fusion decision (the residual stream's
-held-back adds, a Post-LN connection's add and norm) asks about the device and the dropout; the op
-itself picks its backend. :func:`compile_path` is what ``addnorm.ops.add_norm`` gives Inductor while
-``torch.compile`` traces it: its composite of torch ops (``"composite"``, the default) or the
-registered op with the Triton kernels (``"kernel"``). Both drop the same elements (the hashed mask of
-(seed, row, column)), so the choice never changes a result beyond rounding.
+held-back adds, a Post-LN connection's add and norm) asks about the device and the dropout; the op itself
+picks its backend. Where the fused op is slower than the eager ops is one data table, :data:`MEASURED`:
+each row a case a recorded table under ``benchmarks/results`` shows (the device it was measured on, the
+number, the file), read by :func:`eager_faster` for the model's choice, the op's ``auto`` backend and
+(:func:`eager_faster_at_size`) a model's calls of a given size. :func:`compile_path` is what
+``addnorm.ops.add_norm`` gives Inductor while ``torch.compile`` traces it: its composite of torch ops
+(``"composite"``, the default) or the registered op with the Triton kernels (``"kernel"``). Both drop
+the same elements (the hashed mask of (seed, row, column)), so the choice never changes a result beyond
+rounding.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import os
 import sys
 import warnings
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
@@ -31,8 +37,12 @@ from .args import MAX_FUSED_HIDDEN, TRITON_DTYPES, interpreting
 __all__ = [
     "BACKENDS",
     "COMPILE_PATHS",
+    "MEASURED",
     "VERSION",
+    "Measured",
     "compile_path",
+    "eager_faster",
+    "eager_faster_at_size",
     "fused_op_preferred",
     "invalidate",
     "is_dtensor",
@@ -99,10 +109,14 @@ def _warn_once(msg: str) -> None:
         warnings.warn(msg, RuntimeWarning, stacklevel=4)
 
 
-def resolve_backend(backend: str, device: torch.device, hidden: int, dtypes: tuple[torch.dtype, ...]) -> str:
+def resolve_backend(
+    backend: str, device: torch.device, hidden: int, dtypes: tuple[torch.dtype, ...],
+    norm: str | None = None, prenorm: bool | None = None,
+) -> str:  # fmt: skip
     """``"torch"`` or ``"triton"`` for a call: an explicit ``backend`` wins, then ``ADDNORM_BACKEND``
-    (see :func:`read_backend_env`), then auto (triton for CUDA tensors when triton imports). Rows
-    wider than ``MAX_FUSED_HIDDEN`` and float64 fall back to torch."""
+    (see :func:`read_backend_env`), then auto (triton for CUDA tensors when triton imports, except
+    where :data:`MEASURED` found the eager ops faster for this ``norm``, placement (``prenorm``) and
+    hidden size). Rows wider than ``MAX_FUSED_HIDDEN`` and float64 fall back to torch."""
     if backend == "auto":
         backend = _ENV_BACKEND
         if backend not in BACKENDS:
@@ -110,6 +124,7 @@ def resolve_backend(backend: str, device: torch.device, hidden: int, dtypes: tup
         if backend == "auto":
             ok = device.type == "cuda" and triton_available()
             ok = ok and hidden <= MAX_FUSED_HIDDEN and all(d in TRITON_DTYPES for d in dtypes)
+            ok = ok and not eager_faster(device.type, hidden=hidden, norm=norm, prenorm=prenorm)
             return "triton" if ok else "torch"
     if backend == "torch":
         return "torch"
@@ -121,7 +136,7 @@ def resolve_backend(backend: str, device: torch.device, hidden: int, dtypes: tup
             "the CPU with TRITON_INTERPRET=1 set before triton is imported; use backend='torch' or 'auto'"
         )
     if device.type == "cpu":
-        from .triton_add_norm import kernels_are_interpreted
+        from .triton_kernels import kernels_are_interpreted
 
         if not kernels_are_interpreted():
             raise RuntimeError(
@@ -147,14 +162,82 @@ COMPILE_PATHS = ("composite", "kernel")
 # compiled unfused model at no extra memory; bench_lm_step.py --compile-paths both revisits it.
 _compile_path = "composite"
 
-# fused_op_preferred(device type, dropout) -> bool, from benchmarks/bench_host_overhead.py on the CPU
-# (benchmarks/results/host_overhead_cpu.md; tiny Pre-LN LM step, dropout 0.1, one thread): the op forced
-# wherever the model can fuse was 1.06x the unfused step, the unfused modules the faster; without
-# dropout the op runs the unfused modules' own torch ops and saves their Python. On a GPU the op
-# everywhere (benchmarks/results/gpu_h100.md, H100, 2026-11-24): LM step with dropout 0.1 eager 0.985x
-# unfused (within the runs' ~2% spread), compiled 1.009x; HF Llama without dropout 1.048x; 2-7% less
-# peak memory in each.
-_RULE = {("cpu", True): False}
+
+class Measured(NamedTuple):
+    """A recorded case where the eager ops ran faster than the fused op, and the rule it gives: on
+    ``device_type``, a call matching every field that is not None (the norm, Pre-LN or not, branch
+    dropout active or not, the hidden size from ``min_hidden``, at most ``max_numel`` elements per
+    call) is left to the eager ops. ``ratio`` is the fused time over the eager time measured on
+    ``device``; ``evidence`` is the line of ``benchmarks/results/<source>`` that gives it."""
+
+    device_type: str
+    device: str
+    norm: str | None
+    prenorm: bool | None
+    dropout: bool | None
+    min_hidden: int
+    max_numel: int | None
+    ratio: float
+    evidence: str
+    source: str
+
+
+# The cases the recorded tables show the op slower than eager by more than the runs' spread (SPREAD:
+# identical fused=False models timed side by side differed by up to ~2% on the H100, lm_step_cuda.md,
+# gpu_h100.md; so the d_model-1024 LM's 0.985x in eager mode is a tie, and the op stays there for its
+# 2-7% less peak memory). A GPU session that re-measures (make gpu-bench) edits these rows.
+SPREAD = 0.02
+MEASURED = (
+    # a tiny Pre-LN LM step on 2 CPU cores (d_model 64, dropout 0.1): the hashed NumPy mask costs more
+    # than nn.Dropout; without dropout the op runs the unfused modules' own torch ops
+    Measured("cpu", "CPU AMD EPYC, 2 logical cores", None, None, True, 0, None, 1.061,
+             "27781 us, 1.061x fused=False", "host_overhead_cpu.md"),
+    # the same step on the H100 (8 x 16 tokens x d_model 64 = 8192 elements a call), host-bound: a
+    # fused call cost 2.0-3.0x eager's host time at 8 x 64 (issue 30 item 4 works on that)
+    Measured("cuda", "NVIDIA H100 80GB HBM3", None, None, None, 0, 8192, 1.278,
+             "10518 us, 1.278x fused=False", "host_overhead_cuda.md"),
+    # the op alone, bf16, 2**27 elements: Post-LN LayerNorm at hidden 16384, fwd+bwd 0.64x eager's speed
+    # (1.15x at 4096) with the column-chunked backward of commit fcabca7, since replaced by the sliced
+    # one (launch_config): to be re-measured
+    Measured("cuda", "NVIDIA H100 80GB HBM3", "layernorm", False, None, 16384, None, 1 / 0.64,
+             "layernorm post bfloat16 h=16384", "gpu_suite_nvidia_h100_80gb_hbm3.md"),
+)  # fmt: skip
+
+
+def eager_faster(
+    device_type: str, *, hidden: int | None = None, numel: int | None = None, norm: str | None = None,
+    prenorm: bool | None = None, dropout: bool | None = None,
+) -> bool:  # fmt: skip
+    """Whether a row of :data:`MEASURED` says the eager ops are faster than the fused op for a call
+    like this on ``device_type`` (a row's field counts only where the caller gives it: a row bounded
+    in ``numel`` needs ``numel``, a LayerNorm row needs ``norm``)."""
+    return any(
+        _covers(m, hidden, numel, norm, prenorm, dropout) for m in _MEASURED_BY_DEVICE.get(device_type, ())
+    )
+
+
+def eager_faster_at_size(device_type: str, numel: int, dropout: bool) -> bool:
+    """:func:`eager_faster` over the rows bounded in the call's size only (elements a call): what a
+    model asks per call beside :func:`fused_op_preferred`, which covers the rows without a bound."""
+    rows = _MEASURED_BY_DEVICE.get(device_type, ())
+    return any(m.max_numel is not None and _covers(m, None, numel, None, None, dropout) for m in rows)
+
+
+def _covers(m: Measured, hidden, numel, norm, prenorm, dropout) -> bool:
+    return (
+        (m.norm is None or m.norm == norm)
+        and (m.prenorm is None or m.prenorm is prenorm)
+        and (m.dropout is None or m.dropout is dropout)
+        and (not m.min_hidden or (hidden is not None and hidden >= m.min_hidden))
+        and (m.max_numel is None or (numel is not None and numel <= m.max_numel))
+    )
+
+
+_MEASURED_BY_DEVICE: dict[str, tuple[Measured, ...]] = {}
+for _m in MEASURED:
+    _MEASURED_BY_DEVICE[_m.device_type] = (*_MEASURED_BY_DEVICE.get(_m.device_type, ()), _m)
+# fused_op_preferred's answer per (device type, dropout), from the rows that need nothing else
+_PREFERRED = {(t, d): not eager_faster(t, dropout=d) for t in ("cpu", "cuda") for d in (False, True)}
 
 
 def compile_path() -> str:
@@ -192,16 +275,19 @@ def fused_op_preferred(device: torch.device, *, dropout: bool, sharded: bool = F
     mask (DTensor's RNG tracker is CUDA-only): shards of one tensor get the same mask, replicas
     different ones.
 
-    The rule, from measurements (``benchmarks/results/host_overhead_cpu.md``): the op everywhere
-    except on the CPU with dropout, where the unfused modules are faster. It reads only the device
-    and the call's dropout, never hooks or observers. What it means for dropout masks: on a GPU the
+    The rule is :data:`MEASURED`'s, the recorded cases where the eager ops were faster
+    (:func:`eager_faster`): here the op everywhere except on the CPU with dropout
+    (``benchmarks/results/host_overhead_cpu.md``); a row bounded in the call's size (the H100's tiny
+    calls) is asked by ``AddNorm.add_fusion`` with the stream's element count, and the op's own
+    ``auto`` backend asks the rows bounded in the hidden size (:func:`resolve_backend`). It reads only
+    the device and the call's dropout, never hooks or observers. What it means for dropout masks: on a GPU the
     fused op drops by a hash of (seed, row, column), the seed drawn from torch's generator; on the
     CPU the unfused path draws ``nn.Dropout``'s mask from torch's RNG stream, so a CPU model with
     dropout is exactly its ``fused=False`` twin. Same distribution, different elements, each
     reproducible under ``torch.manual_seed``. Without dropout (eval, p = 0) both paths compute the
     same function. Under ``torch.compile`` the op hands Inductor its composite by default
     (:func:`compile_path`)."""
-    return sharded or _RULE.get((torch.device(device).type, bool(dropout)), True)
+    return sharded or _PREFERRED.get((torch.device(device).type, bool(dropout)), True)
 
 
 def is_dtensor(t: object) -> bool:

@@ -50,10 +50,11 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.compiler import is_compiling
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.experimental import register_sharding
 
-from .args import BwdArgs, FwdArgs
+from .args import BwdArgs, FwdArgs, needs_dx
 from .library import add_norm_bwd, add_norm_fwd
 from .reference import dropout_keep_mask
 from .torch_path import _stream, branch_grads, compute_dtype
@@ -294,12 +295,7 @@ def _tensor_parallel(plan, x, residual, weight, bias, gate, seed_t, tp: int, lea
     counts = chunk_sizes(hidden, k)
     coord = mesh.get_local_rank(tp)
     col0, n = sum(counts[:coord]), counts[coord]
-    x_l, r_l = x.to_local(), residual.to_local()
-    if x_l.shape[-1] != n:
-        raise ValueError(
-            f"x: this rank holds {x_l.shape[-1]} of the {hidden} columns, DTensor's Shard would give it {n} "
-            "(a DTensor built with from_local and uneven shards of its own): redistribute it"
-        )
+    x_l, r_l = x.to_local(), residual.to_local()  # their columns are checked inside the collective's guard
     w_l, b_l, g_l = (_local_param(t, x, tp, col0, n) for t in (weight, bias, gate))
     rows = None
     if plan.p and lead:  # rows sharded too: their global indices for the dropout hash
@@ -317,21 +313,77 @@ def _tensor_parallel(plan, x, residual, weight, bias, gate, seed_t, tp: int, lea
     return y, DTensor.from_local(s_l, mesh, placements, run_check=False, shape=x.shape, stride=stride)
 
 
+def _exchange(call: TPCall, mine: Tensor | None, failure: Exception | None, rows: int, device, gather: bool):
+    """The collective of a tensor-parallel step, joined by every rank whatever happened before it:
+    ``mine`` is this rank's per-row numbers ((rows,) for RMSNorm, (rows, 2) for LayerNorm, in
+    ``call.cdt``), or None where computing them raised ``failure``, and the rank sends zeros instead.
+    One more row carries each rank's failure flag, so a failure on one rank is an error on every rank
+    right after the same collective, never ranks waiting for one that left (the failing rank raises
+    its own error, the others a RuntimeError saying so). Returns the all-gathered (k, rows, ...)
+    numbers (``gather``) or the all-reduced (rows, ...). The flag is read on the host (on CUDA a wait
+    for the collective); a graph torch.compile traces has no Python to catch a failure in, and
+    exchanges the numbers alone."""
+    width, k = (() if call.rms else (2,)), len(call.counts)
+    if is_compiling():
+        if gather:
+            out = mine.new_empty((k * rows, *width))
+            _all_gather(out, mine, group=call.group)
+            return out.view(k, rows, *width)
+        dist.all_reduce(mine, group=call.group)
+        return mine
+    if failure is not None:
+        mine = torch.zeros((rows, *width), dtype=call.cdt, device=device)
+    flag = mine.new_zeros((1, *width))
+    if failure is not None:
+        flag.view(-1)[0] = 1.0
+    payload = torch.cat([mine, flag])
+    if gather:
+        out = payload.new_empty((k * (rows + 1), *width))
+        _all_gather(out, payload, group=call.group)
+        every = out.view(k, rows + 1, *width)
+        failed = every[:, rows].reshape(k, -1)[:, 0].tolist()
+        result = every[:, :rows]
+    else:
+        dist.all_reduce(payload, group=call.group)
+        failed = payload[rows:].reshape(-1)[:1].tolist()
+        result = payload[:rows]
+    if failure is not None:
+        raise failure
+    if any(failed):
+        which = f"rank {failed.index(1.0)} of the group" if gather else "another rank"
+        raise RuntimeError(
+            f"add_norm: {which} sharding the hidden dimension failed before the "
+            f"{'row sums' if not gather and not call.rms else 'statistics'}' collective (its own error says "
+            "why); this rank stops too"
+        )
+    return result
+
+
 def _combine(call: TPCall, stats: Tensor) -> tuple[Tensor | None, Tensor]:
-    """The whole rows' (mean or None, rstd) from every rank's per-row statistics of its columns:
-    RMSNorm sum(s^2) (rows,), all-reduced; LayerNorm (mean, M2) (rows, 2), all-gathered and merged
-    with the column counts (sums of squares about the means: no cancellation)."""
+    """The whole rows' (mean or None, rstd) from every rank's per-row statistics of its columns
+    (exchanged by :func:`_exchange`): RMSNorm sum(s^2) (rows,), all-reduced; LayerNorm (mean, M2)
+    (k, rows, 2), all-gathered, merged with the column counts (sums of squares about the means: no
+    cancellation)."""
     if call.rms:
-        dist.all_reduce(stats, group=call.group)
         return None, torch.rsqrt(stats / call.hidden + call.eps)
-    k, rows = len(call.counts), stats.shape[0]
-    out = stats.new_empty(k * rows, 2)
-    _all_gather(out, stats, group=call.group)
-    every = out.view(k, rows, 2)
-    n = torch.tensor(call.counts, dtype=stats.dtype, device=stats.device).view(k, 1)
-    mean = (n * every[..., 0]).sum(0) / call.hidden
-    m2 = every[..., 1].sum(0) + (n * (every[..., 0] - mean).square()).sum(0)
+    n = _counts(call.counts, stats.dtype, stats.device)
+    mean = (n * stats[..., 0]).sum(0) / call.hidden
+    m2 = stats[..., 1].sum(0) + (n * (stats[..., 0] - mean).square()).sum(0)
     return mean, torch.rsqrt(m2 / call.hidden + call.eps)
+
+
+_COUNTS: dict[tuple, Tensor] = {}
+
+
+def _counts(counts: tuple[int, ...], dtype: torch.dtype, device) -> Tensor:
+    """The ranks' column counts as a (k, 1) tensor, cached (no host-to-device copy per call)."""
+    key = (counts, dtype, device)
+    t = _COUNTS.get(key)
+    if t is None:
+        t = _COUNTS[key] = torch.tensor(counts, dtype=dtype, device=device).view(-1, 1)
+        if len(_COUNTS) > 64:
+            _COUNTS.pop(next(iter(_COUNTS)))
+    return t
 
 
 def _keep(call: TPCall, seed: Tensor | None, rows: Tensor | None, nrows: int, device) -> Tensor | None:
@@ -405,14 +457,25 @@ class TensorParallelAddNorm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, gate, seed, rows, call: TPCall):
-        shape, n = x.shape, x.shape[-1]
-        x2, r2 = x.reshape(-1, n), residual.reshape(-1, n)
+        shape, n = x.shape, call.n
+        nrows = math.prod(shape[:-1])  # reshaped with the row count: a rank may hold no columns
         if call.triton:
             from . import triton_sharded as impl
 
-            s_out, stats = impl.stats(call, x2, r2, gate, seed, rows)
-        else:
-            s_out, stats = _stats_torch(call, x2, r2, gate, seed, rows)
+        failure = None
+        try:  # this rank's part before the collective: a failure joins it (_exchange), then raises
+            if x.shape[-1] != n:
+                raise ValueError(
+                    f"x: this rank holds {x.shape[-1]} of the {call.hidden} columns, DTensor's Shard would "
+                    f"give it {n} (a DTensor built with from_local and uneven shards of its own): "
+                    "redistribute it"
+                )
+            x2, r2 = x.reshape(nrows, n), residual.reshape(nrows, n)
+            stats_of = impl.stats if call.triton else _stats_torch
+            s_out, stats = stats_of(call, x2, r2, gate, seed, rows)
+        except Exception as e:
+            failure, s_out, stats = e, None, None
+        stats = _exchange(call, stats, failure, nrows, x.device, not call.rms)
         mean, rstd = _combine(call, stats)
         if call.triton:
             y = impl.normalise(call, s_out, mean, rstd, weight, bias)
@@ -422,25 +485,28 @@ class TensorParallelAddNorm(torch.autograd.Function):
             x if gate is not None else None, weight, bias, gate, seed, rows, s_out, mean, rstd
         )
         ctx.call, ctx.shape = call, shape
-        # dx differs from dresidual unless the branch is the identity and the dtypes agree
-        ctx.need_dx = bool(call.p) or gate is not None or call.alpha != 1.0 or call.x_dtype != call.res_dtype
+        ctx.need_dx = needs_dx(bool(call.p), gate is not None, call.alpha, call.x_dtype, call.res_dtype)
         ctx.set_materialize_grads(False)
         return y.reshape(shape), s_out.reshape(shape)
 
     @staticmethod
     def backward(ctx, dy, ds):
         x, weight, bias, gate, seed, rows, s_out, mean, rstd = ctx.saved_tensors
-        call, shape, n = ctx.call, ctx.shape, s_out.shape[-1]
-        dy = torch.zeros_like(s_out) if dy is None else dy.reshape(-1, n)
-        ds = None if ds is None else ds.reshape(-1, n)
-        x2 = None if x is None else x.reshape(-1, n)
+        call, shape = ctx.call, ctx.shape
+        nrows, n = s_out.shape
+        dy = torch.zeros_like(s_out) if dy is None else dy.reshape(nrows, n)
+        ds = None if ds is None else ds.reshape(nrows, n)
+        x2 = None if x is None else x.reshape(nrows, n)
         if call.triton:
             from . import triton_sharded as impl
 
-            sums = impl.sums(call, dy, s_out, mean, rstd, weight)
-        else:
-            sums = _sums_torch(call, dy, s_out, mean, rstd, weight)
-        dist.all_reduce(sums, group=call.group)
+        failure = None
+        try:  # as in forward: a failure joins the collective, then raises
+            sums_of = impl.sums if call.triton else _sums_torch
+            sums = sums_of(call, dy, s_out, mean, rstd, weight)
+        except Exception as e:
+            failure, sums = e, None
+        sums = _exchange(call, sums, failure, nrows, s_out.device, False)
         args = (call, dy, ds, s_out, x2, weight, bias, gate, seed, rows, mean, rstd, sums, ctx.need_dx)
         dx, dres, dw, db, dg = impl.grads(*args) if call.triton else _grads_torch(*args)
         dres = dres.reshape(shape)

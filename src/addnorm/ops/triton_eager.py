@@ -10,47 +10,43 @@ contract and gradients as the registered op ``addnorm::add_norm_fwd``, without i
 schema's sixteen arguments or separate mean/rstd outputs (the statistics stay in one buffer, or
 where the backward has s, nowhere: it recomputes them).
 
-This module imports triton (through ``triton_add_norm``): import it lazily.
+This module imports triton (through ``triton_launch``): import it lazily.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y
-from .triton_add_norm import bwd_spec, fwd_launcher, fwd_spec
+from .args import XHAT_FROM_Y, bwd_plan
+from .triton_launch import bwd_spec, fwd_launcher, fwd_spec
 
 __all__ = ["EagerLaunch", "TritonAddNorm"]
 
 
 class EagerLaunch:
     """One plan's eager launch for one gate kind (0 none, 1 one element, 2 a vector): the forward's
-    spec, the backward's with and without a gradient at s, what the forward keeps, and ``apply``, the
-    call: ``apply(x, residual, weight, bias[, gate[, seed]])`` -> y or (y, s)."""
+    spec, the backward's with and without a gradient at s, what the forward keeps (the plan's
+    :func:`~addnorm.ops.args.bwd_plan` for this gate kind), and ``apply``, the call:
+    ``apply(x, residual, weight, bias[, gate[, seed]])`` -> y or (y, s)."""
 
     __slots__ = ("apply", "bwd", "bwd_ds", "fwd", "keep_r", "keep_x", "prenorm", "save_y")
 
     def __init__(self, plan, x_dtype, res_dtype, has_w: bool, has_b: bool, gate_code: int):
         n, p, prenorm = plan.hidden, plan.p, plan.prenorm
-        xhat_from = XHAT_FROM_S if prenorm else plan.xhat_from
-        self.prenorm = prenorm
-        # x and residual are kept where s is recomputed from them (references: the memory cost of
-        # one activation), x also for the gate's gradient; y is kept where x_hat comes from it
-        keep_xr = xhat_from == XHAT_FROM_XR or (xhat_from == XHAT_FROM_Y and (has_w or has_b))
-        self.keep_x, self.keep_r = keep_xr or gate_code != 0, keep_xr
-        self.save_y = xhat_from == XHAT_FROM_Y
-        # dx differs from dresidual unless the branch is the identity and the dtypes agree
-        need_dx = p > 0 or gate_code != 0 or plan.alpha != 1.0 or x_dtype != res_dtype
+        bp = bwd_plan(
+            prenorm, plan.xhat_from, has_w or has_b, gate_code != 0, p > 0, plan.alpha, x_dtype, res_dtype
+        )
+        self.prenorm, self.keep_x, self.keep_r, self.save_y = prenorm, bp.keep_x, bp.keep_r, bp.save_y
         args = (n, plan.norm, plan.alpha, p, has_w, has_b, gate_code)
-        rest = (xhat_from, plan.s_dtype, x_dtype, res_dtype, need_dx, plan.eps)
+        rest = (bp.xhat_from, plan.s_dtype, x_dtype, res_dtype, bp.need_dx, plan.eps)
         self.bwd = bwd_spec(*args, False, *rest)
         self.bwd_ds = bwd_spec(*args, True, *rest) if prenorm else self.bwd
         # the statistics in one buffer where the backward reads them: x_hat from y, or rows in column
-        # chunks; else none (the backward recomputes them from s: an allocation fewer per call)
-        stats = "packed" if xhat_from == XHAT_FROM_Y or self.bwd.chunked else "none"
+        # slices; else none (the backward recomputes them from s: an allocation fewer per call)
+        stats = "packed" if bp.xhat_from == XHAT_FROM_Y or self.bwd.split else "none"
         self.fwd = fwd_spec(
-            n, plan.norm, plan.eps, plan.alpha, p, has_w, has_b, gate_code,
-            prenorm or xhat_from == XHAT_FROM_S, plan.s_dtype, plan.y_dtype, stats,
+            n, plan.norm, plan.eps, plan.alpha, p, has_w, has_b, gate_code, bp.store_s, plan.s_dtype,
+            plan.y_dtype, stats,
         )  # fmt: skip
         self.apply = _function_for(self)
 
@@ -60,7 +56,7 @@ class TritonAddNorm(torch.autograd.Function):
     its own (:func:`_function_for`) whose ``forward``/``backward`` hold the launch's specs and choices
     as constants: ``apply`` then takes only the tensors (each argument costs ``apply`` time) and the
     call looks nothing up. The ``forward`` is the forward spec's launcher itself
-    (:func:`~addnorm.ops.triton_add_norm.fwd_launcher`, told what the backward keeps: it saves
+    (:func:`~addnorm.ops.triton_launch.fwd_launcher`, told what the backward keeps: it saves
     (x, residual, weight, bias, gate, seed, y or s, the statistics), x and residual None where not
     kept), so a call runs one Python frame of ours inside ``apply``. The old-style ``forward(ctx,
     ...)``: a ``setup_context`` method would make ``apply`` inspect the signature on every call."""

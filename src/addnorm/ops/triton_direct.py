@@ -1,0 +1,101 @@
+"""Launching a JIT kernel's compiled variant directly, without ``kernel[grid](...)``'s per-call work.
+
+Per call, ``JITFunction.run`` (Triton 3.4+) reads three knobs, looks up the current device and stream,
+runs the pre-run hooks, binds and specialises every argument (a generated binder: a dict of ~35
+arguments and a native call per argument), builds and looks up a cache key (``str`` of the options
+dict), checks the kernel's globals, builds the launch metadata and then calls the compiled kernel's
+launcher. On a CPU with the driver faked (``benchmarks/bench_host_overhead.py --jit-launch``) that is
+~12 us a launch, more than the rest of a small fused call. A launcher that knows its arguments' kinds
+knows which of them can change the specialisation from call to call (the dtypes and 16-byte alignment
+of the tensors it is given, the class of its varying integers: 1, a multiple of 16, 64-bit), keys the
+compiled kernels on those, and launches the one ``run`` returned for the first such call with the
+arguments ``run`` would pass it (all of the kernel's parameters, its defaults included, the launch
+metadata and the launch hooks).
+
+Engaged only where this Triton's ``run`` launches that way (:data:`SUPPORTED`, read once from its
+source), for ``JITFunction`` kernels (never the interpreter's, never a benchmark's stub) without
+pre-run hooks; anything else takes ``kernel[grid](...)``.
+
+This module imports triton at import time: import it lazily (only ``ops/triton*`` modules do).
+"""
+
+from __future__ import annotations
+
+import inspect
+
+from triton.runtime.jit import JITFunction
+
+__all__ = ["SUPPORTED", "DirectLaunch", "defaults_of", "int_kind"]
+
+
+def _run_launches_directly() -> bool:
+    """Whether ``JITFunction.run`` launches a compiled kernel as :meth:`DirectLaunch.__call__` does."""
+    try:
+        src = inspect.getsource(JITFunction.run)
+        from triton import knobs
+        from triton.runtime.driver import driver
+    except (ImportError, OSError, TypeError):
+        return False
+    return (
+        "kernel.launch_metadata(grid, stream, *bound_args.values())" in src
+        and "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata," in src
+        and "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())" in src
+        and hasattr(knobs, "runtime")
+        and hasattr(type(driver), "active")  # a property: reading it would start the driver
+    )
+
+
+SUPPORTED = _run_launches_directly()
+
+
+def defaults_of(kernel) -> tuple:
+    """The defaults of a JIT kernel's trailing parameters (those with one), in order."""
+    params = inspect.signature(kernel.fn).parameters.values()
+    return tuple(p.default for p in params if p.default is not inspect.Parameter.empty)
+
+
+def int_kind(v: int) -> int:
+    """What Triton's specialisation of an integer argument depends on: 1 (a constant), a multiple of 16,
+    64-bit."""
+    return (v == 1) | ((v & 15 == 0) << 1) | ((v >> 31 != 0) << 2)
+
+
+class DirectLaunch:
+    """One launch spec's compiled kernels, keyed by (device, the call's specialisation facts), each the
+    kernel ``JITFunction.run`` launched for the first call with that key. ``launch(kernel, key, grid,
+    args, options)`` launches ``kernel`` on ``grid`` (one or two dimensions) with the positional
+    ``args`` (every parameter without a default, in order) and the launch ``options``; ``defaults``
+    (:func:`defaults_of` the kernel) follow ``args`` in the direct launch, as ``run`` binds them."""
+
+    __slots__ = ("compiled", "defaults")
+
+    def __init__(self, defaults: tuple) -> None:
+        self.compiled: dict = {}
+        self.defaults = defaults  # the kernel's trailing parameters' defaults, which run() passes too
+
+    def launch(self, kernel, key, grid: tuple, args: tuple, options: dict) -> None:
+        from triton import knobs
+        from triton.runtime.driver import driver
+
+        active = driver.active
+        device = active.get_current_device()
+        ck = self.compiled.get((device, key))
+        if ck is None:  # the normal launch (compiling on a first call), which returns the kernel it ran
+            ck = kernel.run(*args, grid=grid, warmup=False, **options)
+            if (
+                ck is not None
+                and not kernel.pre_run_hooks
+                and hasattr(ck, "function")
+                and hasattr(ck, "packed_metadata")
+                and len(self.compiled) < 64
+            ):
+                self.compiled[device, key] = ck
+            return
+        stream = active.get_current_stream(device)
+        full = (*args, *self.defaults)
+        runtime = knobs.runtime
+        ck.run(
+            grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, ck.function, ck.packed_metadata,
+            ck.launch_metadata(grid, stream, *full), runtime.launch_enter_hook, runtime.launch_exit_hook,
+            *full,
+        )  # fmt: skip

@@ -1,0 +1,298 @@
+"""The fused Add & Norm's Triton kernels (CUDA, or the CPU interpreter): the forward and the backward
+of one device, built from the tile helpers of :mod:`addnorm.ops.triton_tiles`.
+
+Forward, per tile of ``BLOCK_M`` rows x ``BLOCK_N`` columns (rows of at most ``BLOCK_N`` columns: one
+pass, the row in registers; wider rows in column chunks, two passes)::
+
+    s = alpha * r + g * dropout(x)   (rounded to s's dtype)      y = N(s) = w * x_hat + b
+    LayerNorm: x_hat = (s - mean) * rstd, rstd = 1 / sqrt(var + eps)   (Ba et al. 2016)
+    RMSNorm:   x_hat = s * rstd,          rstd = 1 / sqrt(mean(s^2) + eps)   (Zhang & Sennrich 2019)
+
+Chunked statistics merge per-chunk means and centred sums of squares (Chan et al. 1979), so the
+variance never comes from E[s^2] - mean^2. The per-row statistics go to MEAN and RSTD, or (MEAN None,
+the eager path) into one buffer, the rstds then the means; with RSTD None too (the eager path where
+the backward has s and goes in one pass) nowhere: the backward recomputes them from s with the
+forward's operations.
+
+Backward, with g = w * dy and x_hat from s (saved), from y (x_hat = (y - b) / w where w_j != 0 and
+|b_j| <= |w_j|, see ``reference.xhat_from_y_ok``) or from s recomputed from x and residual::
+
+    LayerNorm: ds = rstd * (g - x_hat * mean(x_hat * g) - mean(g))
+    RMSNorm:   ds = rstd * (g - x_hat * mean(x_hat * g))
+
+The backward's program (j, p) takes column slice j of a contiguous run p of row tiles (one slice, the
+whole row, up to ``launch_config.BWD_MAX_ONE_PASS`` columns) and accumulates that slice's dweight /
+dbias / dgate over its rows in registers, in fp32, written once as row p of per-program partial sums
+(summed afterwards by torch: deterministic, no atomics; a single program per slice, for few rows,
+writes the gradients themselves). A row of several slices needs the row sums mean(x_hat * g) and
+mean(g) of every slice: each slice's program reads the row's other slices for them (only the sums,
+not the gradients), each while that slice's own program reads it, so the row's data comes from memory
+once and from L2 after; per element the backward then reads dy, x_hat's source (s, y, or x and
+residual) and the gradient at s once, writes dresidual (and dx) once, and reads back no partial sum.
+The dropout mask is regenerated from the seed with the hash of
+:func:`addnorm.ops.reference.dropout_keep_mask`, bit for bit.
+
+Which configuration a launch uses is :mod:`addnorm.ops.launch_config`'s; the launches themselves are
+:mod:`addnorm.ops.triton_launch`'s. The kernels keep the names they have in profiler traces and in
+``torch.library.triton_op``'s kernel list (``_add_norm_fwd_kernel``, ``_add_norm_bwd_kernel``); the
+other modules use the public names :data:`fwd_kernel` and :data:`bwd_kernel`.
+
+This module imports triton at import time: import it lazily (only ``ops/triton*`` modules do).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_tiles import (
+    dsum_tile,
+    hash_rows,
+    load_vec,
+    mean_at,
+    merge_chunk,
+    normalize,
+    row_slices_sums,
+    row_stats,
+    store_col_sums,
+    store_dx,
+    stream_tile,
+    tile_keep,
+    xhat_tile,
+)
+
+__all__ = ["bwd_kernel", "fwd_kernel", "kernels_are_interpreted"]
+
+
+@triton.jit
+def _add_norm_fwd_kernel(
+    X,
+    R,
+    W,
+    B,
+    G,
+    SEED,
+    Y,
+    S,
+    MEAN,
+    RSTD,
+    stride_x,
+    stride_r,
+    n_rows,
+    N,
+    n_chunks,
+    eps,
+    alpha,
+    drop_thr,
+    drop_scale,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    GATE: tl.constexpr,  # 0 none, 1 scalar (ReZero), 2 vector (LayerScale)
+    DROPOUT: tl.constexpr,
+    STORE_S: tl.constexpr,
+    S_CODE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNKED: tl.constexpr,  # rows wider than BLOCK_N: n_chunks column chunks, two passes
+    ROWS=None,  # the rows' indices for the dropout hash (int64, one per row) where ROW_IDS
+    ROW_IDS: tl.constexpr = False,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
+    lane = tl.arange(0, BLOCK_N)[None, :]  # [1, BLOCK_N]
+    if not CHUNKED:
+        col_ok = lane < N
+        m = row_ok & col_ok
+        keep = tile_keep(SEED, ids, lane, m, drop_thr, DROPOUT)
+        s = stream_tile(
+            X,
+            R,
+            G,
+            keep,
+            rows64,
+            lane,
+            col_ok,
+            m,
+            stride_x,
+            stride_r,
+            alpha,
+            drop_scale,
+            GATE,
+            DROPOUT,
+            S_CODE,
+        )
+        if STORE_S:
+            tl.store(S + rows64 * N + lane, s.to(S.dtype.element_ty), mask=m)
+        mean, rstd, xhat = normalize(s, m, N, eps, IS_RMS)
+        y = xhat * load_vec(W, lane, col_ok, 1.0, HAS_W) + load_vec(B, lane, col_ok, 0.0, HAS_B)
+        tl.store(Y + rows64 * N + lane, y.to(Y.dtype.element_ty), mask=m)
+    else:
+        # pass 1: s chunk by chunk (stored when STORE_S), statistics merged across chunks
+        mean = tl.zeros((BLOCK_M,), tl.float32)
+        m2 = tl.zeros((BLOCK_M,), tl.float32)
+        for c in range(n_chunks):
+            cols = c * BLOCK_N + lane
+            col_ok = cols < N
+            m = row_ok & col_ok
+            keep = tile_keep(SEED, ids, cols, m, drop_thr, DROPOUT)
+            s = stream_tile(
+                X,
+                R,
+                G,
+                keep,
+                rows64,
+                cols,
+                col_ok,
+                m,
+                stride_x,
+                stride_r,
+                alpha,
+                drop_scale,
+                GATE,
+                DROPOUT,
+                S_CODE,
+            )
+            if STORE_S:
+                tl.store(S + rows64 * N + cols, s.to(S.dtype.element_ty), mask=m)
+            if IS_RMS:
+                m2 += tl.sum(s * s, axis=1)
+            else:
+                mean, m2 = merge_chunk(mean, m2, s, m, c, N, BLOCK_N)
+        rstd = 1.0 / tl.sqrt(m2 / N + eps)
+        if STORE_S:
+            tl.debug_barrier()  # pass 2 reads s written by other threads of this program
+        # pass 2: s again (reloaded, or recomputed from x and r: both L2-resident by now), then y
+        for c in range(n_chunks):
+            cols = c * BLOCK_N + lane
+            col_ok = cols < N
+            m = row_ok & col_ok
+            if STORE_S:
+                s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+            else:
+                keep = tile_keep(SEED, ids, cols, m, drop_thr, DROPOUT)
+                s = stream_tile(
+                    X,
+                    R,
+                    G,
+                    keep,
+                    rows64,
+                    cols,
+                    col_ok,
+                    m,
+                    stride_x,
+                    stride_r,
+                    alpha,
+                    drop_scale,
+                    GATE,
+                    DROPOUT,
+                    S_CODE,
+                )
+            if IS_RMS:
+                xhat = s * rstd[:, None]
+            else:
+                xhat = (s - mean[:, None]) * rstd[:, None]
+            y = xhat * load_vec(W, cols, col_ok, 1.0, HAS_W) + load_vec(B, cols, col_ok, 0.0, HAS_B)
+            tl.store(Y + rows64 * N + cols, y.to(Y.dtype.element_ty), mask=m)
+    if RSTD is not None:  # None: the backward recomputes the statistics from s
+        stat_rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        if not IS_RMS:
+            tl.store(mean_at(MEAN, RSTD, n_rows) + stat_rows, mean, mask=stat_rows < n_rows)
+        tl.store(RSTD + stat_rows, rstd, mask=stat_rows < n_rows)
+
+
+@triton.jit
+def _add_norm_bwd_kernel(
+    DY, DS, SAVED, X, R, W, B, G, SEED, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, DG_PART,
+    stride_dy, stride_ds, stride_x, stride_r, n_rows, N, n_slices, tiles_per_program,
+    eps,  # read only where the statistics are recomputed (RSTD None)
+    alpha, drop_thr, drop_scale,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    GATE: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    HAS_DS: tl.constexpr,
+    XHAT_FROM: tl.constexpr,  # 0: s saved, 1: y saved (s recomputed where unsafe), 2: s recomputed
+    RECOMPUTE: tl.constexpr,  # XHAT_FROM 1 with an affine: some columns recompute s
+    S_CODE: tl.constexpr,
+    WRITE_DX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,  # rows wider than BLOCK_N: n_slices programs per row tile, one slice each
+    ROWS=None,  # the rows' indices for the dropout hash (int64, one per row) where ROW_IDS
+    ROW_IDS: tl.constexpr = False,
+):  # fmt: skip
+    # program (j, pid): column slice j of the rows of pid's run of tiles. Its slice's dweight / dbias /
+    # dgate accumulate in registers over the run and are written once (row pid of the partial sums).
+    j = tl.program_id(0)
+    pid = tl.program_id(1)
+    lane = tl.arange(0, BLOCK_N)[None, :]
+    cols = j * BLOCK_N + lane
+    col_ok = cols < N
+    dw_acc = tl.zeros((BLOCK_N,), tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), tl.float32)
+    dg_acc = tl.zeros((BLOCK_N,), tl.float32)
+    for t in range(tiles_per_program):
+        rows = (pid * tiles_per_program + t) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        row_ok = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        m = row_ok & col_ok
+        ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
+        keep = tile_keep(SEED, ids, cols, m, drop_thr, DROPOUT)
+        # the slice's weight and bias, read per tile (L1-resident) rather than held across the rows
+        w = load_vec(W, cols, col_ok, 1.0, HAS_W)
+        b = load_vec(B, cols, col_ok, 0.0, HAS_B)
+        if RSTD is None:  # no statistics kept: from s (saved or recomputed), as the forward did
+            tl.static_assert(XHAT_FROM != 1, "x_hat from y needs the forward's statistics")
+            tl.static_assert(not SPLIT, "a row in slices needs the forward's statistics")
+            if XHAT_FROM == 0:
+                s = tl.load(SAVED + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+            else:
+                s = stream_tile(
+                    X, R, G, keep, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_scale, GATE,
+                    DROPOUT, S_CODE,
+                )  # fmt: skip
+            _, rstd, xhat = normalize(s, m, N, eps, IS_RMS)
+            rstd = rstd[:, None]
+        else:
+            mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
+            if SPLIT:  # the row's sums first, over every slice (this one last: in L1 for what follows)
+                c1, c2 = row_slices_sums(
+                    j, n_slices, SAVED, X, R, W, B, G, SEED, DY, ids, row_ok, rows64, lane, N, mean, rstd,
+                    stride_dy, stride_x, stride_r, alpha, drop_thr, drop_scale, IS_RMS, HAS_W, HAS_B, GATE,
+                    DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE, BLOCK_M, BLOCK_N,
+                )  # fmt: skip
+            xhat = xhat_tile(
+                SAVED, X, R, G, keep, rows64, cols, col_ok, m, N, w, b, mean, rstd, stride_x, stride_r,
+                alpha, drop_scale, IS_RMS, HAS_W, HAS_B, GATE, DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE,
+            )  # fmt: skip
+        dy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+        wdy = dy * w
+        if HAS_W:
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if HAS_B:
+            db_acc += tl.sum(dy, axis=0)
+        if not SPLIT:  # the row is this slice
+            c1 = tl.sum(xhat * wdy, axis=1)[:, None]
+            c2 = tl.sum(wdy, axis=1)[:, None]
+        dsum = dsum_tile(dy, wdy, xhat, c1 / N, c2 / N, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS)
+        gterm = store_dx(
+            dsum, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_x, alpha, drop_scale, GATE,
+            DROPOUT, WRITE_DX,
+        )  # fmt: skip
+        if GATE != 0:
+            dg_acc += tl.sum(gterm, axis=0)
+    store_col_sums(DW_PART, DB_PART, DG_PART, pid, j, N, dw_acc, db_acc, dg_acc, HAS_W, HAS_B, GATE, BLOCK_N)
+
+
+fwd_kernel = _add_norm_fwd_kernel
+bwd_kernel = _add_norm_bwd_kernel
+_INTERPRETED = type(_add_norm_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def kernels_are_interpreted() -> bool:
+    """Whether the kernels were built for the interpreter (TRITON_INTERPRET=1 at import time)."""
+    return _INTERPRETED

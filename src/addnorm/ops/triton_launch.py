@@ -1,0 +1,501 @@
+"""The fused kernels' launches: what a call's options fix, decided once per option set (the launch
+specs :class:`FwdSpec` / :class:`BwdSpec`: grid, column chunks, the kernels' trailing arguments and
+constexprs, launch options), and the launchers made for each spec, which allocate a call's outputs
+and launch :mod:`addnorm.ops.triton_kernels`' kernels with the configuration
+:mod:`addnorm.ops.launch_config` gives the hidden size.
+
+The eager path (:mod:`addnorm.ops.triton_eager`) calls a spec's launcher directly; the registered
+op's body calls :func:`add_norm_fwd_triton` / :func:`add_norm_bwd_triton` (through ``wrap_triton``
+where it may be traced, so torch.compile launches the kernels itself). The tensor-parallel launchers
+(:mod:`addnorm.ops.triton_sharded`) share :func:`as_rows`, :func:`dropout_args`, :data:`S_CODES`
+and :func:`param_grads`.
+
+This module imports triton at import time: import it lazily (only ``ops/triton*`` modules do).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+from torch.library import wrap_triton
+from triton.runtime.jit import JITFunction
+
+from . import launch_config as lc
+from .args import XHAT_FROM_XR, XHAT_FROM_Y, BwdArgs, FwdArgs, bwd_plan, gate_code, interpreting
+from .reference import dropout_threshold
+from .triton_direct import SUPPORTED as DIRECT
+from .triton_direct import DirectLaunch, defaults_of, int_kind
+from .triton_kernels import bwd_kernel, fwd_kernel, kernels_are_interpreted
+
+__all__ = [
+    "S_CODES",
+    "BwdSpec",
+    "FwdSpec",
+    "add_norm_bwd_triton",
+    "add_norm_fwd_triton",
+    "as_rows",
+    "bwd_kernel",
+    "bwd_spec",
+    "clear_caches",
+    "dropout_args",
+    "fwd_kernel",
+    "fwd_launcher",
+    "fwd_spec",
+    "kernels_are_interpreted",
+    "launch_bwd",
+    "launch_fwd",
+    "param_grads",
+]
+
+# the stream's dtype as the kernels' S_CODE constexpr (the rounding of s, ``triton_tiles.round_to``)
+S_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def clear_caches() -> None:
+    """Forget the cached launch configurations and specs (after changing a constant of
+    :mod:`addnorm.ops.launch_config`; cached plans hold specs too: clear them as well,
+    ``addnorm.ops.policy.invalidate``)."""
+    lc.clear_caches()
+    for cache in (fwd_spec, bwd_spec):
+        cache.cache_clear()
+
+
+def as_rows(t: Tensor, n: int) -> tuple[Tensor, int]:
+    """``t`` as rows of ``n`` unit-stride columns: the tensor the kernel reads and its row stride. A
+    contiguous tensor of any rank is passed as it is (no view: the kernel reads pointers)."""
+    if t.is_contiguous():
+        return t, n
+    t = t.reshape(-1, n)
+    if t.stride(1) != 1:
+        t = t.contiguous()
+    return t, t.stride(0)
+
+
+_F32 = torch.float32
+
+
+class FwdSpec(NamedTuple):
+    """The forward's launch for one set of options: grid rows per program, column chunks, the
+    kernel's trailing arguments (``tail``: the scalars, then the constexprs, positional), the launch
+    options (``options``: warps, register budget) and ``launch``, the launcher made for the spec
+    (:func:`fwd_launcher`)."""
+
+    n: int
+    block_m: int
+    n_chunks: int
+    mean_apart: bool  # LayerNorm, the means in a buffer of their own (the registered op's outputs)
+    stats_per_row: int  # RSTD's values per row: 1, 2 (the rstds, then the means: MEAN None), 0 (none)
+    store_s: bool
+    y_dtype: torch.dtype
+    s_dtype: torch.dtype
+    tail: tuple  # eps, alpha, dropout threshold, dropout scale, then the constexprs
+    options: dict
+    launch: Callable | None = None  # the launcher for this spec (:func:`launch_fwd`'s body)
+
+
+class BwdSpec(NamedTuple):
+    """The backward's launch for one set of options (see :class:`FwdSpec`)."""
+
+    n: int
+    n_slices: int  # programs per row tile: column slices of ``block[1]`` (one: the row in one pass)
+    split: bool  # rows in several slices (the forward must keep the statistics)
+    is_rms: bool
+    xhat_from: int
+    recompute: bool  # s recomputed from x and residual (XR, or Y with an affine)
+    need_x: bool  # x is read (recompute, or the gate's gradient)
+    need_dx: bool
+    x_dtype: torch.dtype
+    res_dtype: torch.dtype
+    block: tuple[int, int]  # a tile's rows and columns (the grid's unit)
+    tail: tuple  # eps, alpha, dropout threshold, dropout scale, then the constexprs
+    options: dict
+    launch: Callable | None = None  # the launcher for this spec (:func:`launch_bwd`'s body)
+
+
+def dropout_args(p: float, dropout: bool) -> tuple[int, float]:
+    """The kernels' dropout scalars: (threshold of the hash's 24 bits, 1 / (1 - p)), or (0, 1)."""
+    return (dropout_threshold(p), 1.0 / (1.0 - p)) if dropout else (0, 1.0)
+
+
+# the kernels' parameter names (from the Python function both a JITFunction and the interpreter's
+# kernel wrap), read before anything can replace the kernels (a benchmark's stub)
+# (those without a default: the ones with one, row indices for a shard's dropout, go as keywords)
+def _required_params(kernel) -> tuple[str, ...]:
+    params = inspect.signature(kernel.fn).parameters.values()
+    return tuple(p.name for p in params if p.default is inspect.Parameter.empty)
+
+
+_FWD_PARAMS = _required_params(fwd_kernel)
+_BWD_PARAMS = _required_params(bwd_kernel)
+_FWD_DEFAULTS = defaults_of(fwd_kernel)
+_BWD_DEFAULTS = defaults_of(bwd_kernel)
+
+
+def _tail(params: tuple[str, ...], scalars: tuple, constexprs: dict) -> tuple:
+    """A launch's trailing arguments, positional: the scalars, then the constexprs in the order of
+    the kernel's last parameters (``params``), which they must be (a name that is not one is a
+    KeyError). Keywords would cost a dict per launch, more host time than the rest of a small call's
+    argument handling."""
+    return (*scalars, *(constexprs[name] for name in params[len(params) - len(constexprs) :]))
+
+
+@functools.lru_cache(maxsize=1024)
+def fwd_spec(
+    n: int, norm: str, eps: float, alpha: float, p: float, has_w: bool, has_b: bool, gate_code: int,
+    store_s: bool, s_dtype: torch.dtype, y_dtype: torch.dtype, stats: str = "apart",
+) -> FwdSpec:  # fmt: skip
+    """The forward's launch spec (``p`` > 0: dropout from the seed). ``stats``: where the per-row
+    statistics go: ``"apart"`` (mean and rstd, the registered op's outputs), ``"packed"`` (one buffer,
+    LayerNorm's means after the rstds) or ``"none"`` (not stored: the backward recomputes them from
+    s, which needs s saved or recomputed and a one-pass backward)."""
+    if stats not in ("apart", "packed", "none"):
+        raise ValueError(f"fwd_spec: stats must be 'apart', 'packed' or 'none', got {stats!r}")
+    cfg = lc.fwd_config(n)
+    is_rms = norm == "rmsnorm"
+    constexprs = {
+        "IS_RMS": is_rms, "HAS_W": has_w, "HAS_B": has_b, "GATE": gate_code, "DROPOUT": p > 0,
+        "STORE_S": store_s, "S_CODE": S_CODES[s_dtype], "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+        "CHUNKED": cfg.chunked,
+    }  # fmt: skip
+    tail = _tail(_FWD_PARAMS, (eps, alpha, *dropout_args(p, p > 0)), constexprs)
+    n_chunks = -(-n // cfg.block_n)
+    mean_apart = not is_rms and stats == "apart"
+    per_row = 0 if stats == "none" else (2 if stats == "packed" and not is_rms else 1)
+    sp = FwdSpec(n, cfg.block_m, n_chunks, mean_apart, per_row, store_s, y_dtype, s_dtype, tail, cfg.options)
+    return sp._replace(launch=fwd_launcher(sp))
+
+
+@functools.lru_cache(maxsize=1024)
+def bwd_spec(
+    n: int, norm: str, alpha: float, p: float, has_w: bool, has_b: bool, gate_code: int, has_ds: bool,
+    xhat_from: int, s_dtype: torch.dtype, x_dtype: torch.dtype, res_dtype: torch.dtype, need_dx: bool,
+    eps: float = 0.0,
+) -> BwdSpec:  # fmt: skip
+    """The backward's launch spec (``has_ds``: a gradient arrives at s; ``eps``: the norm's, read only
+    where the kernel is given no statistics and recomputes them)."""
+    cfg = lc.bwd_config(n, lc.bwd_register_heavy(s_dtype, p > 0, gate_code))
+    bp = bwd_plan(False, xhat_from, has_w or has_b, gate_code != 0, p > 0, alpha, x_dtype, res_dtype)
+    constexprs = {
+        "IS_RMS": norm == "rmsnorm", "HAS_W": has_w, "HAS_B": has_b, "GATE": gate_code, "DROPOUT": p > 0,
+        "HAS_DS": has_ds, "XHAT_FROM": xhat_from, "RECOMPUTE": bp.recompute and xhat_from == XHAT_FROM_Y,
+        "S_CODE": S_CODES[s_dtype], "WRITE_DX": need_dx, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+        "SPLIT": cfg.chunked,
+    }  # fmt: skip
+    sp = BwdSpec(
+        n, -(-n // cfg.block_n), cfg.chunked, norm == "rmsnorm", xhat_from, bp.recompute, bp.keep_x,
+        need_dx, x_dtype, res_dtype, (cfg.block_m, cfg.block_n),
+        _tail(_BWD_PARAMS, (eps, alpha, *dropout_args(p, p > 0)), constexprs), cfg.options,
+    )  # fmt: skip
+    return sp._replace(launch=_bwd_launcher(sp))
+
+
+# --- launchers -----------------------------------------------------------------------------------
+
+
+def _ptr_bits(*tensors) -> int:
+    """The low 4 bits of the tensors' addresses, OR-ed (None taken as aligned): 0 where every one is
+    16-byte aligned (what Triton specialises a pointer on)."""
+    bits = 0
+    for t in tensors:
+        if t is not None:
+            bits |= t.data_ptr()
+    return bits & 15
+
+
+def _dtype(t: Tensor | None) -> torch.dtype | None:
+    return None if t is None else t.dtype
+
+
+def param_grads(
+    dw: Tensor | None, db: Tensor | None, dg: Tensor | None, summed: bool, weight, bias, gate
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """dweight, dbias, dgate from a backward kernel's fp32 buffers: per-program partial sums (programs,
+    n), summed here, or (``summed``, one program) the sums themselves; in the parameters' dtypes, a
+    one-element gate's gradient summed over the columns too."""
+    if not summed:
+        dw = None if dw is None else dw.sum(0)
+        db = None if db is None else db.sum(0)
+        dg = None if dg is None else dg.sum(0)
+    if dw is not None and weight.dtype is not _F32:
+        dw = dw.to(weight.dtype)
+    if db is not None and bias.dtype is not _F32:
+        db = db.to(bias.dtype)
+    if dg is not None:
+        dg = (dg.sum() if gate.numel() == 1 else dg).reshape(gate.shape).to(gate.dtype)
+    return dw, db, dg
+
+
+def _empty_like(t: Tensor, contiguous: bool, dtype: torch.dtype) -> Tensor:
+    """A contiguous empty tensor of ``t``'s shape and ``dtype``: ``empty_like`` where ``t``'s layout and
+    dtype fit (a third of ``torch.empty``'s host time with keywords)."""
+    if contiguous and t.dtype is dtype:
+        return torch.empty_like(t)
+    return torch.empty(t.shape, dtype=dtype, device=t.device)
+
+
+def _with_row_ids(options: dict, row_ids: Tensor) -> dict:
+    """A launch's keywords with the row indices for the dropout hash (a shard,
+    :mod:`addnorm.ops.sharded`); without them a call passes the spec's own dict, no new one."""
+    return {**options, "ROWS": row_ids.reshape(-1), "ROW_IDS": True}
+
+
+def launch_fwd(sp: FwdSpec, x, residual, weight, bias, gate, seed, kernel=None, row_ids=None):
+    """The forward on x and residual of any shape (..., n): (y, s or None, mean or None, rstd), y and
+    s contiguous of x's shape, the statistics one per row in fp32 (the means, if any, in ``mean`` or,
+    ``sp.stats_per_row`` 2, after the rstds in ``rstd``; none, rstd None, for ``stats_per_row`` 0).
+    ``kernel``: the kernel to launch (default the module's: ``wrap_triton``'s where the call is
+    traced); ``row_ids``: the rows' indices for the dropout hash (int64, one per row) where x is a
+    shard of a bigger tensor. The spec's own launcher (``sp.launch``, which the eager path calls
+    directly) does it."""
+    return sp.launch(None, x, residual, weight, bias, gate, seed, kernel, row_ids)
+
+
+def launch_bwd(
+    sp: BwdSpec, dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None, row_ids=None
+):
+    """The backward (``dy`` of any shape (..., n), ``saved`` s or y contiguous of that shape, None for
+    XR): (dx or None, dresidual, dweight or None, dbias or None, dgate or None). ``row_ids`` as for
+    :func:`launch_fwd`. The spec's own launcher (``sp.launch``) does it."""
+    return sp.launch(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel, row_ids)
+
+
+# The launchers, one made per spec: the spec's fields bound as closure constants, so that a call reads
+# no attribute (a NamedTuple field costs ~25 ns, a global ~20: a small call's launch had ~40 such reads
+# and three frames, ~1 us of host time). The kernels are looked up at each call (a benchmark may replace
+# them).
+
+
+def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None) -> Callable:
+    """The forward's launcher for ``sp``: ``launch(ctx, x, residual, weight, bias, gate=None, seed=None,
+    kernel=None, row_ids=None)``. With ``ctx`` None (:func:`launch_fwd`, the spec's own ``launch``):
+    (y, s or None, mean or None, rstd or None). With an autograd context it is the eager path's
+    ``autograd.Function.forward`` itself (:mod:`addnorm.ops.triton_eager` makes one per launch, one frame
+    fewer per call), ``keep`` saying what the backward needs: (x, residual, y (else s), prenorm). It sets
+    ``ctx.to_save`` to (x or None, residual or None, weight, bias, gate, seed, y or s, the statistics)
+    and returns y, or with ``prenorm`` (y, s) and no zero-filled gradient for an unused output."""
+    n, block_m, n_chunks, tail, options = sp.n, sp.block_m, sp.n_chunks, sp.tail, sp.options
+    mean_apart, per_row, y_dtype, s_dtype = sp.mean_apart, sp.stats_per_row, sp.y_dtype, sp.s_dtype
+    s_kind = 0 if not sp.store_s else (1 if s_dtype is y_dtype else 2)  # s: none, like y, in its dtype
+    keep_x, keep_r, save_y, prenorm = keep or (False, False, False, False)
+    empty_like = torch.empty_like
+    direct = DirectLaunch(_FWD_DEFAULTS)  # this launcher's compiled kernels, by specialisation
+
+    def launch(ctx, x, residual, weight, bias, gate=None, seed=None, kernel=None, row_ids=None):
+        x_in, r_in, x_dtype = x, residual, x.dtype
+        rows = x.numel() // n
+        if x.is_contiguous():  # read as rows without a view
+            stride_x = n
+            y = empty_like(x) if x_dtype is y_dtype else _empty_like(x, True, y_dtype)
+        else:
+            y = _empty_like(x, False, y_dtype)
+            x, stride_x = as_rows(x, n)
+        if s_kind:
+            s = empty_like(y) if s_kind == 1 else _empty_like(y, True, s_dtype)
+        else:
+            s = None
+        if x_dtype is _F32:  # no keywords: a third less host time
+            mean = x.new_empty(rows) if mean_apart else None
+            rstd = x.new_empty(per_row * rows) if per_row else None
+        else:
+            mean = x.new_empty(rows, dtype=_F32) if mean_apart else None
+            rstd = x.new_empty(per_row * rows, dtype=_F32) if per_row else None
+        if rows:
+            if residual.is_contiguous():
+                stride_r = n
+            else:
+                residual, stride_r = as_rows(residual, n)
+            k = fwd_kernel if kernel is None else kernel
+            grid = (-(-rows // block_m),)
+            if (  # the compiled kernel launched directly: a JIT kernel, rows of n columns, 16-byte aligned
+                type(k) is JITFunction
+                and DIRECT
+                and row_ids is None
+                and stride_x == stride_r == n
+                and not _ptr_bits(x, residual, weight, bias, gate, seed)
+            ):
+                key = (x_dtype, residual.dtype, _dtype(weight), _dtype(bias), _dtype(gate), int_kind(rows))
+                args = (
+                    x,
+                    residual,
+                    weight,
+                    bias,
+                    gate,
+                    seed,
+                    y,
+                    s,
+                    mean,
+                    rstd,
+                    n,
+                    n,
+                    rows,
+                    n,
+                    n_chunks,
+                    *tail,
+                )
+                direct.launch(k, key, grid, args, options)
+            else:  # the same arguments (the direct launch's test compares them with run()'s)
+                k[grid](
+                    x, residual, weight, bias, gate, seed, y, s, mean, rstd, stride_x, stride_r, rows, n,
+                    n_chunks, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
+                )  # fmt: skip
+        if ctx is None:
+            return y, s, mean, rstd
+        # what ``save_for_backward`` sets, without its frame; the statistics too (created here, they
+        # are kept as they are: no reference cycle), so that ctx needs no attribute dict
+        ctx.to_save = (
+            x_in if keep_x else None, r_in if keep_r else None, weight, bias, gate, seed,
+            y if save_y else s, rstd,
+        )  # fmt: skip
+        if prenorm:
+            ctx.materialize_grads = False  # ``set_materialize_grads(False)`` without its frame
+            return y, s
+        return y
+
+    return launch
+
+
+def _bwd_launcher(sp: BwdSpec) -> Callable:
+    """``launch(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None,
+    row_ids=None)`` for ``sp``: see :func:`launch_bwd`."""
+    n, n_slices, need_dx, recompute, need_x = sp.n, sp.n_slices, sp.need_dx, sp.recompute, sp.need_x
+    x_dtype, res_dtype, block, tail, options = sp.x_dtype, sp.res_dtype, sp.block, sp.tail, sp.options
+    block_m = sp.block[0]
+    one_program_rows = lc.BWD_ONE_PROGRAM_TILES * block_m  # bwd_grid's one program, without its frame
+    empty_like = torch.empty_like
+    direct = DirectLaunch(_BWD_DEFAULTS)
+
+    def launch(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None, row_ids=None):
+        dy_dtype = dy.dtype
+        rows = dy.numel() // n
+        if dy.is_contiguous():
+            stride_dy = n
+            dres = empty_like(dy) if dy_dtype is res_dtype else _empty_like(dy, True, res_dtype)
+        else:
+            dres = _empty_like(dy, False, res_dtype)
+            dy, stride_dy = as_rows(dy, n)
+        dx = _empty_like(dres, True, x_dtype) if need_dx else None
+        if 0 < rows <= one_program_rows:
+            programs, per_program, part = 1, -(-rows // block_m), n
+        else:
+            programs, per_program = lc.bwd_grid(rows, n, dy.device, block)
+            part = (programs, n)
+        # per-program partial sums of dweight / dbias / dgate in fp32 (each program writes its slice of
+        # its row once), summed below; one program (few rows) writes the sums themselves
+        alloc = dy.new_empty
+        if dy_dtype is _F32:  # no keywords: a third less host time
+            dw_part = None if weight is None else alloc(part)
+            db_part = None if bias is None else alloc(part)
+            dg_part = None if gate is None else alloc(part)
+        else:
+            dw_part = None if weight is None else alloc(part, dtype=_F32)
+            db_part = None if bias is None else alloc(part, dtype=_F32)
+            dg_part = None if gate is None else alloc(part, dtype=_F32)
+        if recompute and (x is None or residual is None):
+            raise ValueError("add_norm_bwd: recomputing s needs x and residual")
+        if rows:
+            if ds is None:
+                stride_ds = 0
+            elif ds.is_contiguous():
+                stride_ds = n
+            else:
+                ds, stride_ds = as_rows(ds, n)
+            if not need_x:
+                x, stride_x = None, 0
+            elif x.is_contiguous():
+                stride_x = n
+            else:
+                x, stride_x = as_rows(x, n)
+            if not recompute:
+                residual, stride_r = None, 0
+            elif residual.is_contiguous():
+                stride_r = n
+            else:
+                residual, stride_r = as_rows(residual, n)
+            k = bwd_kernel if kernel is None else kernel
+            grid = (n_slices, programs)  # column slices x runs of rows
+            if (  # as the forward's: a JIT kernel, rows of n columns, 16-byte aligned
+                type(k) is JITFunction
+                and DIRECT
+                and row_ids is None
+                and stride_dy == n
+                and stride_ds in (0, n)
+                and stride_x in (0, n)
+                and stride_r in (0, n)
+                and not _ptr_bits(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd)
+            ):
+                key = (
+                    dy_dtype, _dtype(ds), _dtype(saved), _dtype(x), _dtype(residual), _dtype(weight),
+                    _dtype(bias), _dtype(gate), int_kind(rows), int_kind(per_program),
+                )  # fmt: skip
+                args = (
+                    dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part,
+                    db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices,
+                    per_program, *tail,
+                )  # fmt: skip
+                direct.launch(k, key, grid, args, options)
+            else:  # the same arguments (the direct launch's test compares them with run()'s)
+                k[grid](
+                    dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part,
+                    db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices,
+                    per_program, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
+                )  # fmt: skip
+        return (dx, dres, *param_grads(dw_part, db_part, dg_part, programs == 1, weight, bias, gate))
+
+    return launch
+
+
+# --- the registered op's launchers (FwdArgs / BwdArgs on (..., hidden) tensors) -----------------------
+
+
+def add_norm_fwd_triton(a: FwdArgs, *, traceable: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Forward on (..., hidden) inputs; same contract as ``torch_path.add_norm_fwd_torch``."""
+    n = a.x.shape[-1]
+    dropout = a.dropout
+    sp = fwd_spec(
+        n, a.norm, a.eps, a.alpha, a.dropout_p if dropout else 0.0, a.weight is not None,
+        a.bias is not None, gate_code(a.gate), a.store_s, a.s_dtype, a.y_dtype,
+    )  # fmt: skip
+    # through wrap_triton where the call may be traced (the registered op's body: torch.compile then
+    # launches the kernel itself; named here, where triton_op's analysis of the body finds it)
+    kernel = wrap_triton(fwd_kernel) if traceable and not interpreting() else None
+    seed, row_ids = (a.seed, a.rows) if dropout else (None, None)
+    y, s, mean, rstd = launch_fwd(sp, a.x, a.residual, a.weight, a.bias, a.gate, seed, kernel, row_ids)
+    dev, lead = a.x.device, a.x.shape[:-1]
+    return (
+        y,
+        a.x.new_empty((0,), dtype=a.s_dtype, device=dev) if s is None else s,
+        a.x.new_empty((0,), dtype=_F32, device=dev) if mean is None else mean.reshape(lead),
+        rstd.reshape(lead),
+    )
+
+
+def add_norm_bwd_triton(
+    a: BwdArgs, *, traceable: bool = False
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Backward on (..., hidden) inputs; same contract as ``torch_path.add_norm_bwd_torch``."""
+    n = a.dy.shape[-1]
+    dropout = a.dropout
+    sp = bwd_spec(
+        n, a.norm, a.alpha, a.dropout_p if dropout else 0.0, a.weight is not None, a.bias is not None,
+        gate_code(a.gate), a.ds is not None, a.xhat_from, a.s_dtype, a.x_dtype, a.res_dtype, a.need_dx,
+    )  # fmt: skip
+    kernel = wrap_triton(bwd_kernel) if traceable and not interpreting() else None
+    dx, dres, dw, db, dg = launch_bwd(
+        sp, a.dy, a.ds, a.saved if a.xhat_from != XHAT_FROM_XR else None, a.x, a.residual, a.weight,
+        a.bias, a.gate, a.seed if dropout else None, a.mean if a.norm != "rmsnorm" else None, a.rstd,
+        kernel, a.rows if dropout else None,
+    )  # fmt: skip
+    # the op returns every slot, an empty tensor of its own where there is no gradient (outputs of a
+    # custom op may not alias each other)
+    return (
+        dres.new_empty(0) if dx is None else dx,
+        dres,
+        dres.new_empty(0) if dw is None else dw,
+        dres.new_empty(0) if db is None else db,
+        dres.new_empty(0) if dg is None else dg,
+    )

@@ -1,0 +1,400 @@
+"""The fused kernels' tile helpers: the ``@triton.jit`` device functions that the single-device
+kernels (:mod:`addnorm.ops.triton_kernels`) and the tensor-parallel ones
+(:mod:`addnorm.ops.triton_tp_kernels`) share, each rule of the op written once on a tile of
+``[BLOCK_M, BLOCK_N]`` (rows x columns)::
+
+    s = alpha * r + g * dropout(x)   (rounded to s's dtype)            stream_tile
+    LayerNorm x_hat = (s - mean) * rstd, RMSNorm x_hat = s * rstd       normalize, xhat_tile
+    ds = rstd * (w dy - x_hat * mean(x_hat * w dy) - mean(w dy))        dsum_tile (RMSNorm: no last term)
+    dresidual = alpha * ds, dx = dropout'(g * ds), dgate = sum(ds * dropout(x))   store_dx
+
+The dropout keep mask is the hash of (seed, row, column) of
+:func:`addnorm.ops.reference.dropout_keep_mask`, bit for bit (:func:`keep_mask`). Chunked statistics
+merge per-chunk means and centred sums of squares (Chan et al. 1979, :func:`merge_chunk`).
+
+This module imports triton at import time: import it lazily (only ``ops/triton*`` modules do).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .reference import HASH_COL, HASH_M1, HASH_M2, HASH_ROW
+
+__all__ = [
+    "dsum_tile",
+    "hash32",
+    "hash_rows",
+    "keep_mask",
+    "load_vec",
+    "mean_at",
+    "merge_chunk",
+    "normalize",
+    "row_slices_sums",
+    "round_to",
+    "row_stats",
+    "store_col_sums",
+    "store_dx",
+    "store_per_row",
+    "stream_tile",
+    "tile_keep",
+    "xhat_tile",
+]
+
+# Triton kernels read module globals only as constexpr
+_M1 = tl.constexpr(HASH_M1)
+_M2 = tl.constexpr(HASH_M2)
+_ROW = tl.constexpr(HASH_ROW)
+_COL = tl.constexpr(HASH_COL)
+
+
+@triton.jit
+def hash32(v):
+    # v: uint32; same steps as reference.hash32 (uint32 multiplication wraps mod 2**32)
+    v = v ^ (v >> 16)
+    v = v * _M1
+    v = v ^ (v >> 15)
+    v = v * _M2
+    return v ^ (v >> 16)
+
+
+@triton.jit
+def keep_mask(seed_ptr, rows, cols, drop_thr):
+    # rows: [BLOCK_M, 1], cols: [1, BLOCK_N] -> [BLOCK_M, BLOCK_N] keep mask of reference.dropout_keep_mask
+    seed = tl.load(seed_ptr)
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    a = hash32(k0 ^ hash32(rows.to(tl.uint32) * _ROW + k1))
+    h = hash32(a ^ (cols.to(tl.uint32) * _COL))
+    return (h >> 8).to(tl.int32) >= drop_thr
+
+
+@triton.jit
+def tile_keep(SEED, rows64, cols, m, drop_thr, DROPOUT: tl.constexpr):
+    # a tile's dropout keep mask (computed once per tile and shared), or m without dropout
+    if DROPOUT:
+        keep = keep_mask(SEED, rows64, cols, drop_thr)
+    else:
+        keep = m
+    return keep
+
+
+@triton.jit
+def hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS: tl.constexpr):
+    # the rows' indices for the dropout hash: their own, or given (x is a shard of a bigger tensor)
+    if ROW_IDS:
+        ids = tl.load(ROWS + rows, mask=row_ok, other=0)
+    else:
+        ids = rows64
+    return ids
+
+
+@triton.jit
+def merge_chunk(mean, m2, s, m, c, N, BLOCK_N: tl.constexpr):
+    # the rows' running mean and centred sum of squares merged with chunk c's (Chan et al. 1979: no
+    # E[s^2] - mean^2); s is 0 where m is False
+    done = c * BLOCK_N * 1.0
+    cnt = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
+    mean_c = tl.sum(s, axis=1) / cnt
+    d = tl.where(m, s - mean_c[:, None], 0.0)
+    delta = mean_c - mean
+    mean += delta * (cnt / (done + cnt))
+    m2 += tl.sum(d * d, axis=1) + delta * delta * (done * cnt / (done + cnt))
+    return mean, m2
+
+
+@triton.jit
+def round_to(v, S_CODE: tl.constexpr):
+    if S_CODE == 1:
+        v = v.to(tl.float16).to(tl.float32)
+    elif S_CODE == 2:
+        v = v.to(tl.bfloat16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def stream_tile(
+    X,
+    R,
+    G,
+    keep,
+    rows64,
+    cols,
+    col_ok,
+    m,
+    stride_x,
+    stride_r,
+    alpha,
+    drop_scale,
+    GATE: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    S_CODE: tl.constexpr,
+):
+    # s = alpha * r + g * dropout(x) on a [BLOCK_M, BLOCK_N] tile (masked-out elements 0), rounded to
+    # the stream's dtype, in fp32: the forward's operations, which the backward repeats where it
+    # recomputes s
+    x = tl.load(X + rows64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+    r = tl.load(R + rows64 * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+    if DROPOUT:
+        x = tl.where(keep, x * drop_scale, 0.0)
+    if GATE == 1:
+        x = x * tl.load(G).to(tl.float32)
+    elif GATE == 2:
+        x = x * tl.load(G + cols, mask=col_ok, other=0.0).to(tl.float32)
+    return round_to(alpha * r + x, S_CODE)
+
+
+@triton.jit
+def load_vec(P, cols, col_ok, other, HAS: tl.constexpr):
+    # a per-column vector (weight, bias, gate) as a [1, BLOCK_N] fp32 row, or the constant ``other``
+    if HAS:
+        v = tl.load(P + cols, mask=col_ok, other=other).to(tl.float32)
+    else:
+        v = tl.full(cols.shape, other, tl.float32)
+    return v
+
+
+@triton.jit
+def normalize(s, m, N, eps, IS_RMS: tl.constexpr):
+    # the one-pass statistics of a [BLOCK_M, BLOCK_N] tile of s (0 where masked out) and its x_hat:
+    # the forward's, and the backward's where it recomputes them from s (the same operations)
+    if IS_RMS:
+        rstd = 1.0 / tl.sqrt(tl.sum(s * s, axis=1) / N + eps)
+        mean = rstd * 0.0
+        xhat = s * rstd[:, None]
+    else:
+        mean = tl.sum(s, axis=1) / N
+        xc = tl.where(m, s - mean[:, None], 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        xhat = xc * rstd[:, None]
+    return mean, rstd, xhat
+
+
+@triton.jit
+def mean_at(MEAN, RSTD, n_rows):
+    # where the rows' means live: MEAN, or with MEAN None (the eager path's one statistics buffer, an
+    # allocation fewer per call) after the n_rows rstds in RSTD's buffer
+    if MEAN is None:
+        p = RSTD + n_rows
+    else:
+        p = MEAN
+    return p
+
+
+@triton.jit
+def xhat_tile(
+    SAVED,
+    X,
+    R,
+    G,
+    keep,
+    rows64,
+    cols,
+    col_ok,
+    m,
+    N,
+    w,
+    b,
+    mean,
+    rstd,
+    stride_x,
+    stride_r,
+    alpha,
+    drop_scale,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    GATE: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    XHAT_FROM: tl.constexpr,
+    RECOMPUTE: tl.constexpr,
+    S_CODE: tl.constexpr,
+):
+    # x_hat on a [BLOCK_M, BLOCK_N] tile (0 where masked out), from s saved, y saved, or s recomputed
+    if XHAT_FROM == 0:
+        s = tl.load(SAVED + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+        if not IS_RMS:
+            s = s - mean
+        xhat = tl.where(m, s * rstd, 0.0)
+    elif XHAT_FROM == 2:
+        s = stream_tile(
+            X,
+            R,
+            G,
+            keep,
+            rows64,
+            cols,
+            col_ok,
+            m,
+            stride_x,
+            stride_r,
+            alpha,
+            drop_scale,
+            GATE,
+            DROPOUT,
+            S_CODE,
+        )
+        if not IS_RMS:
+            s = s - mean
+        xhat = tl.where(m, s * rstd, 0.0)
+    else:
+        v = tl.load(SAVED + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+        # reference.xhat_from_y_ok: x_hat = (y - b) / w where w != 0 and |b| <= |w|, else from s
+        from_s = col_ok & ~((w != 0.0) & (tl.abs(b) <= tl.abs(w)))
+        if HAS_B:
+            v = v - b
+        if HAS_W:
+            v = v / tl.where(from_s, 1.0, w)
+        xhat = tl.where(m, v, 0.0)
+        if RECOMPUTE:
+            ms = m & from_s  # x and residual are read in these columns only
+            s = stream_tile(
+                X,
+                R,
+                G,
+                keep,
+                rows64,
+                cols,
+                col_ok,
+                ms,
+                stride_x,
+                stride_r,
+                alpha,
+                drop_scale,
+                GATE,
+                DROPOUT,
+                S_CODE,
+            )
+            if not IS_RMS:
+                s = s - mean
+            xhat = tl.where(ms, s * rstd, xhat)
+    return xhat
+
+
+@triton.jit
+def dsum_tile(
+    dy, wdy, xhat, c1, c2, rstd, DS, rows64, cols, m, stride_ds, IS_RMS: tl.constexpr, HAS_DS: tl.constexpr
+):
+    # d/ds of the norm (plus the gradient arriving at s itself, Pre-LN) on a tile
+    if IS_RMS:
+        dsum = (wdy - xhat * c1) * rstd
+    else:
+        dsum = (wdy - (xhat * c1 + c2)) * rstd
+    if HAS_DS:
+        dsum += tl.load(DS + rows64 * stride_ds + cols, mask=m, other=0.0).to(tl.float32)
+    return dsum
+
+
+@triton.jit
+def store_dx(
+    dsum,
+    X,
+    G,
+    keep,
+    DX,
+    DRES,
+    rows64,
+    cols,
+    col_ok,
+    m,
+    N,
+    stride_x,
+    alpha,
+    drop_scale,
+    GATE: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    WRITE_DX: tl.constexpr,
+):
+    # dresidual = alpha * dsum; dx = dropout'(gate * dsum); returns dsum * dropout(x), the gate's term
+    tl.store(DRES + rows64 * N + cols, (alpha * dsum).to(DRES.dtype.element_ty), mask=m)
+    gterm = dsum
+    if WRITE_DX:
+        dx = dsum
+        if GATE != 0:
+            xd = tl.load(X + rows64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+            if DROPOUT:
+                xd = tl.where(keep, xd * drop_scale, 0.0)
+            gterm = dsum * xd
+            if GATE == 1:
+                dx = dx * tl.load(G).to(tl.float32)
+            else:
+                dx = dx * tl.load(G + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if DROPOUT:
+            dx = tl.where(keep, dx * drop_scale, 0.0)
+        tl.store(DX + rows64 * N + cols, dx.to(DX.dtype.element_ty), mask=m)
+    return gterm
+
+
+@triton.jit
+def row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS: tl.constexpr):
+    # the rows' (mean, rstd) as the forward stored them (mean 0 for RMSNorm; see mean_at)
+    rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+    mean = rstd * 0.0
+    if not IS_RMS:
+        mean = tl.load(mean_at(MEAN, RSTD, n_rows) + rows, mask=row_ok, other=0.0)
+    return mean, rstd
+
+
+@triton.jit
+def store_per_row(P, a, b, n_rows, PAIR: tl.constexpr, BLOCK_M: tl.constexpr):
+    # this program's rows' a (one number a row), or (a, b) interleaved (PAIR)
+    out = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok = out < n_rows
+    if PAIR:
+        tl.store(P + 2 * out, a, mask=ok)
+        tl.store(P + 2 * out + 1, b, mask=ok)
+    else:
+        tl.store(P + out, a, mask=ok)
+
+
+@triton.jit
+def row_slices_sums(
+    j, n_slices, SAVED, X, R, W, B, G, SEED, DY, ids, row_ok, rows64, lane, N, mean, rstd, stride_dy,
+    stride_x, stride_r, alpha, drop_thr, drop_scale, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr, GATE: tl.constexpr, DROPOUT: tl.constexpr, XHAT_FROM: tl.constexpr,
+    RECOMPUTE: tl.constexpr, S_CODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # the row sums sum(x_hat * w dy) and sum(w dy) of rows in n_slices slices, as [BLOCK_M, 1], read by
+    # the program of slice j: the other slices first, each while its own program reads it (the
+    # siblings start one slice apart, so a slice comes from memory once and from L2 to the others),
+    # slice j last (still in L1 when its gradients are computed)
+    c1 = tl.zeros((BLOCK_M, 1), tl.float32)
+    c2 = tl.zeros((BLOCK_M, 1), tl.float32)
+    for k in range(1, n_slices + 1):
+        o = (j + k) % n_slices
+        cols = o * BLOCK_N + lane
+        col_ok = cols < N
+        m = row_ok & col_ok
+        if DROPOUT and (XHAT_FROM == 2 or RECOMPUTE):  # the mask only where s is recomputed
+            keep = tile_keep(SEED, ids, cols, m, drop_thr, DROPOUT)
+        else:
+            keep = m
+        w = load_vec(W, cols, col_ok, 1.0, HAS_W)
+        b = load_vec(B, cols, col_ok, 0.0, HAS_B)
+        xhat = xhat_tile(
+            SAVED, X, R, G, keep, rows64, cols, col_ok, m, N, w, b, mean, rstd, stride_x, stride_r, alpha,
+            drop_scale, IS_RMS, HAS_W, HAS_B, GATE, DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE,
+        )  # fmt: skip
+        wdy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32) * w
+        c1 += tl.sum(xhat * wdy, axis=1)[:, None]
+        c2 += tl.sum(wdy, axis=1)[:, None]
+    return c1, c2
+
+
+@triton.jit
+def store_col_sums(
+    DW_PART, DB_PART, DG_PART, pid, j, N, dw, db, dg, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    GATE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # a program's column sums over its rows (dy * x_hat, dy, the gate's term) of its slice j, into row
+    # pid of the partial-sum buffers: written once, no read-modify-write
+    cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    at = pid.to(tl.int64) * N + cols
+    if HAS_W:
+        tl.store(DW_PART + at, dw, mask=ok)
+    if HAS_B:
+        tl.store(DB_PART + at, db, mask=ok)
+    if GATE != 0:
+        tl.store(DG_PART + at, dg, mask=ok)

@@ -1,0 +1,220 @@
+"""Triton kernels of the tensor-parallel Add & Norm (:class:`addnorm.ops.sharded.TensorParallelAddNorm`,
+launched by :mod:`addnorm.ops.triton_sharded`): each rank holds ``n`` of the ``hidden`` columns of
+every row, so a row's statistics need every rank's columns. Four passes over (rows, n) tiles, column
+chunks for wide rows, the collectives between them in ``sharded``::
+
+    stats     s = alpha * r + g * dropout(x) (stored), per row: RMSNorm sum(s^2); LayerNorm (mean, M2)
+              of this rank's columns (chunks merged as Chan et al. 1979)
+    normalise y = w * x_hat + b, x_hat = (s - mean) * rstd (RMSNorm s * rstd), the whole rows' statistics
+    sums      per row: sum(x_hat * w dy), and for LayerNorm sum(w dy), over this rank's columns
+    grads     ds = rstd * (w dy - x_hat * c1 - c2) (+ the gradient at s), c = the whole rows' sums / hidden;
+              dresidual, dx (dropout, gate), and per-program partial sums of dweight, dbias, dgate (each
+              program one column slice of a run of rows, its sums in registers, written once)
+
+The dropout mask hashes the global coordinates (row ids where the rows are a shard too, columns from
+``col0``), so it is the whole tensor's mask (:func:`addnorm.ops.reference.dropout_keep_mask`). The
+tile helpers are the single-device kernels' (:mod:`addnorm.ops.triton_tiles`).
+
+This module imports triton at import time: import it lazily (only ``ops/triton*`` modules do).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .triton_tiles import (
+    dsum_tile,
+    hash_rows,
+    load_vec,
+    merge_chunk,
+    row_stats,
+    store_col_sums,
+    store_dx,
+    store_per_row,
+    stream_tile,
+    tile_keep,
+)
+
+__all__ = ["tp_bwd_kernel", "tp_norm_kernel", "tp_stats_kernel", "tp_sums_kernel"]
+
+
+@triton.jit
+def tp_stats_kernel(
+    X,
+    R,
+    G,
+    SEED,
+    ROWS,
+    S,
+    STATS,
+    stride_x,
+    stride_r,
+    n_rows,
+    N,
+    n_chunks,
+    col0,
+    alpha,
+    drop_thr,
+    drop_scale,
+    IS_RMS: tl.constexpr,
+    GATE: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    ROW_IDS: tl.constexpr,
+    S_CODE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
+    lane = tl.arange(0, BLOCK_N)[None, :]
+    mean = tl.zeros((BLOCK_M,), tl.float32)
+    m2 = tl.zeros((BLOCK_M,), tl.float32)
+    for c in range(n_chunks):
+        cols = c * BLOCK_N + lane
+        col_ok = cols < N
+        m = row_ok & col_ok
+        keep = tile_keep(SEED, ids, cols + col0, m, drop_thr, DROPOUT)
+        s = stream_tile(
+            X, R, G, keep, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_scale, GATE, DROPOUT,
+            S_CODE,
+        )  # fmt: skip
+        tl.store(S + rows64 * N + cols, s.to(S.dtype.element_ty), mask=m)
+        if IS_RMS:
+            m2 += tl.sum(s * s, axis=1)
+        else:
+            mean, m2 = merge_chunk(mean, m2, s, m, c, N, BLOCK_N)
+    if IS_RMS:
+        store_per_row(STATS, m2, m2, n_rows, False, BLOCK_M)
+    else:
+        store_per_row(STATS, mean, m2, n_rows, True, BLOCK_M)
+
+
+@triton.jit
+def tp_norm_kernel(
+    S,
+    W,
+    B,
+    MEAN,
+    RSTD,
+    Y,
+    n_rows,
+    N,
+    n_chunks,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
+    lane = tl.arange(0, BLOCK_N)[None, :]
+    for c in range(n_chunks):
+        cols = c * BLOCK_N + lane
+        col_ok = cols < N
+        m = row_ok & col_ok
+        s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+        y = (s - mean) * rstd * load_vec(W, cols, col_ok, 1.0, HAS_W) + load_vec(B, cols, col_ok, 0.0, HAS_B)
+        tl.store(Y + rows64 * N + cols, y.to(Y.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def tp_sums_kernel(
+    DY,
+    S,
+    W,
+    MEAN,
+    RSTD,
+    SUMS,
+    stride_dy,
+    n_rows,
+    N,
+    n_chunks,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    row_ok = rows < n_rows
+    rows64 = rows.to(tl.int64)
+    mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
+    lane = tl.arange(0, BLOCK_N)[None, :]
+    c1 = tl.zeros((BLOCK_M,), tl.float32)
+    c2 = tl.zeros((BLOCK_M,), tl.float32)
+    for c in range(n_chunks):
+        cols = c * BLOCK_N + lane
+        col_ok = cols < N
+        m = row_ok & col_ok
+        s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+        xhat = tl.where(m, (s - mean) * rstd, 0.0)
+        wdy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+        wdy = wdy * load_vec(W, cols, col_ok, 1.0, HAS_W)
+        c1 += tl.sum(xhat * wdy, axis=1)
+        c2 += tl.sum(wdy, axis=1)
+    store_per_row(SUMS, c1, c2, n_rows, not IS_RMS, BLOCK_M)
+
+
+@triton.jit
+def tp_bwd_kernel(
+    DY, DS, S, X, G, W, SEED, ROWS, MEAN, RSTD, SUMS, DX, DRES, DW_PART, DB_PART, DG_PART,
+    stride_dy, stride_ds, stride_x, n_rows, N, tiles_per_program, col0, inv_hidden, alpha, drop_thr,
+    drop_scale,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    GATE: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    HAS_DS: tl.constexpr,
+    ROW_IDS: tl.constexpr,
+    WRITE_DX: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # program (j, pid): column slice j of pid's run of row tiles, as the single-device backward's
+    # slices (the row sums come from the all-reduce); the slice's parameter-gradient sums accumulate in
+    # registers and are written once
+    j = tl.program_id(0)
+    pid = tl.program_id(1)
+    lane = tl.arange(0, BLOCK_N)[None, :]
+    cols = j * BLOCK_N + lane
+    col_ok = cols < N
+    w = load_vec(W, cols, col_ok, 1.0, HAS_W)
+    dw_acc = tl.zeros((BLOCK_N,), tl.float32)
+    db_acc = tl.zeros((BLOCK_N,), tl.float32)
+    dg_acc = tl.zeros((BLOCK_N,), tl.float32)
+    for t in range(tiles_per_program):
+        rows = (pid * tiles_per_program + t) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+        row_ok = rows < n_rows
+        rows64 = rows.to(tl.int64)
+        m = row_ok & col_ok
+        ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
+        mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
+        # the whole rows' means of x_hat * w dy and w dy
+        if IS_RMS:
+            c1 = tl.load(SUMS + rows, mask=row_ok, other=0.0) * inv_hidden
+            c2 = c1 * 0.0
+        else:
+            c1 = tl.load(SUMS + 2 * rows, mask=row_ok, other=0.0) * inv_hidden
+            c2 = tl.load(SUMS + 2 * rows + 1, mask=row_ok, other=0.0) * inv_hidden
+        keep = tile_keep(SEED, ids, cols + col0, m, drop_thr, DROPOUT)
+        s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+        xhat = tl.where(m, (s - mean) * rstd, 0.0)
+        dy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_W:
+            dw_acc += tl.sum(dy * xhat, axis=0)
+        if HAS_B:
+            db_acc += tl.sum(dy, axis=0)
+        dsum = dsum_tile(dy, dy * w, xhat, c1, c2, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS)
+        gterm = store_dx(
+            dsum, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_x, alpha, drop_scale, GATE,
+            DROPOUT, WRITE_DX,
+        )  # fmt: skip
+        if GATE != 0:
+            dg_acc += tl.sum(gterm, axis=0)
+    store_col_sums(DW_PART, DB_PART, DG_PART, pid, j, N, dw_acc, db_acc, dg_acc, HAS_W, HAS_B, GATE, BLOCK_N)
