@@ -320,11 +320,17 @@ def _exchange(call: TPCall, mine: Tensor | None, failure: Exception | None, rows
     One more row carries each rank's failure flag, so a failure on one rank is an error on every rank
     right after the same collective, never ranks waiting for one that left (the failing rank raises
     its own error, the others a RuntimeError saying so). Returns the all-gathered (k, rows, ...)
-    numbers (``gather``) or the all-reduced (rows, ...). The flag is read on the host (on CUDA a wait
-    for the collective); a graph torch.compile traces has no Python to catch a failure in, and
-    exchanges the numbers alone."""
+    numbers (``gather``) or the all-reduced (rows, ...). The flag is read on the host, so it is sent
+    only where that costs no wait: CPU tensors (gloo). On an accelerator reading it would stall the
+    host on every call until the collective finished, so there the numbers go alone and a rank that
+    failed before the collective is noticed by the backend's own watchdog (NCCL's timeout, which
+    aborts the waiting ranks); a graph torch.compile traces has no Python to catch a failure in, and
+    exchanges the numbers alone too."""
     width, k = (() if call.rms else (2,)), len(call.counts)
-    if is_compiling():
+    flagged = not is_compiling() and torch.device(device).type == "cpu"
+    if failure is not None and not flagged:
+        raise failure
+    if not flagged:
         if gather:
             out = mine.new_empty((k * rows, *width))
             _all_gather(out, mine, group=call.group)
