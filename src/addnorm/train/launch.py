@@ -86,7 +86,8 @@ def _parent_is_torchrun() -> bool:
         return True
     parent = os.getppid()
     try:
-        argv = open(f"/proc/{parent}/cmdline", "rb").read().split(b"\0")  # noqa: SIM115
+        with open(f"/proc/{parent}/cmdline", "rb") as f:
+            argv = f.read().split(b"\0")
     except OSError:  # gone already
         return False
     return parent > 1 and (
