@@ -267,9 +267,14 @@ def _leave_failed(work: Path, rank: int, err: BaseException) -> None:
 if __name__ == "__main__":
     hold_to_torchrun()
     main()
-    # Skip the interpreter's teardown: now and then (1 run in 8 with FSDP2 on gloo) a C++ thread still
-    # joinable at exit aborts the rank ("terminate called without an active exception") after the
-    # run is complete and its result written.
+    # Skip the interpreter's teardown: now and then (1 run in 8 with FSDP2 on gloo) the rank aborted
+    # there after its run was complete and its result written ("terminate called without an active
+    # exception"). A core dump shows why (torch 2.13): a gloo worker thread releasing a collective that
+    # had just completed (its work object holds tensors that Python objects own) takes the GIL while
+    # the interpreter finalizes; Python ends that thread with pthread_exit, which C++ turns into
+    # std::terminate. The process group and its threads outlive destroy_process_group once a DTensor
+    # was made (FSDP2's parameters are DTensors: torch's native DTensor constructor keeps a reference
+    # only the teardown drops), so no call of addnorm's can join them first.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
