@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= triton,hf,dev,ray,tensorboard,mlflow,torchtitan
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.addnorm-installed
-ARGS ?= study
+ARGS ?=
 
 .PHONY: run test lint format bench gpu-bench install clean report-screenshots
 
@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml Makefile
 
 install: $(STAMP)
 
+# ARGS: the study's arguments (make run ARGS="--smoke", ARGS="literature --workers 2").
 run: $(STAMP)
-	$(VENV)/bin/addnorm $(ARGS)
+	$(VENV)/bin/addnorm study $(ARGS)
 
 # TRITON_INTERPRET=1 runs the Triton kernels on the CPU, so CI checks them without a GPU.
 test: $(STAMP)

@@ -11,6 +11,8 @@ uninterrupted study's (every run's status, final numbers and per-step metrics, e
 - ``kill -9`` of the driver at each phase (its workers starting, planned, after 1 and 3 runs stored,
   everything stored while the report is written), with 1 and 2 workers: no process of its session
   outlives it by 30 s, and a report left behind is whole;
+- ``kill -9`` of the driver, or of a run's torchrun, within a second of the run's two ranks starting
+  (issue 31: both ranks trained on under PID 1 in 4 of 4 such kills): no rank outlives it by 30 s;
 - SIGINT and SIGTERM mid-study: exit 130 with the one-line message;
 - two studies on one folder (the same spec, two specs, and ``--wait``): one refuses with exit 3 in one
   line naming the holder's pid (or waits for it), nothing is trained twice;
@@ -33,9 +35,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import http.server
 import os
+import random
 import re
 import resource
 import shutil
@@ -51,51 +53,37 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import yaml
-
 HERE = Path(__file__).resolve().parent
-SRC = HERE.parent / "src"
-sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(HERE))
 
-import torch  # noqa: E402
-from machine import machine_info, machine_line, write_results  # noqa: E402
-from procs import free_port, interruptible, pool_workers, session  # noqa: E402
+from procs import alive, children, free_port, parent, pool_workers  # noqa: E402
 from results_path import add_record_argument, out_dir  # noqa: E402
+from study_faults import (  # noqa: E402
+    ENV,
+    SPEC_ERRORS,
+    NotHeld,
+    addnorm,
+    break_storage,
+    check,
+    check_interrupted,
+    interrupt,
+    no_orphans,
+    one_line,
+    study_cmd,
+    unprivileged,
+    wait_for,
+    write_spec,
+)
 
-ENV = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=30, batch_size=4, seq_len=16, eval_every=10)
 RUNS = 6
 SPEC = {"name": "faults", "base": TINY, "experiments": {"main": {"sweep": {"seed": list(range(RUNS))}}}}
 OTHER = {"name": "other", "base": TINY, "experiments": {"side": {"sweep": {"seed": [10, 11, 12]}}}}
+TWO_RANKS = {**TINY, "steps": 2000, "eval_every": 0, "distributed": {"strategy": "ddp", "nproc": 2}}
 WAIT = 30.0  # seconds any single wait of a trial may take before it counts as not held
 
 
 # --- helpers ---------------------------------------------------------------------------------------
-class NotHeld(AssertionError):
-    """A property of a trial did not hold."""
-
-
-def check(condition: bool, message: str) -> None:
-    if not condition:
-        raise NotHeld(message)
-
-
-def study_cmd(spec: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "addnorm.cli", "study", str(spec), "--out", str(out), *extra]
-
-
-def addnorm(*args: str | Path, timeout: float = 600, **popen) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "addnorm.cli", *map(str, args)]
-    return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout, **popen)
-
-
-def write_spec(folder: Path, spec: dict, name: str = "spec.yaml") -> Path:
-    path = folder / name
-    path.write_text(yaml.safe_dump(spec))
-    return path
-
-
 def finished(db: Path) -> set[str]:
     """Run ids stored as done or diverged (read-only, while a study may be writing)."""
     if not db.is_file():
@@ -142,32 +130,6 @@ def summary(stdout: str) -> tuple[int, int, int]:
     m = re.search(r"(\d+) runs \((\d+) already stored, (\d+) run now", stdout)
     check(m is not None, f"no summary line in {stdout[-300:]!r}")
     return int(m[1]), int(m[2]), int(m[3])
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = WAIT, every: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(every)
-    return predicate()
-
-
-def no_orphans(driver: subprocess.Popen) -> None:
-    """Within 30 s no process of the killed driver's session is left (killed if there are)."""
-    alive = not wait_for(lambda: not session(driver.pid), timeout=30, every=0.2)
-    left = session(driver.pid)
-    for pid in left:
-        with contextlib.suppress(OSError):
-            os.kill(pid, signal.SIGKILL)
-    check(not alive and not left, f"processes of the driver's session outlived it by 30 s: {left}")
-
-
-def one_line(stderr: str, prefix: str) -> str:
-    lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
-    check(len(lines) == 1 and lines[0].startswith(prefix), f"expected one {prefix!r} line, got {lines[-5:]}")
-    check("Traceback" not in stderr, "a traceback")
-    return lines[0]
 
 
 def report_whole(out: Path) -> None:
@@ -224,40 +186,69 @@ PHASES = {
 }
 
 
-def interrupt(ctx: Context, out: Path, phase: str, workers: int, sig: int) -> str:
-    with interruptible():  # this script may run where SIGINT is ignored (a background job)
-        driver = subprocess.Popen(
-            study_cmd(ctx.spec, out, "--workers", str(workers)),
-            env=ENV,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
-        )
-    try:
-        check(
-            wait_for(lambda: PHASES[phase](out) or driver.poll() is not None, timeout=300),
-            "phase not reached",
-        )
-        if driver.poll() is not None:
-            return "finished before the signal (not a fault)"
-        driver.send_signal(sig)
-        _, err = driver.communicate(timeout=120)
-    finally:
-        if driver.poll() is None:
-            driver.kill()
-            driver.wait()
+def signal_trial(ctx: Context, out: Path, phase: str, workers: int, sig: int) -> str:
+    code, err, pid, sent = interrupt(
+        study_cmd(ctx.spec, out, "--workers", str(workers)), lambda: PHASES[phase](out), sig
+    )
+    if not sent:
+        return "finished before the signal (not a fault)"
     if sig == signal.SIGKILL:
-        no_orphans(driver)
         report_whole(out)
     else:
-        check(
-            driver.returncode == 130, f"exit {driver.returncode} on {signal.Signals(sig).name}: {err[-300:]}"
-        )
-        check(err.strip().splitlines()[-1].startswith("interrupted: finished runs are stored"), err[-300:])
-        no_orphans(driver)
+        check_interrupted(code, err, sig)
+    no_orphans(pid)
     stored = stored_values_match(ctx, out)
     return resume_equals_reference(ctx, out, stored, "--workers", str(workers))
+
+
+def ranks_below(pid: int) -> list[int]:
+    """The ranks (``addnorm.train.launch`` processes, torchrun excluded) descending from ``pid``."""
+    found, todo = [], [pid]
+    while todo:
+        for child in children(todo.pop()):
+            todo.append(child)
+            with contextlib.suppress(OSError):
+                argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+                if b"addnorm.train.launch" in argv and b"torch.distributed.run" not in argv:
+                    found.append(child)
+    return found
+
+
+def early_kill(ctx: Context, out: Path, victim: str) -> str:
+    """A study of one run on two ranks; ``victim`` (the driver, or the run's torchrun) killed -9 at a
+    random moment within a second of the first rank starting (most such moments fall before the rank
+    has imported torch). Every rank must be gone within 30 s, and the driver's session with it."""
+    spec = write_spec(
+        out.parent / "ranks.yaml", {"name": "ranks", "base": TWO_RANKS, "experiments": {"a": {}}}
+    )
+    driver = subprocess.Popen(
+        study_cmd(spec, out, "--workers", "1", "--quiet"),
+        env=ENV,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    ranks: list[int] = []
+    try:
+        check(wait_for(lambda: bool(ranks_below(driver.pid)), timeout=300, every=0.005), "no rank started")
+        delay = random.uniform(0.0, 1.0)
+        time.sleep(delay)
+        ranks = ranks_below(driver.pid)
+        check(bool(ranks), "the ranks ended before the kill")
+        os.kill(driver.pid if victim == "driver" else parent(ranks[0]), signal.SIGKILL)
+        gone = wait_for(lambda: not any(alive(r) for r in ranks), timeout=30, every=0.1)
+        left = [r for r in ranks if alive(r)]
+        check(
+            gone and not left, f"ranks alive 30 s after the kill ({delay:.2f} s after they started): {left}"
+        )
+    finally:
+        for pid in [*ranks, driver.pid]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        driver.wait()
+    if victim == "driver":
+        no_orphans(driver.pid)
+    return f"killed {delay:.2f} s after the first rank started: {len(ranks)} ranks gone"
 
 
 def two_studies(ctx: Context, out: Path, case: str) -> str:
@@ -308,9 +299,8 @@ def two_studies(ctx: Context, out: Path, case: str) -> str:
 
 def nan_run(ctx: Context, out: Path) -> str:
     spec = write_spec(
-        out.parent,
+        out.parent / "nan.yaml",
         {"name": "nan", "base": TINY, "experiments": {"main": {"sweep": {"lr": [1e-3, float("inf")]}}}},
-        "nan.yaml",
     )
     first = subprocess.run(
         study_cmd(spec, out, "--quiet"), env=ENV, capture_output=True, text=True, timeout=600
@@ -349,22 +339,13 @@ def dead_worker(ctx: Context, out: Path) -> str:
 
 
 def storage(ctx: Context, out: Path, fault: str) -> str:
-    if fault == "file in place of the folder":
-        out.write_text("not a folder")
-    else:
-        out.mkdir()
-        if fault == "garbage database":
-            (out / "study.sqlite").write_bytes(os.urandom(8192))
-        elif fault == "truncated database":
-            done = subprocess.run(
-                study_cmd(ctx.spec, out, "--quiet"), env=ENV, capture_output=True, timeout=600
-            )
-            check(done.returncode == 0, "setup failed")
-            data = (out / "study.sqlite").read_bytes()
-            (out / "study.sqlite").write_bytes(data[: len(data) // 3])
-    if fault == "locked database":
+    def finished_study() -> None:
         done = subprocess.run(study_cmd(ctx.spec, out, "--quiet"), env=ENV, capture_output=True, timeout=600)
         check(done.returncode == 0, "setup failed")
+
+    if fault == "locked database":
+        out.mkdir()
+        finished_study()
         holder = sqlite3.connect(out / "study.sqlite", timeout=0)
         holder.execute("BEGIN EXCLUSIVE")
         try:
@@ -380,6 +361,7 @@ def storage(ctx: Context, out: Path, fault: str) -> str:
         check(result.returncode == 4, f"exit {result.returncode}")
         check(signature(out / "study.sqlite") == ctx.reference, "the stored study changed")
         return f"{line[len('error: ') :][:90]} ({took:.1f} s)"
+    break_storage(out, fault, finished_study)
     result = subprocess.run(
         study_cmd(ctx.spec, out, "--quiet"), env=ENV, capture_output=True, text=True, timeout=600
     )
@@ -388,18 +370,11 @@ def storage(ctx: Context, out: Path, fault: str) -> str:
     return line[len("error: ") :][:100]
 
 
-def drop_file_capabilities() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2, 3):  # CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl")
-
-
 def read_only(ctx: Context, out: Path) -> str:
     first = subprocess.run(study_cmd(ctx.spec, out, "--quiet"), env=ENV, capture_output=True, timeout=600)
     check(first.returncode == 0, "setup failed")
     out.chmod(0o555)
-    how = {"preexec_fn": drop_file_capabilities} if os.geteuid() == 0 else {}
+    how = unprivileged(out, ctx.spec) or {}
     try:
         again = addnorm("study", ctx.spec, "--out", out, "--quiet", **how)
         dry = addnorm("study", ctx.spec, "--out", out, "--dry-run", **how)
@@ -580,19 +555,8 @@ def bad_ray_address(ctx: Context, out: Path) -> str:
     return f"{line[len('error: ') :][:80]} ({took:.1f} s)"
 
 
-SPEC_ERRORS = {
-    "duplicate experiment name": (
-        "name: t\nexperiments:\n  a: {set: {lr: 0.01}}\n  a: {}\n",
-        "duplicate key 'a'",
-    ),
-    "duplicate base key": (
-        "name: t\nbase: {steps: 3, steps: 4}\nexperiments: {a: {}}\n",
-        "duplicate key 'steps'",
-    ),
-    "duplicate variant label": (
-        "name: t\nexperiments:\n  a:\n    sweep:\n      variant: [{label: x}, {label: x, lr: 1}]\n",
-        "label 'x' is used twice",
-    ),
+REFUSED = {  # the spec errors (shared with the tests) and what this machine cannot run
+    **SPEC_ERRORS,
     "model too big for the memory": (
         "name: t\nbase: {d_model: 20000, n_heads: 4, steps: 2, eval_every: 0}\nexperiments: {a: {}}\n",
         "error: memory: experiments.a",
@@ -605,7 +569,7 @@ SPEC_ERRORS = {
 
 
 def spec_error(ctx: Context, out: Path, case: str) -> str:
-    text, named = SPEC_ERRORS[case]
+    text, named = REFUSED[case]
     path = out.parent / "bad.yaml"
     path.write_text(text)
     result = addnorm("study", path, "--out", out, "--quiet")
@@ -624,17 +588,21 @@ def trials(repeat: int) -> dict[str, list[tuple[str, Callable[[Context, Path], s
             table.setdefault(f"kill -9 of the driver {phase}", []).extend(
                 (
                     f"{workers} worker(s) #{i + 1}",
-                    lambda c, o, p=phase, w=workers: interrupt(c, o, p, w, signal.SIGKILL),
+                    lambda c, o, p=phase, w=workers: signal_trial(c, o, p, w, signal.SIGKILL),
                 )
                 for i in range(repeat)
             )
+    for victim in ("driver", "torchrun"):
+        table[f"kill -9 of the {victim} as a run's ranks start"] = [
+            (f"#{i + 1}", lambda c, o, v=victim: early_kill(c, o, v)) for i in range(repeat)
+        ]
     for sig in (signal.SIGINT, signal.SIGTERM):
         for phase in ("after 1 run stored", "after 3 runs stored"):
             for workers in (1, 2):
                 table.setdefault(f"{sig.name} mid-study", []).append(
                     (
                         f"{phase}, {workers} worker(s)",
-                        lambda c, o, p=phase, w=workers, s=sig: interrupt(c, o, p, w, s),
+                        lambda c, o, p=phase, w=workers, s=sig: signal_trial(c, o, p, w, s),
                     )
                 )
     for case in ("same spec", "two specs", "--wait"):
@@ -656,7 +624,7 @@ def trials(repeat: int) -> dict[str, list[tuple[str, Callable[[Context, Path], s
     ):
         table[f"tracker: {fault}"] = [("", lambda c, o, f=fault: tracker(c, o, f))]
     table["Ray --address at an HTTP server"] = [("", bad_ray_address)]
-    for case in SPEC_ERRORS:
+    for case in REFUSED:
         table[f"spec: {case}"] = [("", lambda c, o, k=case: spec_error(c, o, k))]
     return table
 
@@ -681,7 +649,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="addnorm-faults-") as tmp:
         root = Path(tmp)
         os.chmod(root, 0o755)
-        ctx = Context(root, spec=write_spec(root, SPEC), other=write_spec(root, OTHER, "other.yaml"))
+        ctx = Context(
+            root, spec=write_spec(root / "spec.yaml", SPEC), other=write_spec(root / "other.yaml", OTHER)
+        )
         ref = subprocess.run(
             study_cmd(ctx.spec, root / "reference", "--quiet", "--workers", "1"),
             env=ENV,
@@ -719,6 +689,9 @@ def main() -> None:
             shown = [x for x in notes if x]
             rows.append((fault, len(runs), held, "; ".join(dict.fromkeys(shown))[:300]))
     loads.append(os.getloadavg()[0])
+    import torch
+    from machine import machine_info, machine_line, write_results
+
     torch.set_num_threads(1)  # as every study here runs its workers (the machine line reads this process)
     machine = machine_info("cpu")
     tried, kept = sum(r[1] for r in rows), sum(r[2] for r in rows)

@@ -93,8 +93,9 @@ def _run_then_exit(rank: int, worker, *args) -> None:
     """``worker(rank, *args)``, then leave without the interpreter's teardown: now and then a gloo C++
     thread still joinable at exit aborts a process whose work is done ("terminate called without an
     active exception", SIGABRT; seen in 1 of 5 full runs of test_distributed and in a CI run of the
-    communication benchmark's test), as ``addnorm.train.launch`` also avoids. A worker that raises still
-    fails the run."""
+    communication benchmark's test), as ``addnorm.train.launch`` also avoids: a gloo thread releasing
+    a just-completed collective takes the GIL while the interpreter finalizes (the mechanism is
+    in ``addnorm.train.launch``). A worker that raises still fails the run."""
     worker(rank, *args)
     sys.stdout.flush()
     sys.stderr.flush()

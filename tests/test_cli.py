@@ -244,3 +244,76 @@ def test_packaging_metadata_license_and_readme_facts():
     readme = (ROOT / "README.md").read_text()
     quick = len(load_spec("quick").expand())
     assert f"it trains {quick} small" in readme, "README: the quick preset's run count is stale"
+
+
+# --- an instant command line (issue 32): answers without importing torch ---------------------------
+INSTANT = [
+    ["--help"],
+    ["--version"],
+    ["study", "--list"],
+    ["study", "--show", "quick"],
+    ["study", "--show=depth"],
+    ["study", "--keys"],
+    ["study", "--keys", "--markdown"],
+]
+# Runs the command line in a fresh interpreter, then says on stderr whether torch was imported.
+_AFTER = (
+    "import sys\nfrom addnorm.cli import main\nsys.argv = ['addnorm', *sys.argv[1:]]\ntry:\n    main()\n"
+    "except SystemExit as done:\n    code = done.code\nprint('torch imported:', 'torch' in sys.modules, "
+    "file=sys.stderr)\nsys.exit(code)\n"
+)
+
+
+@pytest.mark.parametrize("args", INSTANT, ids=" ".join)
+def test_instant_commands_do_not_import_torch_and_answer_as_the_full_commands(args):
+    """Each instant command in a fresh process: exit 0, torch never imported, and what it prints is
+    what the command prints with the study commands loaded (this process has imported them)."""
+    ran = subprocess.run([sys.executable, "-c", _AFTER, *args], capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stderr.strip().splitlines()[-1] == "torch imported: False"
+    from addnorm.cli_lazy import run_study_command
+
+    if args[0] == "study":
+        full = run_study_command(["--show", "depth"] if args[1] == "--show=depth" else args[1:])
+        assert ran.stdout == full
+    elif args == ["--version"]:
+        assert ran.stdout == f"addnorm {an.__version__}\n"
+    else:
+        for name in ("list", "explain", "inspect", "study", "report", "export"):
+            assert re.search(rf"^│ {name} ", ran.stdout, re.M), name
+
+
+def test_help_lists_the_study_commands_with_their_own_help_before_they_load():
+    """``addnorm --help`` shows the study commands' placeholders; their help is the loaded commands'."""
+    from typer.main import get_command
+
+    from addnorm.cli_lazy import STUDY_COMMANDS, study_commands
+
+    group = get_command(cli.app)
+    loaded = study_commands()
+    assert set(loaded) == set(STUDY_COMMANDS)
+    for name, command in loaded.items():
+        assert group.commands[name].help == command.help and command.help
+
+
+def test_the_stored_spec_keys_are_the_study_commands_own_output():
+    """``cli_spec_keys.json`` (what ``study --keys`` prints without torch) is the study command's
+    output from the run config now; regenerate it with ``python -m addnorm.cli_lazy``."""
+    from addnorm.cli_lazy import run_study_command, spec_keys
+
+    assert spec_keys("text") == run_study_command(["--keys"]), "stale: python -m addnorm.cli_lazy"
+    assert spec_keys("markdown") == run_study_command(["--keys", "--markdown"]), "stale"
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["study", "--show", "quik"], "error: spec: unknown preset 'quik'"),
+        (["study", "--keys", "--smoke"], "task "),  # other options: the study command itself
+        (["study", "--list", "--keys"], "quick: "),
+    ],
+)
+def test_anything_else_goes_to_the_study_command_itself(args, expected):
+    result = invoke(*args)
+    assert expected in result.output
+    assert result.exit_code == (2 if "quik" in args else 0), result.output

@@ -7,14 +7,17 @@ Oracle: the same spec trained in one process. Real processes, a real SIGKILL, lo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from procs import alive, parent  # benchmarks/procs.py
+from procs import alive, children, parent  # benchmarks/procs.py
 from typer.testing import CliRunner
 
 from addnorm.cli import app
@@ -228,6 +231,115 @@ def test_a_killed_torchrun_takes_its_ranks_with_it(tmp_path):
     while any(alive(pid) for pid in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [pid for pid in ranks if alive(pid)], "orphaned ranks"
+
+
+LAUNCHER = (
+    "import sys\nfrom addnorm.train import RunConfig\nfrom addnorm.train.launch import launch\n"
+    "print(launch(RunConfig(**eval(sys.argv[1]))).error, flush=True)\n"
+)
+
+
+def _wait(predicate, what: str, timeout: float = 120.0) -> None:
+    """Wait for ``predicate`` (a bound on a wait, not a measured time: a hang fails the test)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout:.0f} s: {what}"
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")
+@pytest.mark.parametrize("victim", ["torchrun", "launcher"])
+def test_ranks_whose_parent_died_before_their_first_line_leave(tmp_path, victim):
+    """The early window, deterministically: each rank stops at a barrier before anything it runs
+    (``ADDNORM_RANK_BARRIER``), its torchrun dies meanwhile (killed itself, or with the launcher that
+    started it), and, released, the rank finds its parent gone and leaves, instead of importing torch
+    and lingering as an orphan (issue 31: 4 of 4 ranks killed early stayed alive)."""
+    barrier = tmp_path / "go"
+    settings = {**TINY, "steps": 5000, "distributed": {"strategy": "ddp", "nproc": 2}}
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER, repr(settings)],
+        env={**os.environ, "ADDNORM_RANK_BARRIER": str(barrier)},
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    ranks: list[int] = []
+    try:
+        marks = [Path(f"{barrier}.rank{r}") for r in (0, 1)]
+        _wait(lambda: all(m.exists() and m.read_text() for m in marks), "both ranks at the barrier")
+        ranks = [int(m.read_text()) for m in marks]
+        torchrun = parent(ranks[0])
+        assert torchrun == parent(ranks[1]) and b"torch.distributed.run" in Path(
+            f"/proc/{torchrun}/cmdline"
+        ).read_bytes().split(b"\0")
+        os.kill(launcher.pid if victim == "launcher" else torchrun, signal.SIGKILL)
+        # torchrun is gone once its ranks have another parent (its main thread turns zombie before its
+        # other threads end, and the children move only when the last one has)
+        _wait(lambda: all(parent(pid) != torchrun for pid in ranks), "the ranks handed to another parent")
+        assert not alive(torchrun) and all(alive(pid) for pid in ranks)  # orphaned, held at the barrier
+        barrier.touch()
+        _wait(lambda: not any(alive(pid) for pid in ranks), "the orphaned ranks gone", timeout=60)
+    finally:
+        barrier.touch()
+        for pid in [*ranks, launcher.pid]:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        launcher.wait()
+
+
+# A rank entry that fails rank 1 at its third sharded step: after ``ranks.wrap`` both ranks hold a side
+# process group; with IN_FLIGHT, rank 1 first starts a collective on it that rank 0 never joins.
+FAILING_RANK = """import os, runpy
+import torch, torch.distributed as dist
+from addnorm.train import ranks
+side, calls, wrap, shard = [], [], ranks.Ranks.wrap, ranks.Ranks.shard
+def wrapped(self, model, device):
+    side.append(dist.new_group(backend="gloo"))
+    return wrap(self, model, device)
+def failing(self, batch):
+    calls.append(1)
+    if os.environ["RANK"] == "1" and len(calls) == 3:
+        if IN_FLIGHT:
+            dist.all_reduce(torch.ones(3), group=side[0], async_op=True)
+        raise RuntimeError("injected fault on rank 1")
+    return shard(self, batch)
+ranks.Ranks.wrap, ranks.Ranks.shard = wrapped, failing
+runpy.run_module("addnorm.train.launch", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("in_flight", [False, True], ids=["plain", "collective-in-flight"])
+def test_an_error_on_one_rank_fails_the_run_naming_that_rank_and_its_error(tmp_path, monkeypatch, in_flight):
+    """Rank 1 raises at its third step while rank 0 goes on into the step's gradient all-reduce (and,
+    with a collective of rank 1's in flight that rank 0 never joins, which the process group's teardown
+    would wait for until gloo's 30-minute timeout): rank 0's collective fails as rank 1 leaves, the run
+    fails, and its one line names rank 1 and its own error, not rank 0's lost connection."""
+    import threading
+
+    from addnorm.train import launch as launch_module
+
+    script = tmp_path / "failing_rank.py"
+    script.write_text(FAILING_RANK.replace("IN_FLIGHT", str(in_flight)))
+    command = launch_module.launcher_command
+    monkeypatch.setattr(
+        launch_module, "launcher_command", lambda work, n: [*command(work, n)[:-3], str(script), str(work)]
+    )
+    cfg = RunConfig(**{**TINY, "steps": 50, "eval_every": 0, "probe_every": 0}, distributed={"nproc": 2})
+    results = []
+    worker = threading.Thread(target=lambda: results.append(launch(cfg)), daemon=True)
+    worker.start()
+    worker.join(timeout=240)  # a bound on a hang (it was 30 minutes), not a measured time
+    if worker.is_alive():
+        for pid in children(os.getpid()):
+            with contextlib.suppress(OSError):
+                os.killpg(pid, signal.SIGKILL)
+        worker.join()
+        pytest.fail("the ranks hung after rank 1 failed")
+    (result,) = results
+    assert result.status == "failed"
+    assert "\n" not in result.error
+    assert result.error.startswith(
+        "distributed run: rank 1 failed: RuntimeError: injected fault on rank 1"
+    ), result.error
 
 
 # --- settings, refusals and resources (no processes) --------------------------------------------------

@@ -13,8 +13,21 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
-from procs import interruptible, pool_workers, session  # benchmarks/procs.py
+from procs import pool_workers  # benchmarks/procs.py
+from study_faults import (  # benchmarks/study_faults.py, shared with benchmarks/fault_trials.py
+    ENV,
+    SPEC_ERRORS,
+    STORAGE_FAULTS,
+    addnorm,
+    break_storage,
+    check_interrupted,
+    interrupt,
+    line_within,
+    no_orphans,
+    study_cmd,
+    unprivileged,
+    write_spec,
+)
 from typer.testing import CliRunner
 
 from addnorm.study import Store, parse_spec, run_study
@@ -22,15 +35,13 @@ from addnorm.study import store as store_module
 from addnorm.study.lock import LOCK_NAME, FolderInUse, folder_lock
 
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=3, batch_size=4, seq_len=16, eval_every=0)
-SRC = str(Path(__file__).resolve().parents[1] / "src")
 HOLD = "import time\nfrom addnorm.study.lock import folder_lock\nwith folder_lock({!r}):\n    {}"
-ENV = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
 
 
-def write_spec(path: Path, name="tiny", **sweep) -> Path:
-    spec = {"name": name, "base": dict(TINY), "experiments": {"main": {"sweep": sweep or {"seed": [0]}}}}
-    path.write_text(yaml.safe_dump(spec))
-    return path
+def tiny_spec(path: Path, name="tiny", **sweep) -> Path:
+    return write_spec(
+        path, {"name": name, "base": dict(TINY), "experiments": {"main": {"sweep": sweep or {"seed": [0]}}}}
+    )
 
 
 def cli(*args):
@@ -65,11 +76,8 @@ def test_a_second_process_on_a_folder_in_use_refuses_in_one_line(tmp_path):
     )  # fmt: skip
     try:
         assert holder.stdout.readline().strip() == "held"
-        spec = write_spec(tmp_path / "spec.yaml")
-        second = subprocess.run(
-            [sys.executable, "-m", "addnorm.cli", "study", str(spec), "--out", str(tmp_path), "--quiet"],
-            env=ENV, capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+        spec = tiny_spec(tmp_path / "spec.yaml")
+        second = addnorm("study", spec, "--out", tmp_path, "--quiet", timeout=120)
         assert second.returncode == 3, second.stderr
         lines = second.stderr.strip().splitlines()
         assert len(lines) == 1 and str(tmp_path) in lines[0] and f"process {holder.pid}" in lines[0], lines
@@ -81,14 +89,6 @@ def test_a_second_process_on_a_folder_in_use_refuses_in_one_line(tmp_path):
         assert (tmp_path / LOCK_NAME).read_text().strip() == str(os.getpid())
 
 
-def _line(stream, timeout: float) -> str:
-    """The next line of a child's pipe, waiting at most ``timeout`` seconds (empty if none came)."""
-    import select
-
-    ready, _, _ = select.select([stream], [], [], timeout)
-    return stream.readline() if ready else ""
-
-
 def test_wait_waits_for_a_folder_in_use_with_one_line_then_runs(tmp_path):
     """Two real processes against a holder: ``--wait 1`` exits 3 after its second; ``--wait 120`` says
     once whom it waits for (the holder's pid), and runs the study once the holder is gone (kill -9)."""
@@ -96,11 +96,10 @@ def test_wait_waits_for_a_folder_in_use_with_one_line_then_runs(tmp_path):
         [sys.executable, "-c", HOLD.format(str(tmp_path), "print('held', flush=True); time.sleep(600)")],
         env=ENV, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
-    study = [sys.executable, "-m", "addnorm.cli", "study", str(write_spec(tmp_path / "spec.yaml"))]
-    study += ["--out", str(tmp_path), "--quiet", "--wait"]
+    study = study_cmd(tiny_spec(tmp_path / "spec.yaml"), tmp_path, "--quiet", "--wait")
     waiters = []
     try:
-        assert _line(holder.stdout, 60).strip() == "held"
+        assert line_within(holder.stdout, 60).strip() == "held"
         for seconds in ("120", "1"):  # unbuffered bytes: a line read leaves the rest in the pipe
             waiters.append(subprocess.Popen([*study, seconds], env=ENV, stdout=subprocess.PIPE,
                                             stderr=subprocess.PIPE, bufsize=0))  # fmt: skip
@@ -109,7 +108,7 @@ def test_wait_waits_for_a_folder_in_use_with_one_line_then_runs(tmp_path):
         assert brief.returncode == 3, err
         (line,) = err.strip().splitlines()[-1:]
         assert f"process {holder.pid}" in line and "after waiting 1 s" in line, err
-        first = _line(patient.stderr, 60).decode()
+        first = line_within(patient.stderr, 60).decode()
         assert first.startswith(f"waiting for {tmp_path}: in use by process {holder.pid}"), first
         assert patient.poll() is None  # still waiting
     finally:
@@ -133,86 +132,36 @@ def test_the_lock_is_reentrant_in_one_process_and_exclusive_across_open_files(tm
         assert child.returncode != 0 and FolderInUse.__name__ in child.stderr
 
 
-@pytest.mark.parametrize("fault", ["garbage database", "truncated database", "file in the way"])
+@pytest.mark.parametrize("fault", STORAGE_FAULTS)
 def test_storage_faults_are_one_line_with_exit_code_4(tmp_path, fault):
-    spec = write_spec(tmp_path / "spec.yaml")
+    spec = tiny_spec(tmp_path / "spec.yaml")
     out = tmp_path / "out"
-    if fault == "file in the way":
-        out.write_text("not a folder")
-    else:
-        out.mkdir()
-        if fault == "garbage database":
-            (out / "study.sqlite").write_bytes(os.urandom(4096))
-        else:
-            assert cli("study", spec, "--out", out, "--quiet").exit_code == 0
-            data = (out / "study.sqlite").read_bytes()
-            (out / "study.sqlite").write_bytes(data[: len(data) // 3])
+    break_storage(out, fault, lambda: cli("study", spec, "--out", out, "--quiet"))
     result = cli("study", spec, "--out", out, "--quiet")
     assert result.exit_code == 4, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "storage fault" in errors[0] and "Traceback" not in result.output
 
 
-def _drop_file_capabilities() -> None:
-    """In a child before exec: drop the capabilities that let root ignore file permissions
-    (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH, CAP_FOWNER) from the bounding set, so that after exec
-    this root process meets permissions as an unprivileged user does (and can still run an
-    interpreter that only root may read, which ``user="nobody"`` cannot)."""
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    for cap in (1, 2, 3):
-        if libc.prctl(24, cap, 0, 0, 0) != 0:  # 24 = PR_CAPBSET_DROP
-            raise OSError(ctypes.get_errno(), "prctl(PR_CAPBSET_DROP) failed")
-
-
-# reads a file, then must be refused a write into the folder
-PROBE = """import sys
-open(sys.argv[1]).read()
-try:
-    open(sys.argv[2], "w")
-except PermissionError:
-    sys.exit(0)
-sys.exit(1)"""
-
-
-def unprivileged(folder: Path, reads: Path) -> dict:
-    """subprocess arguments that run a command unprivileged for ``folder``'s permissions: as is for a
-    user other than root; as root, without the file capabilities (see above), else as ``nobody``.
-    Skips the test when neither can read ``reads`` and is refused a write into ``folder``."""
-    if os.geteuid() != 0:
-        return {}
-    probe = [sys.executable, "-c", PROBE, str(reads), str(folder / "probe")]
-    for how in ({"preexec_fn": _drop_file_capabilities}, {"user": "nobody", "group": "nogroup"}):
-        try:
-            child = subprocess.run(probe, env=ENV, capture_output=True, text=True, timeout=60, **how)
-        except (OSError, subprocess.SubprocessError, KeyError):
-            continue
-        if child.returncode == 0:
-            return how
-    pytest.skip("no unprivileged way to run a process here (no capability drop, no usable 'nobody')")
-
-
 def test_a_read_only_folder_is_read_but_never_written(tmp_path):
     """A finished study's folder (owned by root or the test's user) made read-only (0555), the
     commands run as an unprivileged process: resuming the study is one storage-fault line (exit 4)
     naming the database; --dry-run and export to another folder only read, and work."""
-    spec = write_spec(tmp_path / "spec.yaml")
+    spec = tiny_spec(tmp_path / "spec.yaml")
     out, elsewhere = tmp_path / "out", tmp_path / "csv"
     assert cli("study", spec, "--out", out, "--quiet").exit_code == 0
     before = sorted(p.name for p in out.iterdir())
     out.chmod(0o555)
     try:
         how = unprivileged(out, reads=spec)
-        run = lambda *args: subprocess.run(  # noqa: E731
-            [sys.executable, "-m", "addnorm.cli", *map(str, args)],
-            env=ENV, capture_output=True, text=True, timeout=120, **how,
-        )  # fmt: skip
-        resumed = run("study", spec, "--out", out, "--quiet")
-        dry = run("study", spec, "--out", out, "--dry-run")
-        exported = run("export", out, "--to", elsewhere)
+        if how is not None:
+            resumed = addnorm("study", spec, "--out", out, "--quiet", timeout=120, **how)
+            dry = addnorm("study", spec, "--out", out, "--dry-run", timeout=120, **how)
+            exported = addnorm("export", out, "--to", elsewhere, timeout=120, **how)
     finally:
         out.chmod(0o755)
+    if how is None:
+        pytest.skip("no unprivileged way to run a process here (no capability drop, no usable 'nobody')")
     assert resumed.returncode == 4, resumed.stderr
     (line,) = resumed.stderr.strip().splitlines()
     assert line.startswith("error: storage fault: ") and "study.sqlite" in line, line
@@ -227,7 +176,7 @@ def test_a_read_only_folder_is_read_but_never_written(tmp_path):
 def test_a_full_disk_while_writing_the_report_keeps_the_old_report(tmp_path, monkeypatch):
     """The report goes through a temporary file and a rename: ENOSPC mid-write leaves the previous
     report whole, no temporary file, and the study exits 4 with one line."""
-    spec = write_spec(tmp_path / "spec.yaml")
+    spec = tiny_spec(tmp_path / "spec.yaml")
     out = tmp_path / "out"
     assert cli("study", spec, "--out", out, "--quiet").exit_code == 0
     good = (out / "report.html").read_bytes()
@@ -247,15 +196,7 @@ def test_a_full_disk_while_writing_the_report_keeps_the_old_report(tmp_path, mon
 @pytest.mark.parametrize(
     ("text", "named"),
     [
-        (
-            "name: t\nexperiments:\n  a: {set: {lr: 0.01}}\n  a: {}\n",
-            "duplicate key 'a' (line 4",
-        ),
-        ("name: t\nbase: {steps: 3, steps: 4}\nexperiments: {a: {}}\n", "duplicate key 'steps'"),
-        (
-            "name: t\nexperiments:\n  a:\n    sweep:\n      variant: [{label: x}, {label: x, lr: 1}]\n",
-            "label 'x' is used twice",
-        ),
+        *SPEC_ERRORS.values(),
         ("name: ../..\nexperiments: {a: {}}\n", "name: '../..'"),
         ("name: /abs/path\nexperiments: {a: {}}\n", "name: '/abs/path'"),
     ],
@@ -269,7 +210,7 @@ def test_ambiguous_specs_are_one_line_errors_naming_the_duplicate(tmp_path, text
 
 
 def test_cpus_per_run_zero_is_refused(tmp_path):
-    spec = write_spec(tmp_path / "spec.yaml")
+    spec = tiny_spec(tmp_path / "spec.yaml")
     ray = ("--executor", "ray", "--cpus-per-run", "0")
     result = cli("study", spec, "--out", tmp_path / "out", *ray, "--dry-run")
     assert result.exit_code == 2 and "--cpus-per-run: expected a whole number >= 1, got 0" in result.output
@@ -337,27 +278,21 @@ def test_a_dead_pool_worker_fails_no_other_run(tmp_path, monkeypatch):
 def test_workers_die_with_a_killed_driver_even_while_starting(tmp_path, after):
     """kill -9 of the driver while its two workers start (or run): within 30 s no process of its
     session is left (no orphan holding the output pipe)."""
-    spec = write_spec(tmp_path / "spec.yaml", seed=[0, 1, 2, 3])
+    spec = tiny_spec(tmp_path / "spec.yaml", seed=[0, 1, 2, 3])
     driver = subprocess.Popen(
-        [sys.executable, "-m", "addnorm.cli", "study", spec, "--out", tmp_path / "o", "--workers", "2"],
+        study_cmd(spec, tmp_path / "o", "--workers", "2"),
         env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     time.sleep(after)
     driver.kill()
     driver.wait()
-    deadline = time.monotonic() + 30
-    while session(driver.pid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = session(driver.pid)
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
-    assert left == []
+    no_orphans(driver.pid)
 
 
 def test_a_tracker_that_fails_to_open_is_dropped_with_one_warning(tmp_path):
     """``<out>/tensorboard`` is a file: one warning line, the study runs and exits 0 without it."""
     pytest.importorskip("torch.utils.tensorboard")
-    spec = write_spec(tmp_path / "spec.yaml")
+    spec = tiny_spec(tmp_path / "spec.yaml")
     out = tmp_path / "out"
     out.mkdir()
     (out / "tensorboard").write_text("in the way")
@@ -400,23 +335,21 @@ def test_a_finished_run_whose_save_fails_is_kept_and_stored_on_resume(tmp_path, 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_an_interrupted_study_exits_130_with_a_message(tmp_path, sig):
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(
-        yaml.safe_dump({"name": "i", "base": {**TINY, "steps": 100000}, "experiments": {"main": {"set": {}}}})
+    spec = write_spec(
+        tmp_path / "spec.yaml", {"name": "i", "base": {**TINY, "steps": 100000}, "experiments": {"main": {}}}
     )
-    with interruptible():  # SIGINT reaches it even where pytest runs as a background job
-        driver = subprocess.Popen(
-            [sys.executable, "-m", "addnorm.cli", "study", spec, "--out", tmp_path / "o", "--workers", "1"],
-            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "o" / "study.sqlite").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(2.0)  # training
-    driver.send_signal(sig)
-    _, err = driver.communicate(timeout=60)
-    assert driver.returncode == 130, err
-    assert err.strip().splitlines()[-1].startswith("interrupted: finished runs are stored"), err
+    seen: list[float] = []
+
+    def training() -> bool:  # 2 s after the database appeared
+        if not seen and (tmp_path / "o" / "study.sqlite").exists():
+            seen.append(time.monotonic())
+        return bool(seen) and time.monotonic() - seen[0] > 2.0
+
+    code, err, _, sent = interrupt(
+        study_cmd(spec, tmp_path / "o", "--workers", "1"), training, sig, timeout=60
+    )
+    assert sent, err
+    check_interrupted(code, err, sig)
 
 
 def test_observing_a_long_run_changes_nothing_and_counts_every_evaluation_batch():
@@ -473,7 +406,7 @@ def test_a_database_killed_before_its_schema_is_an_empty_study(tmp_path, state):
     it): --dry-run reads it as empty, and the next study runs every run (it was exit 4)."""
     import sqlite3
 
-    spec = write_spec(tmp_path / "spec.yaml")
+    spec = tiny_spec(tmp_path / "spec.yaml")
     out = tmp_path / "out"
     out.mkdir()
     db = sqlite3.connect(out / "study.sqlite")

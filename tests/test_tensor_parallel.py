@@ -247,7 +247,7 @@ def _errors() -> dict[str, str]:
     """The one-line errors of what parallelize refuses."""
     from addnorm import parallelize
 
-    mesh = tp_mesh()
+    mesh, rank = tp_mesh(), torch.distributed.get_rank()
     attempts = {
         "encoder-decoder": lambda: parallelize(_encoder_decoder(), mesh),
         "heads": lambda: parallelize(lm(d_model=18, n_heads=3), mesh),
@@ -258,6 +258,10 @@ def _errors() -> dict[str, str]:
         "tp=False": lambda: parallelize(lm(), mesh, tp=False),
         "twice": lambda: parallelize(parallelize(lm(), mesh), mesh),
         "mesh": lambda: parallelize(lm(), "tp"),
+        # one rank only: every rank must learn of it (before: rank 0 waited in a collective rank 1
+        # never reached, then the two ranks' next collectives mismatched)
+        "refused-on-rank-1": lambda: parallelize(lm(d_ff=33) if rank == 1 else lm(), mesh),
+        "differs-on-rank-1": lambda: parallelize(lm(n_layers=LAYERS + 1) if rank == 1 else lm(), mesh),
     }
     got = {}
     for name, attempt in attempts.items():
@@ -484,6 +488,24 @@ def test_refusals_are_one_line_errors_naming_the_argument(results):
     }
     for name, pattern in expected.items():
         assert re.search(pattern, got[name]), f"{name}: {got[name]}"
+
+
+def test_a_model_refused_or_different_on_one_rank_is_an_error_on_every_rank(results):
+    """parallelize on a model only rank 1 refuses, or only rank 1 built with another layout: each rank
+    raises one line naming rank 1 (and the spawn goes on: no rank was left waiting in a collective)."""
+    rank0, rank1 = _each_rank(results, "errors")
+    assert rank1["refused-on-rank-1"].startswith("ValueError: d_ff: 33 is not divisible by the tensor")
+    assert re.search(
+        r"^ValueError: d_ff: 33 is not divisible .* \(rank 1's model: parallelize refuses it on every "
+        r"rank\)$",
+        rank0["refused-on-rank-1"],
+    ), rank0["refused-on-rank-1"]
+    for got in (rank0, rank1):
+        assert re.search(
+            r"^ValueError: model: rank 1's model differs from rank 0's \(.*\); parallelize needs the same "
+            r"model on every rank",
+            got["differs-on-rank-1"],
+        ), got["differs-on-rank-1"]
 
 
 def test_the_full_state_dict_of_a_tp_model_loads_into_a_plain_one(results):

@@ -12,27 +12,18 @@ import re
 import sys
 from pathlib import Path
 
-import matplotlib
+import typer
 
-matplotlib.use("Agg")  # headless: figures only go to files
-import matplotlib.pyplot as plt  # noqa: E402
-import torch  # noqa: E402
-import typer  # noqa: E402
-from matplotlib.ticker import FormatStrFormatter, MaxNLocator  # noqa: E402
+from . import __version__
+from .cli_errors import LIBRARY_ERRORS, fail, handle_errors
+from .cli_lazy import LazyGroup
 
-from . import __version__  # noqa: E402
-from .cli_errors import LIBRARY_ERRORS, fail, handle_errors  # noqa: E402
-from .explain import explain_add_norm  # noqa: E402
-from .model import TransformerConfig  # noqa: E402
-from .norms import NORMS  # noqa: E402
-from .placements import PLACEMENTS  # noqa: E402
-from .probe import Probe  # noqa: E402
-from .study.cli import register as register_study_commands  # noqa: E402
-from .study.findings import GROWTH, TREND_WORDS, ffn_grad_profile, trend  # noqa: E402
-from .tasks import build_task  # noqa: E402
+# Nothing above imports torch: `addnorm --help`, `--version` and `study --list/--show/--keys` answer
+# without it (see cli_lazy); each command imports what it uses.
 
 app = typer.Typer(
     name="addnorm",
+    cls=LazyGroup,
     help="The transformer Add & Norm pattern: placements, norms, and how gradients flow through depth.",
     no_args_is_help=True,
     add_completion=False,
@@ -106,6 +97,9 @@ def first_sentence(doc: str | None) -> str:
 @handle_errors
 def list_command() -> None:
     """Print every placement and norm with its formula and citation."""
+    from .norms import NORMS
+    from .placements import PLACEMENTS
+
     typer.echo("Placements (x = input, F = sublayer, N = norm, D = dropout):")
     width = max(len(name) for name in PLACEMENTS)
     for name, placement in PLACEMENTS.items():
@@ -127,6 +121,8 @@ def explain(
     eps: float = typer.Option(1e-5, "--eps", help="LayerNorm's epsilon."),
 ) -> None:
     """Work through one Post-LN Add & Norm, y = LayerNorm(x + F(x)), step by step."""
+    from .explain import explain_add_norm
+
     xs, fxs = _floats(x, "--x"), _floats(fx, "--fx")
     if len(xs) != len(fxs):
         raise ValueError(f"--x and --fx must have the same length, got {len(xs)} and {len(fxs)} numbers")
@@ -176,6 +172,13 @@ def ffn_grad_norms_at_init(
     (fresh model and batch each). Returns ``{"w1", "w2", "ff"}`` lists, one value per layer, ``ff`` =
     sqrt(||dW1||^2 + ||dW2||^2) as the study's findings compute it.
     """
+    import torch
+
+    from .model import TransformerConfig
+    from .probe import Probe
+    from .study.findings import ffn_grad_profile
+    from .tasks import build_task
+
     for name, value in (("layers", n_layers), ("seq", seq), ("batch", batch), ("repeats", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise ValueError(f"--{name}: expected a positive int, got {value!r}")
@@ -210,10 +213,18 @@ def ffn_grad_norms_at_init(
 
 def verdict(ratio: float) -> str:
     """Words for a last-layer / first-layer gradient-norm ratio (the study's :func:`trend`)."""
+    from .study.findings import TREND_WORDS, trend
+
     return TREND_WORDS[trend(ratio)]
 
 
 def _plot(results: dict[str, dict[str, list[float]]], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: figures only go to files
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FormatStrFormatter, MaxNLocator
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, norms in results.items():
         layers = range(1, len(norms["ff"]) + 1)
@@ -261,6 +272,12 @@ def inspect(
     ),
 ) -> None:
     """FFN weight-gradient norm per layer at initialisation, per placement (Xiong et al. 2020)."""
+    import torch
+
+    from .placements import PLACEMENTS
+    from .study.findings import GROWTH
+    from .tasks import build_task
+
     names = [PLACEMENTS.resolve(p) for p in placements.split(",") if p.strip()]
     if not names:
         raise ValueError(f"--placements: expected at least one placement name, got {placements!r}")
@@ -338,6 +355,7 @@ def _inspect_hf(
     the re-placed models; None: the model's own)."""
     from .hf import inspect as hf_inspect
     from .hf.architectures import ARCHITECTURES
+    from .norms import NORMS
 
     model_type = ARCHITECTURES.resolve(model_type)
     for name, value in sizes.items():
@@ -370,9 +388,8 @@ def main() -> None:
         sys.exit(2)
 
 
-# --- studies: ``study``, ``report``, ``export`` -------------------------------------------------------
-register_study_commands(app)
-
+# The study commands (``study``, ``report``, ``export``, in addnorm.study.cli) are added by LazyGroup
+# when one of them runs.
 
 if __name__ == "__main__":
     main()

@@ -74,6 +74,7 @@ def _tp_mesh(mesh):
 
 
 def _check(model: nn.Module, size: int, tp: bool) -> None:
+    """Raise what this rank's ``model`` cannot be made tensor-parallel for, one line naming it."""
     from torch.distributed.tensor import DTensor
 
     if not tp:
@@ -105,6 +106,49 @@ def _check(model: nn.Module, size: int, tp: bool) -> None:
             "norm: 'batchnorm' is not supported under tensor parallelism: its statistics run over the "
             "batch and the sequence (and heads), which the ranks hold in shards"
         )
+
+
+def _layout(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """What must be the same on every rank: each parameter's and buffer's name, shape and dtype (its
+    values may differ: rank 0's are kept)."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return [(name, tuple(t.shape), str(t.dtype)) for name, t in tensors]
+
+
+def _check_every_rank(model: nn.Module, mesh, tp: bool) -> None:
+    """:func:`_check` on every rank of ``mesh`` at once: each rank's verdict on its own model (and
+    the model's layout) is gathered before any other collective, so a rank that refuses, or whose
+    model differs from rank 0's, makes every rank raise (naming that rank) instead of leaving the
+    others waiting in ``parallelize_module``'s first collective until the process group's timeout."""
+    import torch.distributed as dist
+
+    try:
+        _check(model, mesh.size(), tp)
+        mine = None
+    except (TypeError, ValueError) as err:
+        mine = err
+    verdict = None if mine is None else (type(mine).__name__, str(mine))
+    views: list = [None] * mesh.size()
+    layout = _layout(model) if mine is None else None
+    dist.all_gather_object(views, (verdict, layout), group=mesh.get_group())
+    if mine is not None:
+        raise mine
+    for rank, (other, _) in enumerate(views):
+        if other is not None:
+            kind = TypeError if other[0] == "TypeError" else ValueError
+            raise kind(f"{other[1]} (rank {rank}'s model: parallelize refuses it on every rank)")
+    first = views[0][1]
+    for rank, (_, other) in enumerate(views[1:], start=1):
+        if other != first:
+            pairs = zip(first, other, strict=False)
+            differs = next(
+                (f"{a[0]} {a[1]} {a[2]} vs {b[0]} {b[1]} {b[2]}" for a, b in pairs if a != b),
+                f"{len(first)} vs {len(other)} parameters and buffers",
+            )
+            raise ValueError(
+                f"model: rank {rank}'s model differs from rank 0's ({differs}); parallelize needs the "
+                "same model on every rank (its weights may differ: rank 0's are kept)"
+            )
 
 
 def _layer_plan(layer: nn.Module, sp: bool) -> dict:
@@ -182,9 +226,12 @@ def parallelize(
     Refused with a one-line error: another model than ``LanguageModel``; ``n_heads``, ``d_ff`` or the
     vocabulary not divisible by the TP size; a placement whose layers TP cannot compute exactly
     (:func:`parallelizable_placements`: not Sub-LN, not nGPT); BatchNorm; ``tp=False``; a model already
-    distributed. Dropout trains with other masks than one process's: seed every rank the same (the
-    replicated stream without ``sp`` needs one mask); dropouts on a rank's shard (heads, hidden units,
-    with ``sp`` the stream's rows) draw from a per-rank generator (:class:`~.tp_styles.RankDropoutStream`).
+    distributed. Each rank checks its own model and the ranks agree before any other collective: one
+    rank refusing (or holding a model of another layout than rank 0's) is an error on every rank,
+    naming that rank, not a hang. Dropout trains with other masks than one process's: seed every rank
+    the same (the replicated stream without ``sp`` needs one mask); dropouts on a rank's shard (heads,
+    hidden units, with ``sp`` the stream's rows) draw from a per-rank generator
+    (:class:`~.tp_styles.RankDropoutStream`).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -198,7 +245,7 @@ def parallelize(
     )
 
     mesh = _tp_mesh(mesh)
-    _check(model, mesh.size(), tp)
+    _check_every_rank(model, mesh, tp)
     tied = model.head.weight is model.embed.tokens.weight
     stream = Shard(1) if sp else Replicate()
     plan = {
