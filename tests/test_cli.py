@@ -296,15 +296,6 @@ def test_help_lists_the_study_commands_with_their_own_help_before_they_load():
         assert group.commands[name].help == command.help and command.help
 
 
-def test_the_stored_spec_keys_are_the_study_commands_own_output():
-    """``cli_spec_keys.json`` (what ``study --keys`` prints without torch) is the study command's
-    output from the run config now; regenerate it with ``python -m addnorm.cli_lazy``."""
-    from addnorm.cli_lazy import run_study_command, spec_keys
-
-    assert spec_keys("text") == run_study_command(["--keys"]), "stale: python -m addnorm.cli_lazy"
-    assert spec_keys("markdown") == run_study_command(["--keys", "--markdown"]), "stale"
-
-
 @pytest.mark.parametrize(
     ("args", "expected"),
     [

@@ -7,13 +7,13 @@ command line answers ``--help``, ``--version`` and ``study --list`` without impo
 
 from __future__ import annotations
 
-import importlib
+from ._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _EXPORTS = {
-    **dict.fromkeys(("AddNorm", "SublayerConnection"), ".addnorm"),
+    **dict.fromkeys(("AddNorm", "ConnectionRole", "SublayerConnection"), ".addnorm"),
     **dict.fromkeys(
         (
             "Decoder",
@@ -45,21 +45,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    """A public name (imported from its module on first use) or a submodule (``addnorm.model``)."""
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module, __name__), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("_"):
-        try:
-            return importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as err:
-            if err.name != f"{__name__}.{name}":
-                raise  # the submodule exists; something it imports does not
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

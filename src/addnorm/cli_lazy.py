@@ -6,10 +6,9 @@ torch (``benchmarks/cli_startup.py`` times them against ``import torch``).
   are registered when one of them runs; until then the group holds placeholders whose help is the
   commands' docstrings, read from that module's source without importing it.
 - ``study`` given only ``--list``, ``--show PRESET`` (a shipped preset) or ``--keys [--markdown]`` is
-  answered here: the presets are read from their files, the spec keys from ``cli_spec_keys.json``,
-  the study command's own ``--keys`` outputs generated at build time (``python -m addnorm.cli_lazy``
-  rewrites it; ``tests/test_cli.py`` checks that it matches the code). Any other arguments go to
-  the study command itself.
+  answered here: the presets are read from their files, the spec keys from :mod:`addnorm.study.keys`
+  (which the study command prints too, and which imports no torch). Any other arguments go to the
+  study command itself.
 - The other commands (``list``, ``explain``, ``inspect``, in :mod:`addnorm.cli`) import what they use
   inside their bodies.
 """
@@ -21,7 +20,6 @@ import contextlib
 import io
 from collections.abc import Callable
 from importlib import resources
-from pathlib import Path
 
 import typer
 from typer.core import TyperCommand, TyperGroup
@@ -29,7 +27,6 @@ from typer.core import TyperCommand, TyperGroup
 STUDY_COMMANDS = ("study", "report", "export")  # what addnorm.study.cli.register adds (its function names)
 _PACKAGE = resources.files("addnorm")
 _PRESETS = _PACKAGE / "study" / "presets"
-KEYS_FILE = Path(__file__).with_name("cli_spec_keys.json")  # generated: python -m addnorm.cli_lazy
 
 
 class _Placeholder(TyperCommand):
@@ -122,24 +119,8 @@ def run_study_command(args: list[str]) -> str:
     return out.getvalue()
 
 
-def spec_keys_data() -> dict[str, list[str]]:
-    """What :data:`KEYS_FILE` holds: the study command's ``--keys`` (``text``) and ``--keys --markdown``
-    (``markdown``) outputs line by line, as the code gives them now (imports torch)."""
-    return {
-        "text": run_study_command(["--keys"]).splitlines(keepends=True),
-        "markdown": run_study_command(["--keys", "--markdown"]).splitlines(keepends=True),
-    }
-
-
 def spec_keys(kind: str) -> str:
-    """The stored ``--keys`` output (``text``) or its Markdown (``markdown``)."""
-    import json
+    """``study --keys`` (``text``) or ``study --keys --markdown`` (``markdown``), without torch."""
+    from .study import keys
 
-    return "".join(json.loads(KEYS_FILE.read_text())[kind])
-
-
-if __name__ == "__main__":
-    import json
-
-    KEYS_FILE.write_text(json.dumps(spec_keys_data(), indent=1) + "\n")
-    print(f"wrote {KEYS_FILE}")
+    return keys.markdown() if kind == "markdown" else keys.text()

@@ -6,7 +6,7 @@ The names below are imported when first used (PEP 562): a rank started by torchr
 
 from __future__ import annotations
 
-import importlib
+from .._lazy import lazy_exports
 
 _EXPORTS = {
     "RunConfig": ".config",
@@ -18,21 +18,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str):
-    """A public name (imported from its module on first use) or a submodule (``addnorm.train.loop``)."""
-    module = _EXPORTS.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(module, __name__), name)
-        globals()[name] = value
-        return value
-    if not name.startswith("_"):
-        try:
-            return importlib.import_module(f".{name}", __name__)
-        except ModuleNotFoundError as err:
-            if err.name != f"{__name__}.{name}":
-                raise
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *__all__})
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
