@@ -1,13 +1,13 @@
 """How long the command line's instant answers take against ``import torch``, in one run.
 
-    python benchmarks/cli_startup.py [--repeat N] [--no-record]
+    python benchmarks/cli_startup.py [--repeat N] [--out DIR | --record]
 
 Each command (``addnorm --help``, ``--version``, ``study --list``, ``study --show quick``, ``study
 --keys``, ``study --keys --markdown``) and the reference, ``python -c "import torch"``, runs as a fresh
 process ``--repeat`` times (default 7), interleaved so that a change in the machine's load touches
 them alike; the table gives each median wall time and its ratio to the reference's median (issue 32:
-each under 0.5). The same Python and ``PYTHONPATH=src`` as the tests. Writes
-``benchmarks/results/cli_startup_cpu.md`` and ``.json`` with the machine and commit.
+each under 0.5). The same Python and ``PYTHONPATH=src`` as the tests. Writes ``cli_startup_cpu.md``
+and ``.json`` with the machine and commit (scratch; ``--record``: ``benchmarks/results/``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ HERE = Path(__file__).resolve().parent
 SRC = HERE.parent / "src"
 sys.path.insert(0, str(SRC))
 sys.path.insert(0, str(HERE))
+
+from results_path import add_out_argument  # noqa: E402
 
 ENV = {**os.environ, "PYTHONPATH": str(SRC)}
 REFERENCE = "import torch"
@@ -78,7 +80,7 @@ def table(runs: dict[str, list[float]]) -> tuple[list[dict], str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=7, help="fresh processes per command (7)")
-    parser.add_argument("--no-record", action="store_true", help="do not write benchmarks/results/")
+    add_out_argument(parser)
     args = parser.parse_args()
     load = os.getloadavg()[0]
     rows, text = table(measure(args.repeat))
@@ -92,8 +94,9 @@ def main() -> None:
             "",
             machine_line(machine) + f" Load average {load:.1f} at the start (the machine is shared).",
             "",
-            f"`python benchmarks/cli_startup.py --repeat {args.repeat}`: each command a fresh process "
-            f'(`python -m addnorm.cli ...`, `PYTHONPATH=src`), interleaved with `python -c "import torch"`; '
+            f"`python benchmarks/cli_startup.py --repeat {args.repeat} --record`: each command a fresh "
+            f"process (`python -m addnorm.cli ...`, `PYTHONPATH=src`), interleaved with "
+            f'`python -c "import torch"`; '
             f"medians of {args.repeat}. None of these commands imports torch (`tests/test_cli.py` checks "
             f"it). Largest ratio {worst:.2f} (target: under {TARGET}).",
             "",
@@ -102,8 +105,7 @@ def main() -> None:
         ]
     )
     print(markdown)
-    if not args.no_record:
-        write_results(HERE / "results", "cli_startup_cpu", markdown, {"machine": machine, "rows": rows})
+    write_results(args.out, "cli_startup_cpu", markdown, {"machine": machine, "rows": rows})
     if worst >= TARGET:
         raise SystemExit(f"a command took {worst:.2f} x import torch (target under {TARGET})")
 

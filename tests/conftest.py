@@ -88,3 +88,24 @@ def dynamo_cache_warnings():
         cached.extend(str(c.message) for c in caught if "lru_cache" in str(c.message))
 
     return record
+
+
+@pytest.fixture
+def registries_restored():
+    """Every addnorm registry as it was before the test: a block of the docs registers its own
+    placement ("deep_pre"), and one test's registration must not reach another's ``set(PLACEMENTS)``."""
+    from addnorm.registry import Registry
+
+    def found():
+        modules = [m for name, m in list(sys.modules.items()) if name.startswith("addnorm") and m]
+        return {id(r): r for m in modules for r in vars(m).values() if isinstance(r, Registry)}
+
+    saved = {key: (dict(r._entries), dict(r._aliases)) for key, r in found().items()}
+    yield
+    for key, registry in found().items():
+        if key in saved:
+            entries, aliases = saved[key]
+            registry._entries.clear()
+            registry._entries.update(entries)
+            registry._aliases.clear()
+            registry._aliases.update(aliases)

@@ -87,7 +87,7 @@ def test_the_readme_has_its_blocks_and_every_mark_is_known():
 
 
 @pytest.mark.parametrize("block", [b for b in ALL if b.mark != "torchrun 2"], ids=_ids)
-def test_block_runs_as_written(block, tmp_path, monkeypatch):
+def test_block_runs_as_written(block, tmp_path, monkeypatch, registries_restored):
     if skip := SKIP.match(block.mark):
         pytest.skip(f"marked in the markdown: {skip['reason']}")
     if block.mark == "gpu" and not torch.cuda.is_available():
@@ -143,9 +143,11 @@ def test_torchrun_block_runs_as_written_on_two_processes(block, tmp_path):
 def test_make_run_passes_its_args_to_the_study():
     """``make run ARGS="--smoke"`` runs ``addnorm study --smoke`` (it ran ``addnorm --smoke``: "No such
     option"); ``make -n`` prints the commands without running them (no .venv is made)."""
-    shown = subprocess.run(
-        ["make", "-n", "run", "ARGS=--smoke", "VENV=/nonexistent-venv"],
+    make_env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    shown = subprocess.run(  # under `make test`, the outer make's flags would print "make[1]: ..."
+        ["make", "--no-print-directory", "-n", "run", "ARGS=--smoke", "VENV=/nonexistent-venv"],
         cwd=ROOT,
+        env=make_env,
         capture_output=True,
         text=True,
         timeout=60,
