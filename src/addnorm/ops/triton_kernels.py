@@ -48,12 +48,13 @@ import triton.language as tl
 from .triton_tiles import (
     chunk_stream,
     col_tile,
-    grad_tile,
     hash_rows,
+    input_grads,
     load_tile,
     load_vec,
     mean_at,
     normalize,
+    param_sums,
     program_slice,
     row_slices_sums,
     row_stats,
@@ -192,13 +193,13 @@ def _add_norm_bwd_kernel(
             )  # fmt: skip
         dy = load_tile(DY, rows64, stride_dy, cols, m)
         wdy = dy * w
+        dw_acc, db_acc = param_sums(dy, xhat, dw_acc, db_acc, HAS_W, HAS_B)
         if not SPLIT:  # the row is this slice
             c1 = tl.sum(xhat * wdy, axis=1)[:, None]
             c2 = tl.sum(wdy, axis=1)[:, None]
-        dw_acc, db_acc, dg_acc = grad_tile(
-            dy, wdy, xhat, c1 / N, c2 / N, rstd, dw_acc, db_acc, dg_acc, DS, X, G, keep, DX, DRES, rows64,
-            cols, col_ok, m, N, stride_ds, stride_x, alpha, drop_scale, IS_RMS, HAS_W, HAS_B, GATE, DROPOUT,
-            HAS_DS, WRITE_DX,
+        dg_acc = input_grads(
+            dy, wdy, xhat, c1 / N, c2 / N, rstd, dg_acc, DS, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N,
+            stride_ds, stride_x, alpha, drop_scale, IS_RMS, GATE, DROPOUT, HAS_DS, WRITE_DX,
         )  # fmt: skip
     store_col_sums(DW_PART, DB_PART, DG_PART, pid, j, N, dw_acc, db_acc, dg_acc, HAS_W, HAS_B, GATE, BLOCK_N)
 

@@ -9,7 +9,7 @@ kernels (:mod:`addnorm.ops.triton_kernels`) and the tensor-parallel ones
     y = w * x_hat + b                                                   store_y
     ds = rstd * (w dy - x_hat * mean(x_hat * w dy) - mean(w dy))        dsum_tile (RMSNorm: no last term)
     dresidual = alpha * ds, dx = dropout'(g * ds), dgate = sum(ds * dropout(x))   store_dx
-    dweight = sum(dy * x_hat), dbias = sum(dy), dgate over a slice's rows        grad_tile
+    dweight = sum(dy * x_hat), dbias = sum(dy), dgate over a slice's rows   param_sums, input_grads
 
 A program's rows (:func:`row_tile`) and a chunk or slice of its columns (:func:`col_tile`) are found the
 same way in every kernel; tiles of s, y and the gradients load and store with :func:`load_tile` and
@@ -333,17 +333,23 @@ def store_dx(
 
 
 @triton.jit
-def grad_tile(
-    dy, wdy, xhat, c1, c2, rstd, dw_acc, db_acc, dg_acc, DS, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N,
-    stride_ds, stride_x, alpha, drop_scale, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    GATE: tl.constexpr, DROPOUT: tl.constexpr, HAS_DS: tl.constexpr, WRITE_DX: tl.constexpr,
-):  # fmt: skip
-    # a tile's gradients, c1 and c2 the rows' means of x_hat * w dy and w dy: dresidual and dx stored,
-    # the slice's dweight, dbias and dgate sums returned with this tile's rows added
+def param_sums(dy, xhat, dw_acc, db_acc, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    # a slice's dweight = sum(dy * x_hat) and dbias = sum(dy) with this tile's rows added
     if HAS_W:
         dw_acc += tl.sum(dy * xhat, axis=0)
     if HAS_B:
         db_acc += tl.sum(dy, axis=0)
+    return dw_acc, db_acc
+
+
+@triton.jit
+def input_grads(
+    dy, wdy, xhat, c1, c2, rstd, dg_acc, DS, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_ds,
+    stride_x, alpha, drop_scale, IS_RMS: tl.constexpr, GATE: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_DS: tl.constexpr, WRITE_DX: tl.constexpr,
+):  # fmt: skip
+    # a tile's dresidual and dx stored (c1 and c2: the rows' means of x_hat * w dy and w dy), and the
+    # slice's dgate sum returned with this tile's rows added
     dsum = dsum_tile(dy, wdy, xhat, c1, c2, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS)
     gterm = store_dx(
         dsum, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_x, alpha, drop_scale, GATE, DROPOUT,
@@ -351,7 +357,7 @@ def grad_tile(
     )  # fmt: skip
     if GATE != 0:
         dg_acc += tl.sum(gterm, axis=0)
-    return dw_acc, db_acc, dg_acc
+    return dg_acc
 
 
 @triton.jit

@@ -25,10 +25,11 @@ import triton.language as tl
 
 from .triton_tiles import (
     col_tile,
-    grad_tile,
     hash_rows,
+    input_grads,
     load_tile,
     load_vec,
+    param_sums,
     program_slice,
     row_stats,
     row_tile,
@@ -125,9 +126,9 @@ def tp_bwd_kernel(
         keep = tile_keep(SEED, ids, cols + col0, m, drop_thr, DROPOUT)
         xhat = xhat_of(load_tile(S, rows64, N, cols, m), mean, rstd, m, 0.0, False)
         dy = load_tile(DY, rows64, stride_dy, cols, m)
-        dw_acc, db_acc, dg_acc = grad_tile(
-            dy, dy * w, xhat, c1, c2, rstd, dw_acc, db_acc, dg_acc, DS, X, G, keep, DX, DRES, rows64, cols,
-            col_ok, m, N, stride_ds, stride_x, alpha, drop_scale, IS_RMS, HAS_W, HAS_B, GATE, DROPOUT, HAS_DS,
-            WRITE_DX,
+        dw_acc, db_acc = param_sums(dy, xhat, dw_acc, db_acc, HAS_W, HAS_B)
+        dg_acc = input_grads(
+            dy, dy * w, xhat, c1, c2, rstd, dg_acc, DS, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N,
+            stride_ds, stride_x, alpha, drop_scale, IS_RMS, GATE, DROPOUT, HAS_DS, WRITE_DX,
         )  # fmt: skip
     store_col_sums(DW_PART, DB_PART, DG_PART, pid, j, N, dw_acc, db_acc, dg_acc, HAS_W, HAS_B, GATE, BLOCK_N)
