@@ -99,9 +99,10 @@ def col_tile(c, lane, N, row_ok, BLOCK_N: tl.constexpr):
 def program_slice(N, BLOCK_N: tl.constexpr):
     # a backward program (j, pid): its column slice j (lane, columns, which exist) and its run pid of rows
     j = tl.program_id(0)
+    pid = tl.program_id(1)
     lane = tl.arange(0, BLOCK_N)[None, :]
     cols = j * BLOCK_N + lane
-    return j, tl.program_id(1), lane, cols, cols < N
+    return j, pid, lane, cols, cols < N
 
 
 @triton.jit
