@@ -65,7 +65,7 @@ from itertools import product
 
 import torch
 import torch.nn.functional as F
-from machine import device_slug, machine_info, machine_line, write_results
+from machine import machine_info, machine_line, record_rows
 from results_path import add_out_argument
 from timing import interleaved
 
@@ -575,15 +575,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         torch._dynamo.config.accumulated_recompile_limit = 4096
         warm_only(args, shapes(args, device), impls, device, args.warm_only)
         return None
-    stem = f"add_norm_{device_slug(torch.cuda.get_device_name() if device == 'cuda' else 'cpu')}"
-
-    def write(report: dict, quiet: bool = True) -> None:
-        report["note"] = args.note
-        write_results(args.out, stem, to_markdown(report), report, quiet=quiet)
-
-    report = run(args, on_row=write)
-    write(report, quiet=False)
-    return report
+    return record_rows(args, "add_norm", device, run, to_markdown)
 
 
 if __name__ == "__main__":

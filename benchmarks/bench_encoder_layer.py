@@ -15,32 +15,16 @@ import datetime as dt
 import os
 import platform
 import statistics
-import time
 
 import torch
 from machine import cpu_model, write_results
 from results_path import add_out_argument
-from timing import interleaved
+from timing import interleaved, training_step
 from torch import nn
 
 import addnorm as an
 
 D_MODEL, HEADS, D_FF, BATCH, SEQ, DROPOUT = 256, 4, 1024, 16, 128, 0.1
-
-
-def make_step(layer: nn.Module, x: torch.Tensor):
-    opt = torch.optim.AdamW(layer.parameters(), lr=1e-4)
-    layer.train()
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        loss = layer(x).square().mean()
-        loss.backward()
-        opt.step()
-        return time.perf_counter() - t0
-
-    return step
 
 
 def bench(placement: str, reps: int, warmup: int) -> dict:
@@ -56,7 +40,10 @@ def bench(placement: str, reps: int, warmup: int) -> dict:
     n_ours = sum(p.numel() for p in ours.parameters())
     n_theirs = sum(p.numel() for p in theirs.parameters())
     x = torch.randn(BATCH, SEQ, D_MODEL)
-    steps = {"addnorm": make_step(ours, x), "torch": make_step(theirs, x)}
+    steps = {
+        "addnorm": training_step(ours, lambda: ours(x).square().mean()),
+        "torch": training_step(theirs, lambda: theirs(x).square().mean()),
+    }
     times, _ = interleaved(steps, reps, warmup)
     med = {name: statistics.median(t) for name, t in times.items()}
     q = {name: statistics.quantiles(t, n=4) for name, t in times.items()}

@@ -48,7 +48,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
-from machine import device_slug, machine_info, machine_line, write_results
+from machine import machine_info, machine_line, record_rows
 from results_path import add_out_argument
 from timing import interleaved
 from torch import nn
@@ -570,14 +570,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.warm_column is not None:
         warm_only(args, device)
         return
-    stem = f"lm_step_{device_slug(torch.cuda.get_device_name() if device == 'cuda' else 'cpu')}"
-
-    def write(report: dict, quiet: bool = True) -> None:
-        report["note"] = args.note
-        write_results(args.out, stem, to_markdown(report), report, quiet=quiet)
-
-    report = run(args, on_row=write)
-    write(report, quiet=False)
+    record_rows(args, "lm_step", device, run, to_markdown)
 
 
 if __name__ == "__main__":

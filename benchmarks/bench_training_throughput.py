@@ -18,12 +18,12 @@ import argparse
 import datetime as dt
 import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 from machine import cpu_model, write_results
 from results_path import add_out_argument
+from timing import interleaved, training_step
 from torch import nn
 
 import addnorm as an
@@ -50,47 +50,24 @@ class TorchStackLM(nn.Module):
         return self.head(x)
 
 
-def make_step(model: nn.Module, tokens: torch.Tensor):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    model.train()
-
-    def step() -> float:
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        logits = model(tokens[:, :-1])
-        F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)).backward()
-        opt.step()
-        return time.perf_counter() - t0
-
-    return step
-
-
 def bench(placement: str, reps: int, warmup: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    cfg = an.TransformerConfig(
-        d_model=D_MODEL,
-        n_heads=HEADS,
-        d_ff=D_FF,
-        n_layers=LAYERS,
-        dropout=DROPOUT,
-        placement=placement,
-        max_len=SEQ,
-    )
+    sizes = {"d_model": D_MODEL, "n_heads": HEADS, "d_ff": D_FF, "n_layers": LAYERS, "max_len": SEQ}
+    cfg = an.TransformerConfig(**sizes, dropout=DROPOUT, placement=placement)
     ours = an.LanguageModel(cfg, VOCAB)
     theirs = TorchStackLM(an.LanguageModel(cfg, VOCAB), norm_first=placement == "pre")
     n_ours = sum(p.numel() for p in ours.parameters())
     n_theirs = sum(p.numel() for p in theirs.parameters())
     tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1))
-    steps = {"addnorm": make_step(ours, tokens), "torch": make_step(theirs, tokens)}
-    for _ in range(warmup):
-        for s in steps.values():
-            s()
-    times = {k: [] for k in steps}
-    for i in range(reps):
-        order = list(steps) if i % 2 == 0 else list(reversed(steps))
-        for k in order:
-            times[k].append(steps[k]())
+
+    def step_of(model: nn.Module):
+        return training_step(
+            model,
+            lambda: F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)),
+        )
+
+    times, _ = interleaved({"addnorm": step_of(ours), "torch": step_of(theirs)}, reps, warmup)
     med = {k: statistics.median(v) for k, v in times.items()}
     tok = BATCH * SEQ
     return {

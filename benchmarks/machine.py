@@ -26,6 +26,7 @@ __all__ = [
     "machine_info",
     "machine_line",
     "package_version",
+    "record_rows",
     "write_results",
 ]
 
@@ -87,3 +88,18 @@ def write_results(out: Path, name: str, markdown: str, payload: dict, *, quiet: 
         hint = " (scratch: --record writes benchmarks/results/)" if out.resolve() == SCRATCH else ""
         print(f"wrote {out / name}.md and .json{hint}", flush=True)
     return path
+
+
+def record_rows(args, kind: str, device: str, run, to_markdown) -> dict:
+    """Run a benchmark, ``run(args, on_row=write)``, whose results ``<kind>_<device slug>`` in ``args.out``
+    are written again after each row (quietly: a run cut short keeps what it measured) and at the end,
+    each with ``args.note``; returns the report."""
+    stem = f"{kind}_{device_slug(torch.cuda.get_device_name() if device == 'cuda' else 'cpu')}"
+
+    def write(report: dict, quiet: bool = True) -> None:
+        report["note"] = args.note
+        write_results(args.out, stem, to_markdown(report), report, quiet=quiet)
+
+    report = run(args, on_row=write)
+    write(report, quiet=False)
+    return report

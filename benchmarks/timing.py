@@ -1,11 +1,12 @@
-"""How the benchmarks time implementations against each other on a shared machine: interleaved."""
+"""How the benchmarks time implementations against each other on a shared machine: interleaved, each
+implementation a timer (a call returning the seconds it measured), such as a training step."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
 
-__all__ = ["interleaved"]
+__all__ = ["interleaved", "training_step"]
 
 
 def interleaved(
@@ -27,3 +28,21 @@ def interleaved(
             wall[name].append(timers[name]())
             cpu[name].append(time.process_time() - t0)
     return wall, cpu
+
+
+def training_step(model, loss_of: Callable[[], object], lr: float = 1e-4) -> Callable[[], float]:
+    """A timer of one training step of ``model`` (put in training mode): gradients zeroed, ``loss_of()``
+    computed and backpropagated, one AdamW step at ``lr``; it returns the step's wall seconds."""
+    import torch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    model.train()
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss_of().backward()
+        opt.step()
+        return time.perf_counter() - t0
+
+    return step

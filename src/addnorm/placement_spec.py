@@ -54,6 +54,7 @@ __all__ = [
     "layer_spec",
     "sub_ln_gain",
     "weight_init",
+    "why_not_around_sublayers",
 ]
 
 
@@ -109,6 +110,29 @@ def layer_placements(
     """The placement of each of ``n_layers`` layers (:meth:`Placement.layer_placements`: Mix-LN's
     ``bottom`` for the first ceil(f * L) layers, ``f`` = ``mix_fraction`` or the placement's own)."""
     return get_placement(placement).layer_placements(n_layers, mix_fraction)
+
+
+def why_not_around_sublayers(
+    p: Placement, sublayers: str = "the sublayers", norm_note: str = ""
+) -> str | None:
+    """Why ``p`` cannot go around a model's own sublayers, kept as they are (:mod:`addnorm.hf`'s models,
+    :mod:`addnorm.titan`'s blocks), as a phrase, or None: it may change nothing inside them (no norm in
+    ``sublayers``, no query/key norm) and nothing of the stream between layers but B2T's layer input,
+    and needs no norm of its own (``norm_note`` says what the model's norm is); a placement per layer
+    (Mix-LN) is judged by its layers'."""
+    if p.sublayer_norm:
+        return f"puts a norm inside {sublayers}"
+    if p.attention_norm or p.attention_connection:
+        return "normalises queries/keys inside attention"
+    if p.stream not in ("standard", "b2t"):
+        return f"changes the residual stream across layers ({p.stream})"
+    if p.norm is not None:
+        return f"needs its own norm ({p.norm}){norm_note}"
+    for q in (p.layers or ())[:2]:
+        why = why_not_around_sublayers(get_placement(q), sublayers, norm_note)
+        if why is not None:
+            return why
+    return None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .architectures import Architecture, ConfigSpec, Sizes, Sublayer, Weight
 from .registration import register_architecture
 
-__all__ = ["FAMILIES", "mlp", "self_attn"]
+__all__ = ["FAMILIES", "mlp", "packed_qkv", "self_attn", "separate_qkv", "weights"]
 
 
 # --- how each family calls its sublayers ---------------------------------------------------------------
@@ -83,11 +83,32 @@ def _qwen2_moe_experts(sizes: Sizes) -> dict:
 
 
 # --- the records ---------------------------------------------------------------------------------------
-LLAMA_ATTN_INIT = {
-    "init_unit": (Weight("self_attn.q_proj.weight"), Weight("self_attn.k_proj.weight")),
-    "init_scaled": (Weight("self_attn.v_proj.weight"), Weight("self_attn.o_proj.weight")),
-}
-LLAMA_MLP = tuple(Weight(f"mlp.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj"))
+def weights(*paths: str) -> tuple[Weight, ...]:
+    """The weight matrices of the modules at ``paths`` (relative to a layer), one role each."""
+    return tuple(Weight(f"{p}.weight") for p in paths)
+
+
+def separate_qkv(prefix: str, q="q_proj", k="k_proj", v="v_proj", o="o_proj") -> dict:
+    """The roles of an attention with a projection each for queries, keys, values and output, under
+    ``prefix``: queries and keys ``init_unit``, values and output ``init_scaled`` (a Sublayer's keywords)."""
+    return {
+        "init_unit": weights(f"{prefix}.{q}", f"{prefix}.{k}"),
+        "init_scaled": weights(f"{prefix}.{v}", f"{prefix}.{o}"),
+    }
+
+
+def packed_qkv(prefix: str, qkv: str, o: str, **block) -> dict:
+    """The same roles where one projection ``qkv`` packs queries, keys and values as three blocks (a
+    :class:`Weight`'s ``block`` of 3, with ``block``'s ``dim`` or ``sizes``), with the output ``o``."""
+    w = f"{prefix}.{qkv}.weight"
+    return {
+        "init_unit": (Weight(w, 0, 3, **block), Weight(w, 1, 3, **block)),
+        "init_scaled": (Weight(w, 2, 3, **block), Weight(f"{prefix}.{o}.weight")),
+    }
+
+
+LLAMA_ATTN_INIT = separate_qkv("self_attn")
+LLAMA_MLP = weights("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _GQA = {"kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
 _LLAMA_CONFIG = ConfigSpec(**_GQA, rope="rope_parameters", study=True)
 _PRE_LLAMA = {"placement": "pre", "norm": "rmsnorm", "layers": "layers", "final_norm": "norm"}
@@ -139,15 +160,14 @@ GPT2 = Architecture(
             _gpt2_attn,
             input_norm="ln_1",
             silenced=("attn.resid_dropout",),
-            init_unit=(Weight("attn.c_attn.weight", 0, 3, dim=1), Weight("attn.c_attn.weight", 1, 3, dim=1)),
-            init_scaled=(Weight("attn.c_attn.weight", 2, 3, dim=1), Weight("attn.c_proj.weight")),
+            **packed_qkv("attn", "c_attn", "c_proj", dim=1),
         ),
         Sublayer(
             "mlp",
             mlp,
             input_norm="ln_2",
             silenced=("mlp.dropout",),
-            init_scaled=(Weight("mlp.c_fc.weight"), Weight("mlp.c_proj.weight")),
+            init_scaled=weights("mlp.c_fc", "mlp.c_proj"),
         ),
     ),
     unsupported=(("add_cross_attention", "GPT-2 cross-attention (add_cross_attention=True)"),),
@@ -166,14 +186,13 @@ BERT = Architecture(
             "attention",
             _bert_attention,
             output_norm="attention.output.LayerNorm",
-            init_unit=(Weight("attention.self.query.weight"), Weight("attention.self.key.weight")),
-            init_scaled=(Weight("attention.self.value.weight"), Weight("attention.output.dense.weight")),
+            **separate_qkv("attention", "self.query", "self.key", "self.value", "output.dense"),
         ),
         Sublayer(
             "output",
             _bert_ffn,
             output_norm="output.LayerNorm",
-            init_scaled=(Weight("intermediate.dense.weight"), Weight("output.dense.weight")),
+            init_scaled=weights("intermediate.dense", "output.dense"),
         ),
     ),
     unsupported=(("add_cross_attention", "BERT cross-attention (add_cross_attention=True)"),),
@@ -201,18 +220,14 @@ PHI3 = Architecture(
             self_attn,
             input_norm="input_layernorm",
             silenced=("resid_attn_dropout",),
-            init_unit=tuple(Weight("self_attn.qkv_proj.weight", i, 3, sizes=_phi3_qkv) for i in (0, 1)),
-            init_scaled=(
-                Weight("self_attn.qkv_proj.weight", 2, 3, sizes=_phi3_qkv),
-                Weight("self_attn.o_proj.weight"),
-            ),
+            **packed_qkv("self_attn", "qkv_proj", "o_proj", sizes=_phi3_qkv),
         ),
         Sublayer(
             "mlp",
             mlp,
             input_norm="post_attention_layernorm",
             silenced=("resid_mlp_dropout",),
-            init_scaled=(Weight("mlp.gate_up_proj.weight"), Weight("mlp.down_proj.weight")),
+            init_scaled=weights("mlp.gate_up_proj", "mlp.down_proj"),
         ),
     ),
     config=ConfigSpec(**_GQA, dropouts=("resid_pdrop", "embd_pdrop", "attention_dropout")),

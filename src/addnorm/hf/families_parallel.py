@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .architectures import Architecture, ConfigSpec, Sizes, Sublayer, Weight
-from .families import LLAMA_ATTN_INIT, LLAMA_MLP, mlp, self_attn
+from .families import LLAMA_ATTN_INIT, LLAMA_MLP, mlp, self_attn, separate_qkv, weights
 from .registration import register_architecture
 
 __all__ = ["PARALLEL_FAMILIES"]
@@ -115,12 +115,12 @@ def _codegen_qkv(role: int):
     return parts
 
 
-def _qkv(path: str, parts) -> dict:
-    """init_unit (queries, keys) and init_scaled (values) of a packed projection, by ``parts(role)``
-    with roles 0 query, 1 key, 2 value."""
+def _qkv(path: str, parts, out: str) -> dict:
+    """init_unit (queries, keys) and init_scaled (values, then the output projection ``out``) of a
+    packed projection, by ``parts(role)`` with roles 0 query, 1 key, 2 value."""
     return {
         "init_unit": (Weight(path, parts=parts(0)), Weight(path, parts=parts(1))),
-        "init_scaled": (Weight(path, parts=parts(2)),),
+        "init_scaled": (Weight(path, parts=parts(2)), *weights(out)),
     }
 
 
@@ -128,7 +128,6 @@ def _rotary(sizes: Sizes) -> dict:
     return {"rotary_dim": sizes.hidden // sizes.heads}
 
 
-_W = lambda *paths: tuple(Weight(f"{p}.weight") for p in paths)  # noqa: E731
 _PARALLEL = {"placement": "pre", "norm": "layernorm", "parallel": True}
 _GPT_DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 
@@ -139,14 +138,8 @@ GPTJ = Architecture(
     final_norm="ln_f",
     returns_tuple=True,
     sublayers=(
-        Sublayer(
-            "attn",
-            _gptj_attn,
-            input_norm="ln_1",
-            init_unit=_W("attn.q_proj", "attn.k_proj"),
-            init_scaled=_W("attn.v_proj", "attn.out_proj"),
-        ),
-        Sublayer("mlp", mlp, input_norm="ln_1", init_scaled=_W("mlp.fc_in", "mlp.fc_out")),
+        Sublayer("attn", _gptj_attn, input_norm="ln_1", **separate_qkv("attn", o="out_proj")),
+        Sublayer("mlp", mlp, input_norm="ln_1", init_scaled=weights("mlp.fc_in", "mlp.fc_out")),
     ),
     config=ConfigSpec(ffn="n_inner", dropouts=_GPT_DROPOUTS, fields=_rotary),
 )
@@ -156,7 +149,7 @@ _CODEGEN_QKV = {
         Weight("attn.qkv_proj.weight", parts=_codegen_qkv(0)),
         Weight("attn.qkv_proj.weight", parts=_codegen_qkv(2)),
     ),
-    "init_scaled": (Weight("attn.qkv_proj.weight", parts=_codegen_qkv(1)), *_W("attn.out_proj")),
+    "init_scaled": (Weight("attn.qkv_proj.weight", parts=_codegen_qkv(1)), *weights("attn.out_proj")),
 }
 CODEGEN = Architecture(
     "codegen",
@@ -166,12 +159,12 @@ CODEGEN = Architecture(
     returns_tuple=True,
     sublayers=(
         Sublayer("attn", _gptj_attn, input_norm="ln_1", **_CODEGEN_QKV),
-        Sublayer("mlp", mlp, input_norm="ln_1", init_scaled=_W("mlp.fc_in", "mlp.fc_out")),
+        Sublayer("mlp", mlp, input_norm="ln_1", init_scaled=weights("mlp.fc_in", "mlp.fc_out")),
     ),
     config=ConfigSpec(ffn="n_inner", dropouts=_GPT_DROPOUTS, fields=_rotary),
 )
-_NEOX_QKV = _qkv("attention.query_key_value.weight", _neox_qkv)
-_NEOX_MLP = _W("mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+_NEOX_ATTN = _qkv("attention.query_key_value.weight", _neox_qkv, "attention.dense")
+_NEOX_MLP = weights("mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
 _NEOX_COMMON = {"layers": "layers", "final_norm": "final_layer_norm", "norm": "layernorm"}
 GPT_NEOX_SEQUENTIAL = Architecture(
     "gpt_neox (sequential)",
@@ -179,13 +172,7 @@ GPT_NEOX_SEQUENTIAL = Architecture(
     **_NEOX_COMMON,
     dropout="hidden_dropout",
     sublayers=(
-        Sublayer(
-            "attention",
-            _neox_attn,
-            input_norm="input_layernorm",
-            init_unit=_NEOX_QKV["init_unit"],
-            init_scaled=(*_NEOX_QKV["init_scaled"], *_W("attention.dense")),
-        ),
+        Sublayer("attention", _neox_attn, input_norm="input_layernorm", **_NEOX_ATTN),
         Sublayer("mlp", mlp, input_norm="post_attention_layernorm", init_scaled=_NEOX_MLP),
     ),
     config=ConfigSpec(dropouts=("hidden_dropout", "attention_dropout")),
@@ -194,24 +181,14 @@ GPT_NEOX = Architecture(
     "gpt_neox",
     **{**_PARALLEL, **_NEOX_COMMON},
     sublayers=(
-        Sublayer(
-            "attention",
-            _neox_parallel_attn,
-            input_norm="input_layernorm",
-            init_unit=_NEOX_QKV["init_unit"],
-            init_scaled=(*_NEOX_QKV["init_scaled"], *_W("attention.dense")),
-        ),
+        Sublayer("attention", _neox_parallel_attn, input_norm="input_layernorm", **_NEOX_ATTN),
         Sublayer("mlp", _neox_parallel_mlp, input_norm="post_attention_layernorm", init_scaled=_NEOX_MLP),
     ),
     variant=lambda config: None if config.use_parallel_residual else GPT_NEOX_SEQUENTIAL,
     config=ConfigSpec(dropouts=("hidden_dropout", "attention_dropout")),
 )
-_FALCON_QKV = _qkv("self_attention.query_key_value.weight", _falcon_qkv)
-_FALCON_ATTN = {
-    "init_unit": _FALCON_QKV["init_unit"],
-    "init_scaled": (*_FALCON_QKV["init_scaled"], *_W("self_attention.dense")),
-}
-_FALCON_MLP = _W("mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
+_FALCON_ATTN = _qkv("self_attention.query_key_value.weight", _falcon_qkv, "self_attention.dense")
+_FALCON_MLP = weights("mlp.dense_h_to_4h", "mlp.dense_4h_to_h")
 _FALCON_COMMON = {"layers": "h", "final_norm": "ln_f", "norm": "layernorm", "returns_tuple": True}
 _FALCON_CONFIG = ConfigSpec(ffn="ffn_hidden_size", dropouts=("hidden_dropout", "attention_dropout"))
 
@@ -228,27 +205,24 @@ def _falcon_variant(config) -> Architecture | str | None:
     return None if config.parallel_attn else FALCON_SEQUENTIAL
 
 
-FALCON = Architecture(
-    "falcon",
-    **{**_PARALLEL, **_FALCON_COMMON},
-    dropout="hidden_dropout",
-    sublayers=(
-        Sublayer("self_attention", _falcon_attn, input_norm="input_layernorm", **_FALCON_ATTN),
-        Sublayer("mlp", mlp, input_norm="input_layernorm", init_scaled=_FALCON_MLP),
-    ),
-    variant=_falcon_variant,
-    config=_FALCON_CONFIG,
-)
-FALCON_TWO_NORMS = Architecture(
-    "falcon (two norms)",
-    **{**_PARALLEL, **_FALCON_COMMON},
-    dropout="hidden_dropout",
-    sublayers=(
-        Sublayer("self_attention", _falcon_attn, input_norm="ln_attn", **_FALCON_ATTN),
-        Sublayer("mlp", mlp, input_norm="ln_mlp", init_scaled=_FALCON_MLP),
-    ),
-    config=_FALCON_CONFIG,
-)
+def _falcon_parallel(name: str, attn_norm: str, mlp_norm: str, **kwargs) -> Architecture:
+    """A parallel Falcon layer: attention and MLP reading the stream through ``attn_norm`` and ``mlp_norm``
+    (one norm: the same name twice)."""
+    return Architecture(
+        name,
+        **{**_PARALLEL, **_FALCON_COMMON},
+        dropout="hidden_dropout",
+        sublayers=(
+            Sublayer("self_attention", _falcon_attn, input_norm=attn_norm, **_FALCON_ATTN),
+            Sublayer("mlp", mlp, input_norm=mlp_norm, init_scaled=_FALCON_MLP),
+        ),
+        config=_FALCON_CONFIG,
+        **kwargs,
+    )
+
+
+FALCON = _falcon_parallel("falcon", "input_layernorm", "input_layernorm", variant=_falcon_variant)
+FALCON_TWO_NORMS = _falcon_parallel("falcon (two norms)", "ln_attn", "ln_mlp")
 FALCON_SEQUENTIAL = Architecture(
     "falcon (sequential)",
     placement="pre",
@@ -281,10 +255,9 @@ PHI = Architecture(
             "self_attn",
             _phi_attn,
             input_norm="input_layernorm",
-            init_unit=_W("self_attn.q_proj", "self_attn.k_proj"),
-            init_scaled=_W("self_attn.v_proj", "self_attn.dense"),
+            **separate_qkv("self_attn", o="dense"),
         ),
-        Sublayer("mlp", _phi_mlp, input_norm="input_layernorm", init_scaled=_W("mlp.fc1", "mlp.fc2")),
+        Sublayer("mlp", _phi_mlp, input_norm="input_layernorm", init_scaled=weights("mlp.fc1", "mlp.fc2")),
     ),
     config=ConfigSpec(
         kv_heads="num_key_value_heads", dropouts=("resid_pdrop", "embd_pdrop", "attention_dropout")
@@ -301,17 +274,13 @@ COHERE = Architecture(
     ),
     config=ConfigSpec(kv_heads="num_key_value_heads"),
 )
-_STABLELM_ATTN = {
-    "init_unit": _W("self_attn.q_proj", "self_attn.k_proj"),
-    "init_scaled": _W("self_attn.v_proj", "self_attn.o_proj"),
-}
 STABLELM_PARALLEL = Architecture(
     "stablelm (parallel)",
     **_PARALLEL,
     layers="layers",
     final_norm="norm",
     sublayers=(
-        Sublayer("self_attn", _stablelm_attn, input_norm="input_layernorm", **_STABLELM_ATTN),
+        Sublayer("self_attn", _stablelm_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
         Sublayer("mlp", _stablelm_parallel_mlp, input_norm="input_layernorm", init_scaled=LLAMA_MLP),
     ),
     config=ConfigSpec(kv_heads="num_key_value_heads", dropouts=("hidden_dropout", "attention_dropout")),
@@ -323,7 +292,7 @@ STABLELM = Architecture(
     layers="layers",
     final_norm="norm",
     sublayers=(
-        Sublayer("self_attn", _stablelm_attn, input_norm="input_layernorm", **_STABLELM_ATTN),
+        Sublayer("self_attn", _stablelm_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
         Sublayer(
             "mlp", mlp, input_norm="post_attention_layernorm", dropout="hidden_dropout", init_scaled=LLAMA_MLP
         ),

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..addnorm import AddNorm, check_bool
 from ..norms import NORMS, build_norm
-from ..placement_spec import Depth, apply_weight_init, layer_placements, layer_spec
+from ..placement_spec import Depth, apply_weight_init, layer_placements, layer_spec, why_not_around_sublayers
 from ..placements import PLACEMENTS, Placement, get_placement
 from .architectures import Architecture, architecture_of, norm_options
 from .fuse import unfuse
@@ -57,21 +57,6 @@ def saved_model_type(model_type: str) -> str:
     return SAVED_MODEL_TYPE.format(model_type)
 
 
-def _unsupported(p: Placement) -> str | None:
-    """Why ``p`` cannot go around a model's own sublayers, or None."""
-    if p.sublayer_norm:
-        return "puts a norm inside the sublayers"
-    if p.attention_norm or p.attention_connection:
-        return "normalises queries/keys inside attention"
-    if p.stream not in ("standard", "b2t"):
-        return f"changes the residual stream across layers ({p.stream})"
-    if p.norm is not None:
-        return f"needs its own norm ({p.norm})"
-    if p.layers is not None:
-        return next((r for r in map(_unsupported, map(get_placement, p.layers[:2])) if r), None)
-    return None
-
-
 def _unsupported_by(arch: Architecture, p: Placement) -> str | None:
     """Why ``p`` cannot go around the layers of ``arch``, or None."""
     if arch.parallel and any(q.stream == "b2t" for q in (p, *(map(get_placement, (p.layers or ())[:2])))):
@@ -81,7 +66,7 @@ def _unsupported_by(arch: Architecture, p: Placement) -> str | None:
 
 def supported_placements() -> list[str]:
     """The addnorm placements that :func:`with_placement` can put around a model's sublayers."""
-    return [name for name, p in PLACEMENTS.items() if _unsupported(p) is None]
+    return [name for name, p in PLACEMENTS.items() if why_not_around_sublayers(p) is None]
 
 
 def _copy_norm(ours: nn.Module, theirs: nn.Module) -> None:
@@ -135,7 +120,7 @@ def with_placement(
     """
     arch = architecture_of(model)
     p = get_placement(placement)
-    why = _unsupported(p) or _unsupported_by(arch, p)
+    why = why_not_around_sublayers(p) or _unsupported_by(arch, p)
     if why is not None:
         raise ValueError(
             f"placement: {p.name!r} {why}, which with_placement cannot do around a model's own modules; "

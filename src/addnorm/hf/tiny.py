@@ -6,6 +6,8 @@ of families here."""
 
 from __future__ import annotations
 
+import inspect
+
 from torch import nn
 
 from .architectures import ARCHITECTURES, Architecture, Sizes, require_transformers
@@ -54,28 +56,20 @@ def config_fields(
     return fields
 
 
-def tiny_config(
-    model_type: str,
-    *,
-    layers: int = 2,
-    hidden: int = 32,
-    heads: int = 4,
-    vocab: int = 100,
-    intermediate: int | None = None,
-    positions: int = 128,
-    dropout: float | None = None,
-    **overrides,
-):
-    """A ``transformers`` config of ``model_type`` with these sizes (``intermediate`` defaults to
-    2 * hidden; where the family has key/value heads, half the heads); ``dropout`` sets every dropout
-    rate of the family (default: its own); ``overrides`` set any other field."""
+_SIZES = tuple(inspect.signature(config_fields).parameters)[1:]  # the keywords after arch
+
+
+def tiny_config(model_type: str, **fields):
+    """A ``transformers`` config of ``model_type`` with the sizes :func:`config_fields` takes (``layers``,
+    ``hidden``, ``heads``, ``vocab``, ``intermediate``, ``positions``, ``dropout``, with its defaults:
+    ``intermediate`` 2 * hidden; where the family has key/value heads, half the heads; ``dropout`` sets
+    every dropout rate of the family, default its own); any other keyword sets that config field."""
     transformers = require_transformers()
     model_type = ARCHITECTURES.resolve(model_type) if isinstance(model_type, str) else model_type
-    sizes = {"layers": layers, "hidden": hidden, "heads": heads, "vocab": vocab}
-    sizes.update(intermediate=intermediate, positions=positions, dropout=dropout)
-    fields = config_fields(ARCHITECTURES[model_type], **sizes)
-    fields.update(overrides)
-    return transformers.AutoConfig.for_model(model_type, **fields)
+    sizes = {name: fields.pop(name) for name in _SIZES if name in fields}
+    config = config_fields(ARCHITECTURES[model_type], **sizes)
+    config.update(fields)
+    return transformers.AutoConfig.for_model(model_type, **config)
 
 
 def model_from_config(config, arch: Architecture, *, causal: bool | None = None) -> nn.Module:

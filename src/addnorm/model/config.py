@@ -24,6 +24,26 @@ def _f(default: Any = MISSING, help: str = "", **kwargs: Any) -> Any:
     return field(default=default, metadata={"help": help}, **kwargs)
 
 
+class _Defaulting:
+    """A derived setting of a config: its field ``name``, or where that is None the field ``default``
+    (attention dropout defaults to dropout, an encoder's layer count to n_layers, ...)."""
+
+    def __init__(self, name: str, default: str) -> None:
+        self.name, self.default = name, default
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        self.attr = attr
+
+    def __get__(self, config: Any, owner: type | None = None) -> Any:
+        if config is None:
+            return self
+        value = getattr(config, self.name)
+        return getattr(config, self.default) if value is None else value
+
+    def __set__(self, config: Any, value: Any) -> None:  # read-only, as a property
+        raise AttributeError(f"property {self.attr!r} of {type(config).__name__!r} object has no setter")
+
+
 @dataclass
 class TransformerConfig:
     """Dimensions and choices of a transformer built from AddNorm connections.
@@ -135,21 +155,11 @@ class TransformerConfig:
                 raise ValueError("placement: a per-layer list must not be empty")
 
     # --- derived values ----------------------------------------------------------------------------
-    @property
-    def attn_dropout(self) -> float:
-        return self.dropout if self.attention_dropout is None else self.attention_dropout
-
-    @property
-    def act_dropout(self) -> float:
-        return self.dropout if self.activation_dropout is None else self.activation_dropout
-
-    @property
-    def encoder_layers(self) -> int:
-        return self.n_layers if self.n_encoder_layers is None else self.n_encoder_layers
-
-    @property
-    def decoder_layers(self) -> int:
-        return self.n_layers if self.n_decoder_layers is None else self.n_decoder_layers
+    # settings that default to another where None (read-only; not fields)
+    attn_dropout = _Defaulting("attention_dropout", "dropout")
+    act_dropout = _Defaulting("activation_dropout", "dropout")
+    encoder_layers = _Defaulting("n_encoder_layers", "n_layers")
+    decoder_layers = _Defaulting("n_decoder_layers", "n_layers")
 
     def norm_kwargs(self) -> dict:
         """Keyword arguments for ``build_norm`` shared by every norm of the model."""

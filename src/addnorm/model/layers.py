@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 from torch import Tensor, nn
@@ -51,6 +52,39 @@ def _unbatch_mask(mask: Tensor | None, unbatched: bool) -> Tensor | None:
     return mask.unsqueeze(0) if (unbatched and mask is not None and mask.ndim == 1) else mask
 
 
+def default_depth(part: str, cfg: TransformerConfig, n_layers: int | None = None) -> Depth:
+    """Where a layer or stack of ``cfg``'s encoder or decoder (``part``) sits when no depth is given:
+    both stacks' layer counts, ``n_layers`` replacing this stack's."""
+    if part == "encoder":
+        return Depth("encoder", cfg.encoder_layers if n_layers is None else n_layers, 0)
+    return Depth("decoder", cfg.encoder_layers, cfg.decoder_layers if n_layers is None else n_layers)
+
+
+# the layer arguments an attention's mask errors name: (attention mask, key padding mask)
+_SRC_MASKS = ("src_mask", "src_key_padding_mask")
+_TGT_MASKS = ("tgt_mask", "tgt_key_padding_mask")
+_MEMORY_MASKS = ("memory_mask", "memory_key_padding_mask")
+
+
+def attending(attn, memory, mask, key_padding_mask, is_causal, names) -> Callable[[Tensor], Tensor]:
+    """The sublayer F of an attention connection: ``attn`` (a :class:`MultiHeadAttention`) from h, to
+    ``memory`` for cross-attention, with this call's masks, which its errors name as ``names``."""
+
+    memory_arg = () if memory is None else (memory,)  # self-attention: called with h alone
+
+    def attend(h: Tensor) -> Tensor:
+        return attn(
+            h,
+            *memory_arg,
+            attn_mask=mask,
+            key_padding_mask=key_padding_mask,
+            is_causal=is_causal,
+            mask_names=names,
+        )
+
+    return attend
+
+
 class _Layout(NamedTuple):
     """How a layer was called: with a :class:`Stream` from a stack (batch-first; it gives one back), or
     with a tensor in ``batch_first`` layout, ``unbatched`` or not (it gives a tensor back)."""
@@ -84,7 +118,41 @@ def _structure(p: Placement) -> tuple:
 
 class _Layer(nn.Module):
     """What encoder and decoder layers share: building sublayers and their connections for a placement
-    at a given depth, and taking a tensor or a stack's :class:`Stream` in."""
+    at a given depth, and taking a tensor or a stack's :class:`Stream` in.
+
+    A layer class names its ``part`` (the stack of its default depth) and its ``SUBLAYERS`` in order, each
+    (attribute, kind): the sublayer (attention, cross-attention or FFN) is the attribute, its
+    :class:`~addnorm.AddNorm` ``<attribute>_block`` and the stream's way through it
+    ``<attribute>_connection``."""
+
+    part: str
+    SUBLAYERS: tuple[tuple[str, str], ...]
+
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        placement: Placement | str | None = None,
+        *,
+        depth: Depth | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        depth = depth or default_depth(self.part, cfg)
+        self._setup(cfg, placement, device, dtype)
+        for name, kind in self.SUBLAYERS:
+            sublayer = (
+                self._feedforward() if kind == "ffn" else self._attention(cross=kind == "cross_attention")
+            )
+            setattr(self, name, sublayer)
+        spec = self._spec(depth, tuple(kind for _, kind in self.SUBLAYERS))
+        blocks = []
+        for connection, (name, kind) in zip(spec.connections, self.SUBLAYERS, strict=True):
+            blocks.append(self._connection(connection, ConnectionRole(name, kind)))
+            setattr(self, f"{name}_block", blocks[-1])
+        for (name, _), way in zip(self.SUBLAYERS, self._connections(spec, *blocks), strict=True):
+            setattr(self, f"{name}_connection", way)
+        self._initialise(spec, depth)
 
     def _setup(self, cfg: TransformerConfig, placement, device, dtype) -> None:
         self.cfg = cfg
@@ -199,27 +267,10 @@ class EncoderLayer(_Layer):
     Call signature and mask conventions of ``nn.TransformerEncoderLayer``.
     """
 
-    def __init__(
-        self,
-        cfg: TransformerConfig,
-        placement: Placement | str | None = None,
-        *,
-        depth: Depth | None = None,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__()
-        depth = depth or Depth("encoder", cfg.encoder_layers, 0)
-        self._setup(cfg, placement, device, dtype)
-        self.self_attn = self._attention()
-        self.ff = self._feedforward()
-        spec = self._spec(depth, ("attention", "ffn"))
-        self.self_attn_block = self._connection(spec.connections[0], ConnectionRole("self_attn", "attention"))
-        self.ff_block = self._connection(spec.connections[1], ConnectionRole("ff", "ffn"))
-        self.self_attn_connection, self.ff_connection = self._connections(
-            spec, self.self_attn_block, self.ff_block
-        )
-        self._initialise(spec, depth)
+    part = "encoder"
+    SUBLAYERS = (("self_attn", "attention"), ("ff", "ffn"))
+    self_attn: MultiHeadAttention
+    ff: FeedForward
 
     def forward(
         self,
@@ -235,15 +286,7 @@ class EncoderLayer(_Layer):
         x, layout = self._enter(src, "src", batch_first)
         key_padding_mask = layout.mask(src_key_padding_mask)
 
-        def attend(h: Tensor) -> Tensor:
-            return self.self_attn(
-                h,
-                attn_mask=src_mask,
-                key_padding_mask=key_padding_mask,
-                is_causal=is_causal,
-                mask_names=("src_mask", "src_key_padding_mask"),
-            )
-
+        attend = attending(self.self_attn, None, src_mask, key_padding_mask, is_causal, _SRC_MASKS)
         x = self.self_attn_connection(x, attend)
         x = self.ff_connection(x, self.ff)
         return layout.leave(x)
@@ -255,31 +298,11 @@ class DecoderLayer(_Layer):
     Call signature and mask conventions of ``nn.TransformerDecoderLayer``.
     """
 
-    def __init__(
-        self,
-        cfg: TransformerConfig,
-        placement: Placement | str | None = None,
-        *,
-        depth: Depth | None = None,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__()
-        depth = depth or Depth("decoder", cfg.encoder_layers, cfg.decoder_layers)
-        self._setup(cfg, placement, device, dtype)
-        self.self_attn = self._attention()
-        self.cross_attn = self._attention(cross=True)
-        self.ff = self._feedforward()
-        spec = self._spec(depth, ("attention", "cross_attention", "ffn"))
-        self.self_attn_block = self._connection(spec.connections[0], ConnectionRole("self_attn", "attention"))
-        self.cross_attn_block = self._connection(
-            spec.connections[1], ConnectionRole("cross_attn", "cross_attention")
-        )
-        self.ff_block = self._connection(spec.connections[2], ConnectionRole("ff", "ffn"))
-        self.self_attn_connection, self.cross_attn_connection, self.ff_connection = self._connections(
-            spec, self.self_attn_block, self.cross_attn_block, self.ff_block
-        )
-        self._initialise(spec, depth)
+    part = "decoder"
+    SUBLAYERS = (("self_attn", "attention"), ("cross_attn", "cross_attention"), ("ff", "ffn"))
+    self_attn: MultiHeadAttention
+    cross_attn: MultiHeadAttention
+    ff: FeedForward
 
     def forward(
         self,
@@ -303,25 +326,12 @@ class DecoderLayer(_Layer):
         tgt_key_padding_mask = layout.mask(tgt_key_padding_mask)
         memory_key_padding_mask = layout.mask(memory_key_padding_mask)
 
-        def self_attend(h: Tensor) -> Tensor:
-            return self.self_attn(
-                h,
-                attn_mask=tgt_mask,
-                key_padding_mask=tgt_key_padding_mask,
-                is_causal=tgt_is_causal,
-                mask_names=("tgt_mask", "tgt_key_padding_mask"),
-            )
-
-        def cross_attend(h: Tensor) -> Tensor:
-            return self.cross_attn(
-                h,
-                memory,
-                attn_mask=memory_mask,
-                key_padding_mask=memory_key_padding_mask,
-                is_causal=memory_is_causal,
-                mask_names=("memory_mask", "memory_key_padding_mask"),
-            )
-
+        self_attend = attending(
+            self.self_attn, None, tgt_mask, tgt_key_padding_mask, tgt_is_causal, _TGT_MASKS
+        )
+        cross_attend = attending(
+            self.cross_attn, memory, memory_mask, memory_key_padding_mask, memory_is_causal, _MEMORY_MASKS
+        )
         x = self.self_attn_connection(x, self_attend)
         x = self.cross_attn_connection(x, cross_attend)
         x = self.ff_connection(x, self.ff)

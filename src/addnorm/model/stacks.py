@@ -9,7 +9,7 @@ from ..norms import build_norm
 from ..placements import Placement
 from .config import TransformerConfig
 from .init import Depth
-from .layers import DecoderLayer, EncoderLayer, _unbatch_mask, enter, from_batch_first
+from .layers import DecoderLayer, EncoderLayer, _unbatch_mask, default_depth, enter, from_batch_first
 from .stream import Stream
 
 
@@ -26,10 +26,19 @@ class _Stack(nn.Module):
     closing a layer can fuse with the next layer's input norm or the final norm (ResiDual: two streams,
     output xa + N(xd); nGPT: the input projected onto the unit sphere)."""
 
-    layer_cls: type[nn.Module]
+    layer_cls: type[EncoderLayer | DecoderLayer]
 
-    def __init__(self, cfg: TransformerConfig, depth: Depth, *, device=None, dtype=None) -> None:
+    def __init__(
+        self,
+        cfg: TransformerConfig,
+        n_layers: int | None = None,
+        *,
+        depth: Depth | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
         super().__init__()
+        depth = depth or default_depth(self.layer_cls.part, cfg, n_layers)
         self.cfg = cfg
         self.depth = depth
         placements = cfg.placements_for(depth.n_layers)
@@ -70,18 +79,6 @@ class Encoder(_Stack):
 
     layer_cls = EncoderLayer
 
-    def __init__(
-        self,
-        cfg: TransformerConfig,
-        n_layers: int | None = None,
-        *,
-        depth: Depth | None = None,
-        device=None,
-        dtype=None,
-    ) -> None:
-        depth = depth or Depth("encoder", cfg.encoder_layers if n_layers is None else n_layers, 0)
-        super().__init__(cfg, depth, device=device, dtype=dtype)
-
     def forward(
         self,
         src: Tensor,
@@ -106,20 +103,6 @@ class Decoder(_Stack):
     """A stack of :class:`DecoderLayer` (plus the final norm); call signature of ``nn.TransformerDecoder``."""
 
     layer_cls = DecoderLayer
-
-    def __init__(
-        self,
-        cfg: TransformerConfig,
-        n_layers: int | None = None,
-        *,
-        depth: Depth | None = None,
-        device=None,
-        dtype=None,
-    ) -> None:
-        depth = depth or Depth(
-            "decoder", cfg.encoder_layers, cfg.decoder_layers if n_layers is None else n_layers
-        )
-        super().__init__(cfg, depth, device=device, dtype=dtype)
 
     def forward(
         self,

@@ -46,19 +46,28 @@ import triton
 import triton.language as tl
 
 from .triton_tiles import (
-    dsum_tile,
+    chunk_stream,
+    col_tile,
     hash_rows,
+    input_grads,
+    load_tile,
     load_vec,
     mean_at,
-    merge_chunk,
     normalize,
+    param_sums,
+    program_slice,
     row_slices_sums,
     row_stats,
+    row_tile,
+    stats_pass,
     store_col_sums,
-    store_dx,
+    store_per_row,
+    store_tile,
+    store_y,
     stream_tile,
     tile_keep,
     xhat_tile,
+    zero_col_sums,
 )
 
 __all__ = ["bwd_kernel", "fwd_kernel", "kernels_are_interpreted"]
@@ -66,24 +75,7 @@ __all__ = ["bwd_kernel", "fwd_kernel", "kernels_are_interpreted"]
 
 @triton.jit
 def _add_norm_fwd_kernel(
-    X,
-    R,
-    W,
-    B,
-    G,
-    SEED,
-    Y,
-    S,
-    MEAN,
-    RSTD,
-    stride_x,
-    stride_r,
-    n_rows,
-    N,
-    n_chunks,
-    eps,
-    alpha,
-    drop_thr,
+    X, R, W, B, G, SEED, Y, S, MEAN, RSTD, stride_x, stride_r, n_rows, N, n_chunks, eps, alpha, drop_thr,
     drop_scale,
     IS_RMS: tl.constexpr,
     HAS_W: tl.constexpr,
@@ -97,110 +89,48 @@ def _add_norm_fwd_kernel(
     CHUNKED: tl.constexpr,  # rows wider than BLOCK_N: n_chunks column chunks, two passes
     ROWS=None,  # the rows' indices for the dropout hash (int64, one per row) where ROW_IDS
     ROW_IDS: tl.constexpr = False,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]  # [BLOCK_M, 1]
-    row_ok = rows < n_rows
-    rows64 = rows.to(tl.int64)
+):  # fmt: skip
+    rows, row_ok, rows64 = row_tile(tl.program_id(0), n_rows, BLOCK_M)  # [BLOCK_M, 1]
     ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
     lane = tl.arange(0, BLOCK_N)[None, :]  # [1, BLOCK_N]
     if not CHUNKED:
-        col_ok = lane < N
-        m = row_ok & col_ok
-        keep = tile_keep(SEED, ids, lane, m, drop_thr, DROPOUT)
-        s = stream_tile(
-            X,
-            R,
-            G,
-            keep,
-            rows64,
-            lane,
-            col_ok,
-            m,
-            stride_x,
-            stride_r,
-            alpha,
-            drop_scale,
-            GATE,
-            DROPOUT,
-            S_CODE,
-        )
+        cols, col_ok, m = col_tile(0, lane, N, row_ok, BLOCK_N)
+        s = chunk_stream(
+            X, R, G, SEED, ids, cols, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_thr,
+            drop_scale, GATE, DROPOUT, S_CODE,
+        )  # fmt: skip
         if STORE_S:
-            tl.store(S + rows64 * N + lane, s.to(S.dtype.element_ty), mask=m)
+            store_tile(S, s, rows64, N, cols, m)
         mean, rstd, xhat = normalize(s, m, N, eps, IS_RMS)
-        y = xhat * load_vec(W, lane, col_ok, 1.0, HAS_W) + load_vec(B, lane, col_ok, 0.0, HAS_B)
-        tl.store(Y + rows64 * N + lane, y.to(Y.dtype.element_ty), mask=m)
+        store_y(Y, xhat, W, B, rows64, cols, col_ok, m, N, HAS_W, HAS_B)
     else:
         # pass 1: s chunk by chunk (stored when STORE_S), statistics merged across chunks
-        mean = tl.zeros((BLOCK_M,), tl.float32)
-        m2 = tl.zeros((BLOCK_M,), tl.float32)
-        for c in range(n_chunks):
-            cols = c * BLOCK_N + lane
-            col_ok = cols < N
-            m = row_ok & col_ok
-            keep = tile_keep(SEED, ids, cols, m, drop_thr, DROPOUT)
-            s = stream_tile(
-                X,
-                R,
-                G,
-                keep,
-                rows64,
-                cols,
-                col_ok,
-                m,
-                stride_x,
-                stride_r,
-                alpha,
-                drop_scale,
-                GATE,
-                DROPOUT,
-                S_CODE,
-            )
-            if STORE_S:
-                tl.store(S + rows64 * N + cols, s.to(S.dtype.element_ty), mask=m)
-            if IS_RMS:
-                m2 += tl.sum(s * s, axis=1)
-            else:
-                mean, m2 = merge_chunk(mean, m2, s, m, c, N, BLOCK_N)
+        mean, m2 = stats_pass(
+            X, R, G, SEED, S, ids, rows64, row_ok, lane, N, n_chunks, 0, stride_x, stride_r, alpha, drop_thr,
+            drop_scale, IS_RMS, GATE, DROPOUT, STORE_S, S_CODE, BLOCK_M, BLOCK_N,
+        )  # fmt: skip
         rstd = 1.0 / tl.sqrt(m2 / N + eps)
         if STORE_S:
             tl.debug_barrier()  # pass 2 reads s written by other threads of this program
         # pass 2: s again (reloaded, or recomputed from x and r: both L2-resident by now), then y
         for c in range(n_chunks):
-            cols = c * BLOCK_N + lane
-            col_ok = cols < N
-            m = row_ok & col_ok
+            cols, col_ok, m = col_tile(c, lane, N, row_ok, BLOCK_N)
             if STORE_S:
-                s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+                s = load_tile(S, rows64, N, cols, m)
             else:
-                keep = tile_keep(SEED, ids, cols, m, drop_thr, DROPOUT)
-                s = stream_tile(
-                    X,
-                    R,
-                    G,
-                    keep,
-                    rows64,
-                    cols,
-                    col_ok,
-                    m,
-                    stride_x,
-                    stride_r,
-                    alpha,
-                    drop_scale,
-                    GATE,
-                    DROPOUT,
-                    S_CODE,
-                )
+                s = chunk_stream(
+                    X, R, G, SEED, ids, cols, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_thr,
+                    drop_scale, GATE, DROPOUT, S_CODE,
+                )  # fmt: skip
             if IS_RMS:
                 xhat = s * rstd[:, None]
             else:
                 xhat = (s - mean[:, None]) * rstd[:, None]
-            y = xhat * load_vec(W, cols, col_ok, 1.0, HAS_W) + load_vec(B, cols, col_ok, 0.0, HAS_B)
-            tl.store(Y + rows64 * N + cols, y.to(Y.dtype.element_ty), mask=m)
+            store_y(Y, xhat, W, B, rows64, cols, col_ok, m, N, HAS_W, HAS_B)
     if RSTD is not None:  # None: the backward recomputes the statistics from s
-        stat_rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         if not IS_RMS:
-            tl.store(mean_at(MEAN, RSTD, n_rows) + stat_rows, mean, mask=stat_rows < n_rows)
-        tl.store(RSTD + stat_rows, rstd, mask=stat_rows < n_rows)
+            store_per_row(mean_at(MEAN, RSTD, n_rows), mean, mean, n_rows, False, BLOCK_M)
+        store_per_row(RSTD, rstd, rstd, n_rows, False, BLOCK_M)
 
 
 @triton.jit
@@ -227,18 +157,10 @@ def _add_norm_bwd_kernel(
 ):  # fmt: skip
     # program (j, pid): column slice j of the rows of pid's run of tiles. Its slice's dweight / dbias /
     # dgate accumulate in registers over the run and are written once (row pid of the partial sums).
-    j = tl.program_id(0)
-    pid = tl.program_id(1)
-    lane = tl.arange(0, BLOCK_N)[None, :]
-    cols = j * BLOCK_N + lane
-    col_ok = cols < N
-    dw_acc = tl.zeros((BLOCK_N,), tl.float32)
-    db_acc = tl.zeros((BLOCK_N,), tl.float32)
-    dg_acc = tl.zeros((BLOCK_N,), tl.float32)
+    j, pid, lane, cols, col_ok = program_slice(N, BLOCK_N)
+    dw_acc, db_acc, dg_acc = zero_col_sums(BLOCK_N)
     for t in range(tiles_per_program):
-        rows = (pid * tiles_per_program + t) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        row_ok = rows < n_rows
-        rows64 = rows.to(tl.int64)
+        rows, row_ok, rows64 = row_tile(pid * tiles_per_program + t, n_rows, BLOCK_M)
         m = row_ok & col_ok
         ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
         keep = tile_keep(SEED, ids, cols, m, drop_thr, DROPOUT)
@@ -249,7 +171,7 @@ def _add_norm_bwd_kernel(
             tl.static_assert(XHAT_FROM != 1, "x_hat from y needs the forward's statistics")
             tl.static_assert(not SPLIT, "a row in slices needs the forward's statistics")
             if XHAT_FROM == 0:
-                s = tl.load(SAVED + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+                s = load_tile(SAVED, rows64, N, cols, m)
             else:
                 s = stream_tile(
                     X, R, G, keep, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_scale, GATE,
@@ -269,22 +191,16 @@ def _add_norm_bwd_kernel(
                 SAVED, X, R, G, keep, rows64, cols, col_ok, m, N, w, b, mean, rstd, stride_x, stride_r,
                 alpha, drop_scale, IS_RMS, HAS_W, HAS_B, GATE, DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE,
             )  # fmt: skip
-        dy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
+        dy = load_tile(DY, rows64, stride_dy, cols, m)
         wdy = dy * w
-        if HAS_W:
-            dw_acc += tl.sum(dy * xhat, axis=0)
-        if HAS_B:
-            db_acc += tl.sum(dy, axis=0)
+        dw_acc, db_acc = param_sums(dy, xhat, dw_acc, db_acc, HAS_W, HAS_B)
         if not SPLIT:  # the row is this slice
             c1 = tl.sum(xhat * wdy, axis=1)[:, None]
             c2 = tl.sum(wdy, axis=1)[:, None]
-        dsum = dsum_tile(dy, wdy, xhat, c1 / N, c2 / N, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS)
-        gterm = store_dx(
-            dsum, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_x, alpha, drop_scale, GATE,
-            DROPOUT, WRITE_DX,
+        dg_acc = input_grads(
+            dy, wdy, xhat, c1 / N, c2 / N, rstd, dg_acc, DS, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N,
+            stride_ds, stride_x, alpha, drop_scale, IS_RMS, GATE, DROPOUT, HAS_DS, WRITE_DX,
         )  # fmt: skip
-        if GATE != 0:
-            dg_acc += tl.sum(gterm, axis=0)
     store_col_sums(DW_PART, DB_PART, DG_PART, pid, j, N, dw_acc, db_acc, dg_acc, HAS_W, HAS_B, GATE, BLOCK_N)
 
 

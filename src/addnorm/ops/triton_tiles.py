@@ -3,16 +3,24 @@ kernels (:mod:`addnorm.ops.triton_kernels`) and the tensor-parallel ones
 (:mod:`addnorm.ops.triton_tp_kernels`) share, each rule of the op written once on a tile of
 ``[BLOCK_M, BLOCK_N]`` (rows x columns)::
 
-    s = alpha * r + g * dropout(x)   (rounded to s's dtype)            stream_tile
-    LayerNorm x_hat = (s - mean) * rstd, RMSNorm x_hat = s * rstd       normalize, xhat_tile
+    s = alpha * r + g * dropout(x)   (rounded to s's dtype)            stream_tile, chunk_stream
+    the rows' statistics over column chunks                           chunk_stats, stats_pass
+    LayerNorm x_hat = (s - mean) * rstd, RMSNorm x_hat = s * rstd       normalize, xhat_of, xhat_tile
+    y = w * x_hat + b                                                   store_y
     ds = rstd * (w dy - x_hat * mean(x_hat * w dy) - mean(w dy))        dsum_tile (RMSNorm: no last term)
     dresidual = alpha * ds, dx = dropout'(g * ds), dgate = sum(ds * dropout(x))   store_dx
+    dweight = sum(dy * x_hat), dbias = sum(dy), dgate over a slice's rows   param_sums, input_grads
+
+A program's rows (:func:`row_tile`) and a chunk or slice of its columns (:func:`col_tile`) are found the
+same way in every kernel; tiles of s, y and the gradients load and store with :func:`load_tile` and
+:func:`store_tile`.
 
 The dropout keep mask is the hash of (seed, row, column) of
 :func:`addnorm.ops.reference.dropout_keep_mask`, bit for bit (:func:`keep_mask`). Chunked statistics
-merge per-chunk means and centred sums of squares (Chan et al. 1979, :func:`merge_chunk`).
+merge per-chunk means and centred sums of squares (Chan et al. 1979, :func:`chunk_stats`).
 
-This module imports triton at import time: import it lazily (only ``ops/triton*`` modules do).
+Every function here is public to the kernel modules (no ``__all__``: a list would only repeat the
+definitions). This module imports triton at import time: import it lazily (only ``ops/triton*`` modules do).
 """
 
 from __future__ import annotations
@@ -21,26 +29,6 @@ import triton
 import triton.language as tl
 
 from .reference import HASH_COL, HASH_M1, HASH_M2, HASH_ROW
-
-__all__ = [
-    "dsum_tile",
-    "hash32",
-    "hash_rows",
-    "keep_mask",
-    "load_vec",
-    "mean_at",
-    "merge_chunk",
-    "normalize",
-    "row_slices_sums",
-    "round_to",
-    "row_stats",
-    "store_col_sums",
-    "store_dx",
-    "store_per_row",
-    "stream_tile",
-    "tile_keep",
-    "xhat_tile",
-]
 
 # Triton kernels read module globals only as constexpr
 _M1 = tl.constexpr(HASH_M1)
@@ -91,16 +79,68 @@ def hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS: tl.constexpr):
 
 
 @triton.jit
-def merge_chunk(mean, m2, s, m, c, N, BLOCK_N: tl.constexpr):
-    # the rows' running mean and centred sum of squares merged with chunk c's (Chan et al. 1979: no
-    # E[s^2] - mean^2); s is 0 where m is False
-    done = c * BLOCK_N * 1.0
-    cnt = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
-    mean_c = tl.sum(s, axis=1) / cnt
-    d = tl.where(m, s - mean_c[:, None], 0.0)
-    delta = mean_c - mean
-    mean += delta * (cnt / (done + cnt))
-    m2 += tl.sum(d * d, axis=1) + delta * delta * (done * cnt / (done + cnt))
+def row_tile(tile, n_rows, BLOCK_M: tl.constexpr):
+    # row tile ``tile``'s rows as [BLOCK_M, 1]: their indices, which of them exist, the indices as int64
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
+    row_ok = rows < n_rows
+    return rows, row_ok, rows.to(tl.int64)
+
+
+@triton.jit
+def col_tile(c, lane, N, row_ok, BLOCK_N: tl.constexpr):
+    # column chunk (or slice) c as [1, BLOCK_N] (lane: 0 .. BLOCK_N - 1): its columns, which of them
+    # exist, and the [BLOCK_M, BLOCK_N] mask of the tile it makes with the rows row_ok
+    cols = c * BLOCK_N + lane
+    col_ok = cols < N
+    return cols, col_ok, row_ok & col_ok
+
+
+@triton.jit
+def program_slice(N, BLOCK_N: tl.constexpr):
+    # a backward program (j, pid): its column slice j (lane, columns, which exist) and its run pid of rows
+    j = tl.program_id(0)
+    pid = tl.program_id(1)
+    lane = tl.arange(0, BLOCK_N)[None, :]
+    cols = j * BLOCK_N + lane
+    return j, pid, lane, cols, cols < N
+
+
+@triton.jit
+def zero_col_sums(BLOCK_N: tl.constexpr):
+    # a slice's dweight, dbias and dgate sums, accumulated in registers over a program's rows
+    return (
+        tl.zeros((BLOCK_N,), tl.float32),
+        tl.zeros((BLOCK_N,), tl.float32),
+        tl.zeros((BLOCK_N,), tl.float32),
+    )
+
+
+@triton.jit
+def load_tile(P, rows64, stride, cols, m):
+    # a [BLOCK_M, BLOCK_N] tile of rows ``stride`` apart, in fp32 (0 where masked out)
+    return tl.load(P + rows64 * stride + cols, mask=m, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_tile(P, v, rows64, stride, cols, m):
+    tl.store(P + rows64 * stride + cols, v.to(P.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def chunk_stats(mean, m2, s, m, c, N, IS_RMS: tl.constexpr, BLOCK_N: tl.constexpr):
+    # the rows' statistics so far merged with chunk c's, s 0 where m is False: RMSNorm the sum of
+    # squares (in m2); LayerNorm the running mean and centred sum of squares (Chan et al. 1979: no
+    # E[s^2] - mean^2)
+    if IS_RMS:
+        m2 += tl.sum(s * s, axis=1)
+    else:
+        done = c * BLOCK_N * 1.0
+        cnt = tl.minimum(N - c * BLOCK_N, BLOCK_N) * 1.0
+        mean_c = tl.sum(s, axis=1) / cnt
+        d = tl.where(m, s - mean_c[:, None], 0.0)
+        delta = mean_c - mean
+        mean += delta * (cnt / (done + cnt))
+        m2 += tl.sum(d * d, axis=1) + delta * delta * (done * cnt / (done + cnt))
     return mean, m2
 
 
@@ -115,27 +155,14 @@ def round_to(v, S_CODE: tl.constexpr):
 
 @triton.jit
 def stream_tile(
-    X,
-    R,
-    G,
-    keep,
-    rows64,
-    cols,
-    col_ok,
-    m,
-    stride_x,
-    stride_r,
-    alpha,
-    drop_scale,
-    GATE: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    S_CODE: tl.constexpr,
-):
+    X, R, G, keep, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_scale, GATE: tl.constexpr,
+    DROPOUT: tl.constexpr, S_CODE: tl.constexpr,
+):  # fmt: skip
     # s = alpha * r + g * dropout(x) on a [BLOCK_M, BLOCK_N] tile (masked-out elements 0), rounded to
     # the stream's dtype, in fp32: the forward's operations, which the backward repeats where it
     # recomputes s
-    x = tl.load(X + rows64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-    r = tl.load(R + rows64 * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+    x = load_tile(X, rows64, stride_x, cols, m)
+    r = load_tile(R, rows64, stride_r, cols, m)
     if DROPOUT:
         x = tl.where(keep, x * drop_scale, 0.0)
     if GATE == 1:
@@ -146,6 +173,42 @@ def stream_tile(
 
 
 @triton.jit
+def chunk_stream(
+    X, R, G, SEED, ids, hash_cols, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_thr, drop_scale,
+    GATE: tl.constexpr, DROPOUT: tl.constexpr, S_CODE: tl.constexpr,
+):  # fmt: skip
+    # s on a tile with the tile's own keep mask (hashed at rows ids, columns hash_cols): the passes that
+    # compute s and need the mask for nothing else
+    keep = tile_keep(SEED, ids, hash_cols, m, drop_thr, DROPOUT)
+    return stream_tile(
+        X, R, G, keep, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_scale, GATE, DROPOUT, S_CODE
+    )  # fmt: skip
+
+
+@triton.jit
+def stats_pass(
+    X, R, G, SEED, S, ids, rows64, row_ok, lane, N, n_chunks, col0, stride_x, stride_r, alpha, drop_thr,
+    drop_scale, IS_RMS: tl.constexpr, GATE: tl.constexpr, DROPOUT: tl.constexpr, STORE_S: tl.constexpr,
+    S_CODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # the first pass over a row tile in column chunks (the chunked forward's, the tensor-parallel stats
+    # pass's; this rank's columns start at col0): s chunk by chunk, stored where STORE_S, and the rows'
+    # statistics merged across chunks (chunk_stats): (mean, M2), RMSNorm (0, sum of squares)
+    mean = tl.zeros((BLOCK_M,), tl.float32)
+    m2 = tl.zeros((BLOCK_M,), tl.float32)
+    for c in range(n_chunks):
+        cols, col_ok, m = col_tile(c, lane, N, row_ok, BLOCK_N)
+        s = chunk_stream(
+            X, R, G, SEED, ids, cols + col0, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_thr,
+            drop_scale, GATE, DROPOUT, S_CODE,
+        )  # fmt: skip
+        if STORE_S:
+            store_tile(S, s, rows64, N, cols, m)
+        mean, m2 = chunk_stats(mean, m2, s, m, c, N, IS_RMS, BLOCK_N)
+    return mean, m2
+
+
+@triton.jit
 def load_vec(P, cols, col_ok, other, HAS: tl.constexpr):
     # a per-column vector (weight, bias, gate) as a [1, BLOCK_N] fp32 row, or the constant ``other``
     if HAS:
@@ -153,6 +216,13 @@ def load_vec(P, cols, col_ok, other, HAS: tl.constexpr):
     else:
         v = tl.full(cols.shape, other, tl.float32)
     return v
+
+
+@triton.jit
+def store_y(Y, xhat, W, B, rows64, cols, col_ok, m, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    # y = w * x_hat + b on a tile (w 1 and b 0 where the norm has none)
+    y = xhat * load_vec(W, cols, col_ok, 1.0, HAS_W) + load_vec(B, cols, col_ok, 0.0, HAS_B)
+    store_tile(Y, y, rows64, N, cols, m)
 
 
 @triton.jit
@@ -172,6 +242,14 @@ def normalize(s, m, N, eps, IS_RMS: tl.constexpr):
 
 
 @triton.jit
+def xhat_of(s, mean, rstd, m, other, IS_RMS: tl.constexpr):
+    # x_hat of a tile of s from the rows' statistics where m, ``other`` elsewhere (RMSNorm: no mean)
+    if not IS_RMS:
+        s = s - mean
+    return tl.where(m, s * rstd, other)
+
+
+@triton.jit
 def mean_at(MEAN, RSTD, n_rows):
     # where the rows' means live: MEAN, or with MEAN None (the eager path's one statistics buffer, an
     # allocation fewer per call) after the n_rows rstds in RSTD's buffer
@@ -184,62 +262,21 @@ def mean_at(MEAN, RSTD, n_rows):
 
 @triton.jit
 def xhat_tile(
-    SAVED,
-    X,
-    R,
-    G,
-    keep,
-    rows64,
-    cols,
-    col_ok,
-    m,
-    N,
-    w,
-    b,
-    mean,
-    rstd,
-    stride_x,
-    stride_r,
-    alpha,
-    drop_scale,
-    IS_RMS: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
-    GATE: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    XHAT_FROM: tl.constexpr,
-    RECOMPUTE: tl.constexpr,
-    S_CODE: tl.constexpr,
-):
+    SAVED, X, R, G, keep, rows64, cols, col_ok, m, N, w, b, mean, rstd, stride_x, stride_r, alpha, drop_scale,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GATE: tl.constexpr, DROPOUT: tl.constexpr,
+    XHAT_FROM: tl.constexpr, RECOMPUTE: tl.constexpr, S_CODE: tl.constexpr,
+):  # fmt: skip
     # x_hat on a [BLOCK_M, BLOCK_N] tile (0 where masked out), from s saved, y saved, or s recomputed
     if XHAT_FROM == 0:
-        s = tl.load(SAVED + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
-        if not IS_RMS:
-            s = s - mean
-        xhat = tl.where(m, s * rstd, 0.0)
+        xhat = xhat_of(load_tile(SAVED, rows64, N, cols, m), mean, rstd, m, 0.0, IS_RMS)
     elif XHAT_FROM == 2:
         s = stream_tile(
-            X,
-            R,
-            G,
-            keep,
-            rows64,
-            cols,
-            col_ok,
-            m,
-            stride_x,
-            stride_r,
-            alpha,
-            drop_scale,
-            GATE,
-            DROPOUT,
+            X, R, G, keep, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_scale, GATE, DROPOUT,
             S_CODE,
-        )
-        if not IS_RMS:
-            s = s - mean
-        xhat = tl.where(m, s * rstd, 0.0)
+        )  # fmt: skip
+        xhat = xhat_of(s, mean, rstd, m, 0.0, IS_RMS)
     else:
-        v = tl.load(SAVED + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
+        v = load_tile(SAVED, rows64, N, cols, m)
         # reference.xhat_from_y_ok: x_hat = (y - b) / w where w != 0 and |b| <= |w|, else from s
         from_s = col_ok & ~((w != 0.0) & (tl.abs(b) <= tl.abs(w)))
         if HAS_B:
@@ -250,25 +287,10 @@ def xhat_tile(
         if RECOMPUTE:
             ms = m & from_s  # x and residual are read in these columns only
             s = stream_tile(
-                X,
-                R,
-                G,
-                keep,
-                rows64,
-                cols,
-                col_ok,
-                ms,
-                stride_x,
-                stride_r,
-                alpha,
-                drop_scale,
-                GATE,
-                DROPOUT,
+                X, R, G, keep, rows64, cols, col_ok, ms, stride_x, stride_r, alpha, drop_scale, GATE, DROPOUT,
                 S_CODE,
-            )
-            if not IS_RMS:
-                s = s - mean
-            xhat = tl.where(ms, s * rstd, xhat)
+            )  # fmt: skip
+            xhat = xhat_of(s, mean, rstd, ms, xhat, IS_RMS)
     return xhat
 
 
@@ -282,37 +304,23 @@ def dsum_tile(
     else:
         dsum = (wdy - (xhat * c1 + c2)) * rstd
     if HAS_DS:
-        dsum += tl.load(DS + rows64 * stride_ds + cols, mask=m, other=0.0).to(tl.float32)
+        dsum += load_tile(DS, rows64, stride_ds, cols, m)
     return dsum
 
 
 @triton.jit
 def store_dx(
-    dsum,
-    X,
-    G,
-    keep,
-    DX,
-    DRES,
-    rows64,
-    cols,
-    col_ok,
-    m,
-    N,
-    stride_x,
-    alpha,
-    drop_scale,
-    GATE: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    WRITE_DX: tl.constexpr,
-):
+    dsum, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_x, alpha, drop_scale, GATE: tl.constexpr,
+    DROPOUT: tl.constexpr, WRITE_DX: tl.constexpr,
+):  # fmt: skip
     # dresidual = alpha * dsum; dx = dropout'(gate * dsum); returns dsum * dropout(x), the gate's term
+    # (the address before alpha * dsum: the op order the kernels' register counts were measured with)
     tl.store(DRES + rows64 * N + cols, (alpha * dsum).to(DRES.dtype.element_ty), mask=m)
     gterm = dsum
     if WRITE_DX:
         dx = dsum
         if GATE != 0:
-            xd = tl.load(X + rows64 * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+            xd = load_tile(X, rows64, stride_x, cols, m)
             if DROPOUT:
                 xd = tl.where(keep, xd * drop_scale, 0.0)
             gterm = dsum * xd
@@ -322,8 +330,36 @@ def store_dx(
                 dx = dx * tl.load(G + cols, mask=col_ok, other=0.0).to(tl.float32)
         if DROPOUT:
             dx = tl.where(keep, dx * drop_scale, 0.0)
-        tl.store(DX + rows64 * N + cols, dx.to(DX.dtype.element_ty), mask=m)
+        store_tile(DX, dx, rows64, N, cols, m)
     return gterm
+
+
+@triton.jit
+def param_sums(dy, xhat, dw_acc, db_acc, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
+    # a slice's dweight = sum(dy * x_hat) and dbias = sum(dy) with this tile's rows added
+    if HAS_W:
+        dw_acc += tl.sum(dy * xhat, axis=0)
+    if HAS_B:
+        db_acc += tl.sum(dy, axis=0)
+    return dw_acc, db_acc
+
+
+@triton.jit
+def input_grads(
+    dy, wdy, xhat, c1, c2, rstd, dg_acc, DS, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_ds,
+    stride_x, alpha, drop_scale, IS_RMS: tl.constexpr, GATE: tl.constexpr, DROPOUT: tl.constexpr,
+    HAS_DS: tl.constexpr, WRITE_DX: tl.constexpr,
+):  # fmt: skip
+    # a tile's dresidual and dx stored (c1 and c2: the rows' means of x_hat * w dy and w dy), and the
+    # slice's dgate sum returned with this tile's rows added
+    dsum = dsum_tile(dy, wdy, xhat, c1, c2, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS)
+    gterm = store_dx(
+        dsum, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_x, alpha, drop_scale, GATE, DROPOUT,
+        WRITE_DX,
+    )  # fmt: skip
+    if GATE != 0:
+        dg_acc += tl.sum(gterm, axis=0)
+    return dg_acc
 
 
 @triton.jit
@@ -362,10 +398,7 @@ def row_slices_sums(
     c1 = tl.zeros((BLOCK_M, 1), tl.float32)
     c2 = tl.zeros((BLOCK_M, 1), tl.float32)
     for k in range(1, n_slices + 1):
-        o = (j + k) % n_slices
-        cols = o * BLOCK_N + lane
-        col_ok = cols < N
-        m = row_ok & col_ok
+        cols, col_ok, m = col_tile((j + k) % n_slices, lane, N, row_ok, BLOCK_N)
         if DROPOUT and (XHAT_FROM == 2 or RECOMPUTE):  # the mask only where s is recomputed
             keep = tile_keep(SEED, ids, cols, m, drop_thr, DROPOUT)
         else:
@@ -376,7 +409,7 @@ def row_slices_sums(
             SAVED, X, R, G, keep, rows64, cols, col_ok, m, N, w, b, mean, rstd, stride_x, stride_r, alpha,
             drop_scale, IS_RMS, HAS_W, HAS_B, GATE, DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE,
         )  # fmt: skip
-        wdy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32) * w
+        wdy = load_tile(DY, rows64, stride_dy, cols, m) * w
         c1 += tl.sum(xhat * wdy, axis=1)[:, None]
         c2 += tl.sum(wdy, axis=1)[:, None]
     return c1, c2

@@ -24,16 +24,22 @@ import triton
 import triton.language as tl
 
 from .triton_tiles import (
-    dsum_tile,
+    col_tile,
     hash_rows,
+    input_grads,
+    load_tile,
     load_vec,
-    merge_chunk,
+    param_sums,
+    program_slice,
     row_stats,
+    row_tile,
+    stats_pass,
     store_col_sums,
-    store_dx,
     store_per_row,
-    stream_tile,
+    store_y,
     tile_keep,
+    xhat_of,
+    zero_col_sums,
 )
 
 __all__ = ["tp_bwd_kernel", "tp_norm_kernel", "tp_stats_kernel", "tp_sums_kernel"]
@@ -41,51 +47,17 @@ __all__ = ["tp_bwd_kernel", "tp_norm_kernel", "tp_stats_kernel", "tp_sums_kernel
 
 @triton.jit
 def tp_stats_kernel(
-    X,
-    R,
-    G,
-    SEED,
-    ROWS,
-    S,
-    STATS,
-    stride_x,
-    stride_r,
-    n_rows,
-    N,
-    n_chunks,
-    col0,
-    alpha,
-    drop_thr,
-    drop_scale,
-    IS_RMS: tl.constexpr,
-    GATE: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    ROW_IDS: tl.constexpr,
-    S_CODE: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    row_ok = rows < n_rows
-    rows64 = rows.to(tl.int64)
+    X, R, G, SEED, ROWS, S, STATS, stride_x, stride_r, n_rows, N, n_chunks, col0, alpha, drop_thr, drop_scale,
+    IS_RMS: tl.constexpr, GATE: tl.constexpr, DROPOUT: tl.constexpr, ROW_IDS: tl.constexpr,
+    S_CODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows, row_ok, rows64 = row_tile(tl.program_id(0), n_rows, BLOCK_M)
     ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
     lane = tl.arange(0, BLOCK_N)[None, :]
-    mean = tl.zeros((BLOCK_M,), tl.float32)
-    m2 = tl.zeros((BLOCK_M,), tl.float32)
-    for c in range(n_chunks):
-        cols = c * BLOCK_N + lane
-        col_ok = cols < N
-        m = row_ok & col_ok
-        keep = tile_keep(SEED, ids, cols + col0, m, drop_thr, DROPOUT)
-        s = stream_tile(
-            X, R, G, keep, rows64, cols, col_ok, m, stride_x, stride_r, alpha, drop_scale, GATE, DROPOUT,
-            S_CODE,
-        )  # fmt: skip
-        tl.store(S + rows64 * N + cols, s.to(S.dtype.element_ty), mask=m)
-        if IS_RMS:
-            m2 += tl.sum(s * s, axis=1)
-        else:
-            mean, m2 = merge_chunk(mean, m2, s, m, c, N, BLOCK_N)
+    mean, m2 = stats_pass(
+        X, R, G, SEED, S, ids, rows64, row_ok, lane, N, n_chunks, col0, stride_x, stride_r, alpha, drop_thr,
+        drop_scale, IS_RMS, GATE, DROPOUT, True, S_CODE, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
     if IS_RMS:
         store_per_row(STATS, m2, m2, n_rows, False, BLOCK_M)
     else:
@@ -94,67 +66,32 @@ def tp_stats_kernel(
 
 @triton.jit
 def tp_norm_kernel(
-    S,
-    W,
-    B,
-    MEAN,
-    RSTD,
-    Y,
-    n_rows,
-    N,
-    n_chunks,
-    IS_RMS: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    row_ok = rows < n_rows
-    rows64 = rows.to(tl.int64)
+    S, W, B, MEAN, RSTD, Y, n_rows, N, n_chunks, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows, row_ok, rows64 = row_tile(tl.program_id(0), n_rows, BLOCK_M)
     mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
     lane = tl.arange(0, BLOCK_N)[None, :]
     for c in range(n_chunks):
-        cols = c * BLOCK_N + lane
-        col_ok = cols < N
-        m = row_ok & col_ok
-        s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
-        y = (s - mean) * rstd * load_vec(W, cols, col_ok, 1.0, HAS_W) + load_vec(B, cols, col_ok, 0.0, HAS_B)
-        tl.store(Y + rows64 * N + cols, y.to(Y.dtype.element_ty), mask=m)
+        cols, col_ok, m = col_tile(c, lane, N, row_ok, BLOCK_N)
+        s = load_tile(S, rows64, N, cols, m)
+        store_y(Y, (s - mean) * rstd, W, B, rows64, cols, col_ok, m, N, HAS_W, HAS_B)
 
 
 @triton.jit
 def tp_sums_kernel(
-    DY,
-    S,
-    W,
-    MEAN,
-    RSTD,
-    SUMS,
-    stride_dy,
-    n_rows,
-    N,
-    n_chunks,
-    IS_RMS: tl.constexpr,
-    HAS_W: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-    row_ok = rows < n_rows
-    rows64 = rows.to(tl.int64)
+    DY, S, W, MEAN, RSTD, SUMS, stride_dy, n_rows, N, n_chunks, IS_RMS: tl.constexpr, HAS_W: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    rows, row_ok, rows64 = row_tile(tl.program_id(0), n_rows, BLOCK_M)
     mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
     lane = tl.arange(0, BLOCK_N)[None, :]
     c1 = tl.zeros((BLOCK_M,), tl.float32)
     c2 = tl.zeros((BLOCK_M,), tl.float32)
     for c in range(n_chunks):
-        cols = c * BLOCK_N + lane
-        col_ok = cols < N
-        m = row_ok & col_ok
-        s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
-        xhat = tl.where(m, (s - mean) * rstd, 0.0)
-        wdy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-        wdy = wdy * load_vec(W, cols, col_ok, 1.0, HAS_W)
+        cols, col_ok, m = col_tile(c, lane, N, row_ok, BLOCK_N)
+        xhat = xhat_of(load_tile(S, rows64, N, cols, m), mean, rstd, m, 0.0, False)
+        wdy = load_tile(DY, rows64, stride_dy, cols, m) * load_vec(W, cols, col_ok, 1.0, HAS_W)
         c1 += tl.sum(xhat * wdy, axis=1)
         c2 += tl.sum(wdy, axis=1)
     store_per_row(SUMS, c1, c2, n_rows, not IS_RMS, BLOCK_M)
@@ -164,34 +101,18 @@ def tp_sums_kernel(
 def tp_bwd_kernel(
     DY, DS, S, X, G, W, SEED, ROWS, MEAN, RSTD, SUMS, DX, DRES, DW_PART, DB_PART, DG_PART,
     stride_dy, stride_ds, stride_x, n_rows, N, tiles_per_program, col0, inv_hidden, alpha, drop_thr,
-    drop_scale,
-    IS_RMS: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
-    GATE: tl.constexpr,
-    DROPOUT: tl.constexpr,
-    HAS_DS: tl.constexpr,
-    ROW_IDS: tl.constexpr,
-    WRITE_DX: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    drop_scale, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, GATE: tl.constexpr,
+    DROPOUT: tl.constexpr, HAS_DS: tl.constexpr, ROW_IDS: tl.constexpr, WRITE_DX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # program (j, pid): column slice j of pid's run of row tiles, as the single-device backward's
     # slices (the row sums come from the all-reduce); the slice's parameter-gradient sums accumulate in
     # registers and are written once
-    j = tl.program_id(0)
-    pid = tl.program_id(1)
-    lane = tl.arange(0, BLOCK_N)[None, :]
-    cols = j * BLOCK_N + lane
-    col_ok = cols < N
+    j, pid, lane, cols, col_ok = program_slice(N, BLOCK_N)
     w = load_vec(W, cols, col_ok, 1.0, HAS_W)
-    dw_acc = tl.zeros((BLOCK_N,), tl.float32)
-    db_acc = tl.zeros((BLOCK_N,), tl.float32)
-    dg_acc = tl.zeros((BLOCK_N,), tl.float32)
+    dw_acc, db_acc, dg_acc = zero_col_sums(BLOCK_N)
     for t in range(tiles_per_program):
-        rows = (pid * tiles_per_program + t) * BLOCK_M + tl.arange(0, BLOCK_M)[:, None]
-        row_ok = rows < n_rows
-        rows64 = rows.to(tl.int64)
+        rows, row_ok, rows64 = row_tile(pid * tiles_per_program + t, n_rows, BLOCK_M)
         m = row_ok & col_ok
         ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
         mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
@@ -203,18 +124,11 @@ def tp_bwd_kernel(
             c1 = tl.load(SUMS + 2 * rows, mask=row_ok, other=0.0) * inv_hidden
             c2 = tl.load(SUMS + 2 * rows + 1, mask=row_ok, other=0.0) * inv_hidden
         keep = tile_keep(SEED, ids, cols + col0, m, drop_thr, DROPOUT)
-        s = tl.load(S + rows64 * N + cols, mask=m, other=0.0).to(tl.float32)
-        xhat = tl.where(m, (s - mean) * rstd, 0.0)
-        dy = tl.load(DY + rows64 * stride_dy + cols, mask=m, other=0.0).to(tl.float32)
-        if HAS_W:
-            dw_acc += tl.sum(dy * xhat, axis=0)
-        if HAS_B:
-            db_acc += tl.sum(dy, axis=0)
-        dsum = dsum_tile(dy, dy * w, xhat, c1, c2, rstd, DS, rows64, cols, m, stride_ds, IS_RMS, HAS_DS)
-        gterm = store_dx(
-            dsum, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N, stride_x, alpha, drop_scale, GATE,
-            DROPOUT, WRITE_DX,
+        xhat = xhat_of(load_tile(S, rows64, N, cols, m), mean, rstd, m, 0.0, False)
+        dy = load_tile(DY, rows64, stride_dy, cols, m)
+        dw_acc, db_acc = param_sums(dy, xhat, dw_acc, db_acc, HAS_W, HAS_B)
+        dg_acc = input_grads(
+            dy, dy * w, xhat, c1, c2, rstd, dg_acc, DS, X, G, keep, DX, DRES, rows64, cols, col_ok, m, N,
+            stride_ds, stride_x, alpha, drop_scale, IS_RMS, GATE, DROPOUT, HAS_DS, WRITE_DX,
         )  # fmt: skip
-        if GATE != 0:
-            dg_acc += tl.sum(gterm, axis=0)
     store_col_sums(DW_PART, DB_PART, DG_PART, pid, j, N, dw_acc, db_acc, dg_acc, HAS_W, HAS_B, GATE, BLOCK_N)

@@ -161,22 +161,27 @@ class Comparison:
 
 
 # --- per-layer measures of a run at the end of training (its profiles, see findings) ------------------
+def _top_over_first(run: dict, key: str) -> float | None:
+    """log(the top layer's value / the first layer's) of the per-layer profile ``key`` at the end of
+    training; None for a run that did not finish or has no such profile."""
+    prof = (run.get("last_profile") or {}).get(key, [])
+    if run["status"] != "done" or len(prof) < 2 or not prof[0] > 0 or not prof[-1] > 0:
+        return None
+    return math.log(prof[-1] / prof[0])
+
+
 def act_growth(run: dict) -> float:
     """log(RMS of the residual stream after the top layer / after the first layer) at the end of training;
     +inf for a run that did not finish (no profile)."""
-    prof = (run.get("last_profile") or {}).get("act_rms", [])
-    if run["status"] != "done" or len(prof) < 2 or not prof[0] > 0 or not prof[-1] > 0:
-        return math.inf
-    return math.log(prof[-1] / prof[0])
+    v = _top_over_first(run, "act_rms")
+    return math.inf if v is None else v
 
 
 def top_grad_shortfall(run: dict) -> float:
     """-log(FFN weight-gradient norm of the top layer / of the first layer) at the end of training: larger
     when the last layers get relatively smaller gradients; +inf without a profile."""
-    prof = (run.get("last_profile") or {}).get("weight_grad_norm", [])
-    if run["status"] != "done" or len(prof) < 2 or not prof[0] > 0 or not prof[-1] > 0:
-        return math.inf
-    return -math.log(prof[-1] / prof[0])
+    v = _top_over_first(run, "weight_grad_norm")
+    return math.inf if v is None else -v
 
 
 # --- gradient profiles at initialisation -------------------------------------------------------------
@@ -358,6 +363,23 @@ class NeedsWarmup:
         return out or [Finding(self.claim, self.source, needs, NOT_TESTED)]
 
 
+def deeper(claim: str, source: str, caveat: str, worse: str, better: str, **kwargs) -> Comparison:
+    """``better`` beats ``worse`` (two placements) at :data:`DEEP`+ layers, at every depth measured."""
+    return Comparison(
+        claim,
+        source,
+        caveat,
+        vary="placement",
+        worse=worse,
+        better=better,
+        names=(worse, better),
+        needs=f"needs {worse} and {better} runs {SAME_SETTINGS} at {DEEP}+ layers",
+        supported_when=f"Supported when {worse} is worse by the rule at every depth measured",
+        min_layers=DEEP,
+        **kwargs,
+    )
+
+
 # --- the catalogue -------------------------------------------------------------------------------------
 SAME_SETTINGS = "at the same settings"
 CLAIMS: list[Callable[[list[dict]], list[Finding]]] = [
@@ -415,45 +437,30 @@ CLAIMS: list[Callable[[list[dict]], list[Finding]]] = [
         needs="needs pre runs with and without the final norm",
         only={"placement": "pre"},
     ),
-    Comparison(
+    deeper(
         "DeepNorm trains better than Post-LN at depth",
         "Wang et al. 2022 (DeepNet)",
         "depth (the paper's gap opens at tens to hundreds of layers), learning rate and warmup",
-        vary="placement",
-        worse="post",
-        better="deepnorm",
-        names=("post", "deepnorm"),
-        needs=f"needs post and deepnorm runs {SAME_SETTINGS} at {DEEP}+ layers",
-        supported_when="Supported when post is worse by the rule at every depth measured",
+        "post",
+        "deepnorm",
         measure="held-out loss (nats)",
-        min_layers=DEEP,
     ),
-    Comparison(
+    deeper(
         "Peri-LN (sandwich) keeps the residual stream's activations from growing with depth as Pre-LN's do",
         "Kim et al. 2025 (Peri-LN); Ding et al. 2021 (Sandwich-LN)",
         "training length: the growth under Pre-LN builds up over training",
-        vary="placement",
-        worse="pre",
-        better="sandwich",
-        names=("pre", "sandwich"),
-        needs=f"needs pre and sandwich runs {SAME_SETTINGS} at {DEEP}+ layers",
-        supported_when="Supported when pre is worse by the rule at every depth measured",
+        "pre",
+        "sandwich",
         value=act_growth,
         measure="log(stream RMS after the top layer / after the first) at the end of training",
-        min_layers=DEEP,
     ),
-    Comparison(
+    deeper(
         "Mix-LN gives the last layers larger gradients than Pre-LN",
         "Li et al. 2024 (Mix-LN)",
         "depth and training length (the paper measures the deeper layers of billion-parameter models)",
-        vary="placement",
-        worse="pre",
-        better="mix",
-        names=("pre", "mix"),
-        needs=f"needs pre and mix runs {SAME_SETTINGS} at {DEEP}+ layers",
-        supported_when="Supported when pre is worse by the rule at every depth measured",
+        "pre",
+        "mix",
         value=top_grad_shortfall,
         measure="-log(FFN weight-gradient norm of the top layer / of the first) at the end of training",
-        min_layers=DEEP,
     ),
 ]

@@ -64,6 +64,8 @@ MIX_HELP = (
     "rank runs of one setting measured on different devices (CPU models, GPUs) in one table; by default "
     "each device gets its own"
 )
+ADDRESS_HELP = "with --executor ray: the cluster (auto or host:port); default: a local one for this study"
+KEYS_HELP = "list every key a spec may hold (run keys with defaults, the structure) and exit"
 WAIT_HELP = (
     "if another study holds the output folder: wait up to SECONDS (inf: until it is free) for it, "
     "saying once whom for, instead of exiting 3 at once"
@@ -206,11 +208,7 @@ def study(
         "--executor",
         help="local: this machine (see --workers); ray: one Ray task per run (the 'ray' extra)",
     ),
-    address: str = typer.Option(
-        None,
-        "--address",
-        help="with --executor ray: the cluster (auto or host:port); default: a local one for this study",
-    ),
+    address: str = typer.Option(None, "--address", help=ADDRESS_HELP),
     cpus_per_run: int = typer.Option(
         None, "--cpus-per-run", help="with --executor ray: CPUs (= torch threads) per run (default 1)"
     ),
@@ -256,11 +254,7 @@ def study(
     show: str = typer.Option(
         None, "--show", metavar="PRESET", help="print a preset's YAML (a template) and exit"
     ),
-    keys: bool = typer.Option(
-        False,
-        "--keys",
-        help="list every key a spec may hold (run keys with defaults, the structure) and exit",
-    ),
+    keys: bool = typer.Option(False, "--keys", help=KEYS_HELP),
     markdown: bool = typer.Option(
         False, "--markdown", help="with --keys: as the Markdown of docs/study-spec.md"
     ),

@@ -138,8 +138,7 @@ def activation_coefficients(cfg: RunConfig, cuda: bool = False) -> tuple[float, 
     docstring); for an encoder-decoder task, per encoder + decoder layer pair."""
     m = cfg.model
     hf = cfg.arch != "addnorm"
-    attn_dropout = m.dropout if m.attention_dropout is None else m.attention_dropout
-    act_dropout = m.dropout if m.activation_dropout is None else m.activation_dropout
+    attn_dropout, act_dropout = m.attn_dropout, m.act_dropout
     a = 24.0 if _placement_names(m.placement) & {"ngpt"} else 16.0
     b = 5.5 if hf else 4.5 if m.activation in GATED_ACTIVATIONS else 1.5 if m.activation == "relu" else 2.5
     b += 2.0 if act_dropout > 0 and not hf else 0.0

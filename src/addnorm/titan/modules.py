@@ -236,6 +236,17 @@ def share_shardings(config) -> None:
             )
 
 
+class _ConvertedConfig:
+    """What a converted model's ``Config`` adds to the family's (before it in the bases): after the
+    family's ``update_from_config``, :func:`share_shardings`."""
+
+    __slots__ = ()
+
+    def update_from_config(self, *, config, **kwargs) -> None:
+        super().update_from_config(config=config, **kwargs)
+        share_shardings(self)
+
+
 class AddNormLlama3Block(ConnectedBlock, Llama3TransformerBlock):
     """torchtitan's Llama 3 block with addnorm connections."""
 
@@ -256,21 +267,13 @@ class AddNormLlama3Model(_StreamModel, Llama3Model):
     """torchtitan's Llama 3 with converted blocks; ``addnorm`` records what the converter did."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Llama3Model.Config):
+    class Config(_ConvertedConfig, Llama3Model.Config):
         addnorm: dict = field(default_factory=dict)
-
-        def update_from_config(self, *, config, **kwargs) -> None:
-            Llama3Model.Config.update_from_config(self, config=config, **kwargs)
-            share_shardings(self)
 
 
 class AddNormQwen3Model(_StreamModel, Qwen3Model):
     """torchtitan's Qwen 3 with converted blocks; ``addnorm`` records what the converter did."""
 
     @dataclass(kw_only=True, slots=True)
-    class Config(Qwen3Model.Config):
+    class Config(_ConvertedConfig, Qwen3Model.Config):
         addnorm: dict = field(default_factory=dict)
-
-        def update_from_config(self, *, config, **kwargs) -> None:
-            Qwen3Model.Config.update_from_config(self, config=config, **kwargs)
-            share_shardings(self)

@@ -11,27 +11,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..placement_spec import ConnectionSpec, Depth, WeightInit, connection_spec, layer_placements, weight_init
+from ..placement_spec import (
+    ConnectionSpec,
+    Depth,
+    WeightInit,
+    connection_spec,
+    layer_placements,
+    weight_init,
+    why_not_around_sublayers,
+)
 from ..placements import PLACEMENTS, Placement, get_placement
 
 __all__ = ["LayerPlan", "check_placement", "plan_layers", "supported_placements", "why_unsupported"]
 
 
 def why_unsupported(p: Placement) -> str | None:
-    """Why a torchtitan block cannot take ``p`` (a phrase), or None."""
-    if p.sublayer_norm:
-        return "puts a norm inside the attention and FFN modules"
-    if p.attention_norm or p.attention_connection:
-        return "normalises queries/keys inside attention"
-    if p.stream not in ("standard", "b2t"):
-        return f"changes the residual stream across layers ({p.stream})"
-    if p.omega:
+    """Why a torchtitan block cannot take ``p`` (a phrase), or None: the rule of every model whose own
+    sublayers stay (:func:`~addnorm.placement_spec.why_not_around_sublayers`), and Admin's omegas, which
+    need a profiling pass on data that torchtitan's ``init_weights`` cannot run."""
+    why = why_not_around_sublayers(p, "the attention and FFN modules", "; torchtitan's blocks use RMSNorm")
+    if why is None and any(q.omega for q in (p, *map(get_placement, (p.layers or ())[:2]))):
         return "needs a profiling pass on data for its omegas, which torchtitan's init_weights cannot run"
-    if p.norm is not None:
-        return f"needs its own norm ({p.norm}); torchtitan's blocks use RMSNorm"
-    if p.layers is not None:
-        return next((r for r in map(why_unsupported, map(get_placement, p.layers[:2])) if r), None)
-    return None
+    return why
 
 
 def supported_placements() -> list[str]:

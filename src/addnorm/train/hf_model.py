@@ -27,7 +27,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 
 from ..hf.architectures import ARCHITECTURES
-from ..hf.placement import _unsupported
+from ..placement_spec import why_not_around_sublayers
 from ..placements import get_placement
 from ..registry import Registry
 
@@ -101,7 +101,7 @@ def not_applicable(model: str, placement) -> str | None:
         return None
     if isinstance(placement, (list, tuple)):
         return "per-layer placement lists are not supported for Hugging Face models"
-    why = _unsupported(get_placement(placement))
+    why = why_not_around_sublayers(get_placement(placement))
     return None if why is None else f"{get_placement(placement).name} {why}"
 
 
