@@ -9,6 +9,7 @@ import filecmp
 import types
 import warnings
 
+import hf_models
 import pytest
 import torch
 from hf_models import LAYERS, TYPES, step, tiny, tokens
@@ -22,22 +23,7 @@ from addnorm.ops import dropout_keep_mask, policy
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records each add_norm call's prenorm flag (the op used by every AddNorm)."""
-    calls: list[bool] = []
-    op = addnorm_module.add_norm
-
-    def counted(*args, **kwargs):
-        calls.append(kwargs["prenorm"])
-        return op(*args, **kwargs)
-
-    monkeypatch.setattr(addnorm_module, "add_norm", counted)
-    return calls
-
-
-def _assert_grads_equal(fused: dict, plain: dict, **tol) -> None:
-    assert fused.keys() == plain.keys()
-    for name in plain:
-        torch.testing.assert_close(fused[name], plain[name], msg=name, **tol)
+    return hf_models.add_norm_calls(monkeypatch)
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -45,9 +31,9 @@ def test_fused_model_is_the_model(model_type, spy):
     plain = tiny(model_type)
     fused = anhf.fuse(copy.deepcopy(plain))
     ids = tokens()
-    logits, loss, grads = step(plain, ids)
+    expected = step(plain, ids)
     assert spy == []
-    f_logits, f_loss, f_grads = step(fused, ids)
+    got = step(fused, ids)
     # every add meets a norm: 2 per layer; Pre-LN and sandwich hold the add for the next norm (the
     # last one: the final norm), BERT's Post-LN adds meet their own; OLMo 2's res_post adds meet no
     # norm but the last, which meets the final norm
@@ -55,9 +41,9 @@ def test_fused_model_is_the_model(model_type, spy):
         assert spy == [True]
     else:
         assert spy == [model_type != "bert"] * (2 * LAYERS)
-    torch.testing.assert_close(f_logits, logits)
-    torch.testing.assert_close(f_loss, loss)
-    _assert_grads_equal(f_grads, grads)  # norms included: the op reads the model's own Parameters
+    hf_models.assert_same_step(
+        got, expected
+    )  # norms' gradients included: the op reads the model's own Parameters
     assert list(fused.state_dict()) == list(plain.state_dict())
     assert [n for n, _ in fused.named_parameters()] == [n for n, _ in plain.named_parameters()]
 
@@ -79,12 +65,8 @@ def test_fused_float64_equals_the_float64_model(model_type, monkeypatch):
             monkeypatch.setattr(type(module), "forward", _exact_rms_forward)
     fused = anhf.fuse(copy.deepcopy(plain))
     ids = tokens()
-    logits, loss, grads = step(plain, ids)
-    f_logits, f_loss, f_grads = step(fused, ids)
-    tight = {"rtol": 1e-12, "atol": 1e-12}
-    torch.testing.assert_close(f_logits, logits, **tight)
-    torch.testing.assert_close(f_loss, loss, **tight)
-    _assert_grads_equal(f_grads, grads, **tight)
+    expected = step(plain, ids)
+    hf_models.assert_same_step(step(fused, ids), expected, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
@@ -172,9 +154,7 @@ def test_fused_dropout_is_the_op_s_hashed_mask(model_type, monkeypatch):
     seeded.drive_op()
     torch.manual_seed(5)
     f_logits, f_loss, f_grads = step(fused, ids)
-    torch.testing.assert_close(f_logits, logits)
-    torch.testing.assert_close(f_loss, loss)
-    _assert_grads_equal(f_grads, grads)
+    hf_models.assert_same_step((f_logits, f_loss, f_grads), (logits, loss, grads))
     # and the residual dropout did drop: in eval mode the same model gives other logits
     assert not torch.allclose(fused.eval()(ids).logits, f_logits)
 
@@ -184,27 +164,15 @@ def test_on_the_cpu_fused_dropout_is_nn_dropout_s_mask(model_type):
     """README: "on the CPU in eager mode the op leaves residual dropout to nn.Dropout: the same mask for
     the same seed". Train mode, every dropout on, the same torch seed: the fused model's logits, loss and
     gradients are the untouched model's, bit for bit, and dropout did drop."""
-    plain = tiny(model_type, dropout=True, **_DROPOUT_ON[model_type]).train()
-    fused = anhf.fuse(copy.deepcopy(plain))
-    ids = tokens()
-    torch.manual_seed(5)
-    logits, loss, grads = step(plain, ids)
-    torch.manual_seed(5)
-    f_logits, f_loss, f_grads = step(fused, ids)
-    assert torch.equal(f_logits, logits) and torch.equal(f_loss, loss)
-    assert all(torch.equal(f_grads[n], grads[n]) for n in grads)
-    assert not torch.allclose(fused.eval()(ids).logits, f_logits)
+    plain = tiny(model_type, dropout=True, **_DROPOUT_ON[model_type])
+    hf_models.assert_dropout_is_the_model_s(plain, anhf.fuse(copy.deepcopy(plain)))
 
 
 @pytest.mark.parametrize("model_type", TYPES)
 def test_generate_gives_the_same_tokens(model_type):
     plain = tiny(model_type, causal=True)
     fused = anhf.fuse(copy.deepcopy(plain))
-    ids = tokens(seq=5)
-    kwargs = {"max_new_tokens": 6, "do_sample": False, "attention_mask": torch.ones_like(ids)}
-    expected = plain.generate(ids, **kwargs)
-    assert expected.shape[1] > ids.shape[1]
-    assert torch.equal(fused.generate(ids, **kwargs), expected)
+    hf_models.assert_generates_the_same(fused, plain)
 
 
 @pytest.mark.parametrize("model_type", TYPES)
@@ -252,10 +220,8 @@ def test_fused_model_still_returns_hidden_states_and_checkpoints():
         else:
             model.gradient_checkpointing_enable({"use_reentrant": False})
         model.train()
-    _, loss, grads = step(plain, ids)
-    _, f_loss, f_grads = step(fused, ids)
-    torch.testing.assert_close(f_loss, loss)
-    _assert_grads_equal(f_grads, grads)
+    expected = step(plain, ids)
+    hf_models.assert_same_step(step(fused, ids), expected)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen3", "gemma2", "gpt2", "bert", "olmo2"])
@@ -268,14 +234,12 @@ def test_fused_model_on_the_triton_backend_is_the_model(model_type, request):
     plain = tiny(model_type)
     fused = anhf.fuse(copy.deepcopy(plain))
     ids = tokens()
-    logits, loss, grads = step(plain, ids)
+    expected = step(plain, ids)
     request.getfixturevalue("triton_backend")
     fn.clear_plans()
-    f_logits, f_loss, f_grads = step(fused, ids)
+    got = step(fused, ids)
     assert any(plan.triton for plan in fn._PLANS.values()), "no call took the Triton kernels"
-    torch.testing.assert_close(f_logits, logits, rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(f_loss, loss, rtol=1e-4, atol=1e-5)
-    _assert_grads_equal(f_grads, grads, rtol=1e-4, atol=1e-5)
+    hf_models.assert_same_step(got, expected, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("model_type", ["llama", "gpt2"])
@@ -307,9 +271,7 @@ def test_fused_model_compiles_fullgraph_where_the_model_does(model_type, dynamo_
         grads = {n: p.grad for n, p in model.named_parameters()}
         results[name] = (sum("add_norm_fwd" in t for t in graphs[0]), logits, loss, grads)
     assert results["plain"][0] == 0 and results["fused"][0] == 2 * LAYERS
-    torch.testing.assert_close(results["fused"][1], results["plain"][1])
-    torch.testing.assert_close(results["fused"][2], results["plain"][2])
-    _assert_grads_equal(results["fused"][3], results["plain"][3])
+    hf_models.assert_same_step(results["fused"][1:], results["plain"][1:])
 
 
 class _NotSupported(nn.Module):

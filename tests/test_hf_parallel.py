@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import copy
 
+import hf_models
 import pytest
 import torch
-from hf_models import LAYERS, step, tiny, tokens
+from hf_models import LAYERS, perturbed, step, tiny, tokens
 
 import addnorm as an
-import addnorm.addnorm as addnorm_module
 import addnorm.hf as anhf
 
 # (model type, config fields, the record the config resolves to, parallel)
@@ -38,10 +38,7 @@ IDS = [f"{t}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'default'}" for t, 
 
 @pytest.fixture
 def spy(monkeypatch):
-    calls: list[bool] = []
-    op = addnorm_module.add_norm
-    monkeypatch.setattr(addnorm_module, "add_norm", lambda *a, **k: calls.append(k["prenorm"]) or op(*a, **k))
-    return calls
+    return hf_models.add_norm_calls(monkeypatch)
 
 
 @pytest.mark.parametrize("model_type, fields, record, parallel", CASES, ids=IDS)
@@ -53,17 +50,13 @@ def test_the_fused_model_is_the_model(model_type, fields, record, parallel, spy)
     fused = anhf.fuse(copy.deepcopy(plain))
     assert anhf.architecture_of(plain).name == record
     ids = tokens()
-    logits, loss, grads = step(plain, ids)
+    expected = step(plain, ids)
     assert spy == []
-    f_logits, f_loss, f_grads = step(fused, ids)
+    got = step(fused, ids)
     assert spy == [True] * (LAYERS if parallel else 2 * LAYERS)
     exact = model_type not in ("cohere", "cohere2") and record != "stablelm (parallel)"
     tol = {"rtol": 0, "atol": 0} if exact else {}
-    torch.testing.assert_close(f_logits, logits, **tol)
-    torch.testing.assert_close(f_loss, loss, **tol)
-    assert f_grads.keys() == grads.keys()
-    for name in grads:
-        torch.testing.assert_close(f_grads[name], grads[name], msg=name, **tol)
+    hf_models.assert_same_step(got, expected, **tol)
     assert list(fused.state_dict()) == list(plain.state_dict())
 
 
@@ -71,11 +64,7 @@ def test_the_fused_model_is_the_model(model_type, fields, record, parallel, spy)
 def test_generate_gives_the_same_tokens(model_type, fields, record, parallel):
     plain = tiny(model_type, **fields)
     fused = anhf.fuse(copy.deepcopy(plain))
-    ids = tokens(seq=5)
-    kwargs = {"max_new_tokens": 6, "do_sample": False, "attention_mask": torch.ones_like(ids)}
-    expected = plain.generate(ids, **kwargs)
-    assert expected.shape[1] > ids.shape[1]
-    assert torch.equal(fused.generate(ids, **kwargs), expected)
+    hf_models.assert_generates_the_same(fused, plain)
 
 
 _DROPOUT = {
@@ -90,31 +79,19 @@ _DROPOUT = {
 def test_on_the_cpu_residual_dropout_is_the_model_s_mask(model_type):
     """Train mode, residual dropout on, the same torch seed: bit for bit the model's step, and dropout
     did drop."""
-    plain = tiny(model_type, dropout=True, **_DROPOUT[model_type]).train()
-    fused = anhf.fuse(copy.deepcopy(plain))
-    ids = tokens()
-    torch.manual_seed(5)
-    logits, loss, grads = step(plain, ids)
-    torch.manual_seed(5)
-    f_logits, f_loss, f_grads = step(fused, ids)
-    assert torch.equal(f_logits, logits) and torch.equal(f_loss, loss)
-    assert all(torch.equal(f_grads[n], grads[n]) for n in grads)
-    assert not torch.allclose(fused.eval()(ids).logits, f_logits)
+    plain = tiny(model_type, dropout=True, **_DROPOUT[model_type])
+    hf_models.assert_dropout_is_the_model_s(plain, anhf.fuse(copy.deepcopy(plain)))
 
 
 def test_a_re_placed_parallel_block_runs_the_placement_around_the_sum_of_its_branches():
     """Post-LN on GPT-NeoX (two norms in the model): x = N(x + Attn(x) + MLP(x)) per layer, written here
     with the model's own modules and the new norm; no final norm."""
-    model = anhf.with_placement(tiny("gpt_neox"), "post")
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.2 * torch.randn_like(p))
+    model = perturbed(anhf.with_placement(tiny("gpt_neox"), "post"), 0.2, seed=2)
     ids = tokens()
     base = model.gpt_neox
     x = base.embed_in(ids)
     rope = base.rotary_emb(x, torch.arange(ids.shape[1])[None])
-    mask = torch.full((ids.shape[1], ids.shape[1]), float("-inf")).triu(1)[None, None]
+    mask = hf_models.causal_mask(ids.shape[1])
     for layer in base.layers:
         a = layer.attention(x, attention_mask=mask, position_embeddings=rope)[0]
         norm = layer.parallel_block.norm
@@ -144,29 +121,16 @@ def test_pre_keeps_a_two_norm_block_s_second_norm_and_the_model_s_function(model
         torch.testing.assert_close(
             layer.parallel_block.second_norm.weight, original.get_submodule(second).weight
         )
-    placed = placed.train()
-    placed(input_ids=ids, labels=ids).loss.backward()
-    with torch.no_grad():
-        for p in placed.parameters():
-            if p.grad is not None:
-                p.sub_(0.5 * p.grad)
-    placed.eval().save_pretrained(tmp_path)
+    hf_models.trained(placed).save_pretrained(tmp_path)
     assert torch.equal(anhf.from_pretrained(tmp_path)(ids).logits, placed(ids).logits)
 
 
 @pytest.mark.parametrize("placement", ["post", "sandwich", "deepnorm", "rezero", "layerscale", "mix"])
 def test_fused_connections_around_parallel_blocks_compute_what_the_unfused_ones_do(placement):
-    model = tiny("falcon")
-    fused = anhf.with_placement(copy.deepcopy(model), placement)
-    unfused = anhf.with_placement(copy.deepcopy(model), placement, fused=False)
-    unfused.load_state_dict(fused.state_dict())
+    fused, unfused = hf_models.fused_and_unfused(tiny("falcon"), placement)
     ids = tokens()
-    logits, loss, grads = step(unfused, ids)
-    f_logits, f_loss, f_grads = step(fused, ids)
-    torch.testing.assert_close(f_logits, logits)
-    torch.testing.assert_close(f_loss, loss)
-    for name in grads:
-        torch.testing.assert_close(f_grads[name], grads[name], msg=name)
+    expected = step(unfused, ids)
+    hf_models.assert_same_step(step(fused, ids), expected)
 
 
 def test_b2t_is_refused_for_parallel_blocks_in_one_line():
@@ -217,13 +181,8 @@ def test_own_placement_is_the_model_and_a_re_placed_model_reloads(
     ids = tokens()
     own = anhf.with_placement(copy.deepcopy(plain), "pre")
     torch.testing.assert_close(own(ids).logits, plain(ids).logits)
-    model = anhf.with_placement(copy.deepcopy(plain), "layerscale").train()
-    model(input_ids=ids, labels=ids).loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.sub_(0.5 * p.grad)
-    model.eval().save_pretrained(tmp_path)
+    model = hf_models.trained(anhf.with_placement(copy.deepcopy(plain), "layerscale"))
+    model.save_pretrained(tmp_path)
     loaded = anhf.from_pretrained(tmp_path)
     assert loaded.config.addnorm == model.config.addnorm
     assert torch.equal(loaded(ids).logits, model(ids).logits)

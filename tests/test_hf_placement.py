@@ -9,13 +9,13 @@ import copy
 import json
 import math
 
+import hf_models
 import pytest
 import torch
-from hf_models import LAYERS, TYPES, step, tiny, tokens
+from hf_models import LAYERS, TYPES, perturbed, step, tiny, tokens
 from torch import nn
 
 import addnorm as an
-import addnorm.addnorm as addnorm_module
 import addnorm.hf as anhf
 from addnorm.model import deepnorm_constants
 from addnorm.model.init import Depth
@@ -57,17 +57,13 @@ def _layer_norm(x, norm):
 def test_post_matches_a_hand_written_post_ln_forward():
     """Llama with ``post``: x = N(x + Attn(x)); x = N(x + MLP(x)) per layer, no final norm, written here
     with the model's own attention and MLP and the new norms' parameters."""
-    model = anhf.with_placement(tiny("llama"), "post")
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.2 * torch.randn_like(p))
+    model = perturbed(anhf.with_placement(tiny("llama"), "post"), 0.2, seed=2)
     ids = tokens()
     base = model.model
     x = base.embed_tokens(ids)
     positions = torch.arange(ids.shape[1])[None]
     rope = base.rotary_emb(x, positions)
-    mask = torch.full((ids.shape[1], ids.shape[1]), float("-inf")).triu(1)[None, None]
+    mask = hf_models.causal_mask(ids.shape[1])
     for layer in base.layers:
         a = layer.self_attn(hidden_states=x, position_embeddings=rope, attention_mask=mask)[0]
         x = _rms(x + a, layer.self_attn_block.norm)
@@ -90,10 +86,7 @@ def test_gpt2_post_matches_a_hand_written_post_ln_forward():
 
 @pytest.fixture
 def spy(monkeypatch):
-    calls: list[bool] = []
-    op = addnorm_module.add_norm
-    monkeypatch.setattr(addnorm_module, "add_norm", lambda *a, **k: calls.append(k["prenorm"]) or op(*a, **k))
-    return calls
+    return hf_models.add_norm_calls(monkeypatch)
 
 
 @pytest.mark.parametrize(
@@ -111,20 +104,13 @@ def spy(monkeypatch):
     ],
 )
 def test_fused_connections_compute_what_the_unfused_ones_do(placement, calls, spy):
-    model = tiny("llama")
-    fused = anhf.with_placement(copy.deepcopy(model), placement)
-    unfused = anhf.with_placement(copy.deepcopy(model), placement, fused=False)
-    unfused.load_state_dict(fused.state_dict())
+    fused, unfused = hf_models.fused_and_unfused(tiny("llama"), placement)
     ids = tokens()
-    logits, loss, grads = step(unfused, ids)
+    expected = step(unfused, ids)
     assert spy == []
-    f_logits, f_loss, f_grads = step(fused, ids)
+    got = step(fused, ids)
     assert spy == calls
-    torch.testing.assert_close(f_logits, logits)
-    torch.testing.assert_close(f_loss, loss)
-    assert f_grads.keys() == grads.keys()
-    for name in grads:
-        torch.testing.assert_close(f_grads[name], grads[name], msg=name)
+    hf_models.assert_same_step(got, expected)
 
 
 def test_placement_rules_come_with_the_placement():
@@ -176,15 +162,9 @@ def test_bert_pre_ln_applies_its_final_norm_in_the_last_layer():
 @pytest.mark.parametrize("model_type", TYPES)
 def test_save_pretrained_and_from_pretrained_round_trip(model_type, tmp_path):
     placement = "layerscale" if anhf.ARCHITECTURES[model_type].placement == "pre" else "pre"
-    model = anhf.with_placement(tiny(model_type), placement).train()
+    # one SGD step, so that loading cannot pass on freshly initialised weights
+    model = hf_models.trained(anhf.with_placement(tiny(model_type), placement))
     ids = tokens()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    with torch.no_grad():  # one SGD step, so that loading cannot pass on freshly initialised weights
-        for p in model.parameters():
-            if p.grad is not None:
-                p.sub_(0.5 * p.grad)
-    model.eval()
     model.save_pretrained(tmp_path)
     record = json.loads((tmp_path / "config.json").read_text())["addnorm"]
     assert record["placement"] == placement and record["fused"] is True
@@ -203,12 +183,8 @@ def test_from_pretrained_loads_an_untouched_model_through_transformers(tmp_path)
 
 
 def test_generate_on_a_re_placed_model():
-    model = anhf.with_placement(tiny("llama"), "sandwich")
-    unfused = anhf.with_placement(tiny("llama"), "sandwich", fused=False)
-    unfused.load_state_dict(model.state_dict())
-    ids = tokens(seq=4)
-    kw = {"max_new_tokens": 5, "do_sample": False, "attention_mask": torch.ones_like(ids)}
-    assert torch.equal(model.generate(ids, **kw), unfused.generate(ids, **kw))
+    fused, unfused = hf_models.fused_and_unfused(tiny("llama"), "sandwich")
+    hf_models.assert_generates_the_same(fused, unfused, seq=4, new=5)
 
 
 def test_a_re_placed_model_trains_with_a_plain_loop_and_the_trainer(tmp_path):

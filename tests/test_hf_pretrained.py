@@ -9,9 +9,10 @@ import json
 import math
 import shutil
 
+import hf_models
 import pytest
 import torch
-from hf_models import perturbed, step, tiny, tokens
+from hf_models import step, tiny, tokens
 
 import addnorm as an
 import addnorm.hf as anhf
@@ -22,21 +23,9 @@ from addnorm.placements import PLACEMENTS, Placement
 transformers = pytest.importorskip("transformers")
 
 
-def _trained(model):
-    """``model`` after one SGD step in train mode (so no weight is at its initial value), in eval mode."""
-    model.train()
-    ids = tokens()
-    model(input_ids=ids, labels=ids).loss.backward()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.grad is not None:
-                p.sub_(0.5 * p.grad)
-    return model.eval()
-
-
 @pytest.mark.parametrize("model_type", ["llama", "gpt2", "mixtral"])
 def test_plain_transformers_refuses_a_re_placed_checkpoint_naming_addnorm(model_type, tmp_path):
-    model = _trained(anhf.with_placement(tiny(model_type), "post"))
+    model = hf_models.trained(anhf.with_placement(tiny(model_type), "post"))
     model.save_pretrained(tmp_path)
     saved = json.loads((tmp_path / "config.json").read_text())
     assert saved["model_type"] == SAVED_MODEL_TYPE.format(model_type)
@@ -81,7 +70,7 @@ def test_from_pretrained_takes_transformers_arguments(tmp_path):
     assert ours.config._attn_implementation == "eager" and ours.config.output_hidden_states
     assert torch.equal(ours(ids).logits, theirs(ids).logits)
 
-    placed = _trained(anhf.with_placement(tiny("llama"), "sandwich"))
+    placed = hf_models.trained(anhf.with_placement(tiny("llama"), "sandwich"))
     placed.save_pretrained(tmp_path / "placed")
     loaded = anhf.from_pretrained(tmp_path / "placed", **kw)
     assert loaded.dtype == torch.bfloat16 and all(p.dtype == torch.bfloat16 for p in loaded.parameters())
@@ -111,7 +100,7 @@ def _hub_cache(cache, repo: str, files_from) -> None:
 
 def test_from_pretrained_loads_a_hub_id(tmp_path):
     ids = tokens()
-    model = _trained(anhf.with_placement(tiny("qwen3"), "layerscale"))
+    model = hf_models.trained(anhf.with_placement(tiny("qwen3"), "layerscale"))
     model.save_pretrained(tmp_path / "saved")
     plain = tiny("qwen3")
     plain.save_pretrained(tmp_path / "plain")
@@ -145,51 +134,19 @@ def test_options_are_checked_by_name():
     assert model.config.addnorm["mix_fraction"] == 1.0 and model.model.layers[0].mlp_block.norm.eps == 1e-3
 
 
-def _olmo3_architecture():
-    """OLMo 3 described by a user, from the public pieces: one record, no patch of addnorm."""
-
-    def attention(layer, h, **kwargs):
-        return layer.self_attn(hidden_states=h, **kwargs)[0]
-
-    def mlp(layer, h, **kwargs):
-        return layer.mlp(h)
-
-    proj = lambda *names: tuple(anhf.Weight(f"{n}.weight") for n in names)  # noqa: E731
-    return anhf.Architecture(
-        "olmo3",
-        placement="res_post",
-        norm="rmsnorm",
-        layers="layers",
-        final_norm="norm",
-        sublayers=(
-            anhf.Sublayer(
-                "self_attn",
-                attention,
-                branch_norm="post_attention_layernorm",
-                init_unit=proj("self_attn.q_proj", "self_attn.k_proj"),
-                init_scaled=proj("self_attn.v_proj", "self_attn.o_proj"),
-            ),
-            anhf.Sublayer(
-                "mlp",
-                mlp,
-                branch_norm="post_feedforward_layernorm",
-                init_scaled=proj("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-            ),
-        ),
-    )
-
-
 def test_a_user_registers_a_family(monkeypatch, tmp_path):
     monkeypatch.setattr(anhf.ARCHITECTURES, "_entries", dict(anhf.ARCHITECTURES._entries))
-    config = transformers.AutoConfig.for_model(
-        "olmo3", vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    plain = perturbed(transformers.AutoModelForCausalLM.from_config(config)).eval()
+    plain = hf_models.from_config("olmo3")
     with pytest.raises(ValueError, match="unsupported model type 'olmo3'"):
         anhf.fuse(copy.deepcopy(plain))
-    anhf.register_architecture("olmo3", _olmo3_architecture())
+    # OLMo 3 described by a user, from the public pieces: one record, no patch of addnorm
+    olmo3 = hf_models.llama_like(
+        "olmo3",
+        placement="res_post",
+        role="branch_norm",
+        norms=("post_attention_layernorm", "post_feedforward_layernorm"),
+    )
+    anhf.register_architecture("olmo3", olmo3)
     fused = anhf.fuse(copy.deepcopy(plain))
     ids = tokens()
     logits, loss, grads = step(plain, ids)
@@ -197,7 +154,7 @@ def test_a_user_registers_a_family(monkeypatch, tmp_path):
     assert torch.equal(f_logits, logits) and torch.equal(f_loss, loss)
     for name in grads:
         torch.testing.assert_close(f_grads[name], grads[name], msg=name)
-    placed = _trained(anhf.with_placement(copy.deepcopy(plain), "pre"))
+    placed = hf_models.trained(anhf.with_placement(copy.deepcopy(plain), "pre"))
     placed.save_pretrained(tmp_path)
     assert torch.equal(anhf.from_pretrained(tmp_path)(ids).logits, placed(ids).logits)
     with pytest.raises(TypeError, match="architecture: expected an addnorm.hf.Architecture"):

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import copy
 
+import hf_models
 import pytest
 import torch
-from hf_models import perturbed, step, tokens
+from hf_models import step, tokens
 
 import addnorm.hf as anhf
 
@@ -24,14 +25,6 @@ def registry(monkeypatch):
     monkeypatch.setattr(anhf.ARCHITECTURES, "_aliases", dict(anhf.ARCHITECTURES._aliases))
 
 
-def _attention(layer, h, **kwargs):
-    return layer.self_attn(hidden_states=h, **kwargs)[0]
-
-
-def _mlp(layer, h, **kwargs):
-    return layer.mlp(h)
-
-
 def _scaled_attention(layer, h, **kwargs):
     """Granite: what the layer adds is the attention output times its residual multiplier."""
     return layer.self_attn(hidden_states=h, **kwargs)[0] * layer.residual_multiplier
@@ -41,62 +34,18 @@ def _scaled_mlp(layer, h, **kwargs):
     return layer.mlp(h) * layer.residual_multiplier
 
 
-def _llama_like(name: str, attention=_attention, mlp=_mlp, **fields) -> anhf.Architecture:
-    w = lambda *names: tuple(anhf.Weight(f"{n}.weight") for n in names)  # noqa: E731
-    return anhf.Architecture(
-        name,
-        placement="pre",
-        norm=fields.pop("norm", "rmsnorm"),
-        layers="layers",
-        final_norm="norm",
-        sublayers=(
-            anhf.Sublayer(
-                "self_attn",
-                attention,
-                input_norm="input_layernorm",
-                init_unit=w("self_attn.q_proj", "self_attn.k_proj"),
-                init_scaled=w("self_attn.v_proj", "self_attn.o_proj"),
-            ),
-            anhf.Sublayer(
-                "mlp",
-                mlp,
-                input_norm="post_attention_layernorm",
-                init_scaled=w("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"),
-            ),
-        ),
-        config=anhf.ConfigSpec(kv_heads="num_key_value_heads"),
-        **fields,
-    )
-
-
-def _model(model_type: str, **fields):
-    config = transformers.AutoConfig.for_model(
-        model_type, vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, **fields,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    return perturbed(transformers.AutoModelForCausalLM.from_config(config)).eval()
-
-
 def _assert_fused_is_the_model(plain):
     fused = anhf.fuse(copy.deepcopy(plain))
-    logits, loss, grads = step(plain, tokens())
-    f_logits, f_loss, f_grads = step(fused, tokens())
-    torch.testing.assert_close(f_logits, logits)
-    torch.testing.assert_close(f_loss, loss)
-    assert f_grads.keys() == grads.keys()
-    for name in grads:
-        torch.testing.assert_close(f_grads[name], grads[name], msg=name)
-    ids = tokens(seq=4)
-    kw = {"max_new_tokens": 5, "do_sample": False, "attention_mask": torch.ones_like(ids)}
-    assert torch.equal(fused.generate(ids, **kw), plain.generate(ids, **kw))
+    expected = step(plain, tokens())
+    hf_models.assert_same_step(step(fused, tokens()), expected)
+    hf_models.assert_generates_the_same(fused, plain, seq=4, new=5)
 
 
 def test_olmo_1_norms_without_weight_or_epsilon_are_described_by_the_record():
     """OLMo 1's OlmoLayerNorm has no weight, no bias and no epsilon attribute (its forward uses 1e-5):
     ``norm_eps=1e-5`` says so, and the fused model is the model (the norm computes without affine)."""
-    olmo = _llama_like("olmo", norm="layernorm", norm_eps=1e-5)
-    plain = _model("olmo")
+    olmo = hf_models.llama_like("olmo", norm="layernorm", norm_eps=1e-5)
+    plain = hf_models.from_config("olmo")
     assert not any(hasattr(m, "eps") for m in plain.modules() if type(m).__name__ == "OlmoLayerNorm")
     anhf.register_architecture("olmo", olmo)
     _assert_fused_is_the_model(plain)
@@ -106,7 +55,7 @@ def test_olmo_1_norms_without_weight_or_epsilon_are_described_by_the_record():
 
 def test_a_norm_without_epsilon_is_a_one_line_refusal_naming_norm_eps():
     with pytest.raises(ValueError, match=r"^norm_eps: OlmoLayerNorm has no epsilon attribute") as err:
-        anhf.register_architecture("olmo", _llama_like("olmo", norm="layernorm"))
+        anhf.register_architecture("olmo", hf_models.llama_like("olmo", norm="layernorm"))
     assert "\n" not in str(err.value) and "olmo" not in anhf.ARCHITECTURES
 
 
@@ -116,10 +65,12 @@ def test_a_record_that_changes_the_model_is_refused_naming_the_first_layer():
     with the multiplier is the model."""
     with pytest.raises(ValueError, match=r"^architecture: the 'granite' record changes the 'granite' model: "
                        r"layer 0 \(model\.layers\.0\) output differs") as err:  # fmt: skip
-        anhf.register_architecture("granite", _llama_like("granite"))
+        anhf.register_architecture("granite", hf_models.llama_like("granite"))
     assert "\n" not in str(err.value) and "granite" not in anhf.ARCHITECTURES
-    anhf.register_architecture("granite", _llama_like("granite", _scaled_attention, _scaled_mlp))
-    _assert_fused_is_the_model(_model("granite", residual_multiplier=0.22, embedding_multiplier=12.0))
+    anhf.register_architecture("granite", hf_models.llama_like("granite", _scaled_attention, _scaled_mlp))
+    _assert_fused_is_the_model(
+        hf_models.from_config("granite", residual_multiplier=0.22, embedding_multiplier=12.0)
+    )
 
 
 def test_a_sublayer_call_that_does_not_fit_is_refused_in_one_line():
@@ -127,7 +78,7 @@ def test_a_sublayer_call_that_does_not_fit_is_refused_in_one_line():
         return layer.self_attn(h)  # a tuple, and the call lacks the position embeddings
 
     with pytest.raises(ValueError, match=r"^architecture: the 'bad' record changes the 'llama' model") as err:
-        anhf.register_architecture("llama", _llama_like("bad", attention=wrong), replace=True)
+        anhf.register_architecture("llama", hf_models.llama_like("bad", attention=wrong), replace=True)
     assert "\n" not in str(err.value)
     assert anhf.ARCHITECTURES["llama"].name == "llama"  # the shipped record stays
 
@@ -146,7 +97,7 @@ def test_a_sublayer_call_that_does_not_fit_is_refused_in_one_line():
     ],
 )
 def test_a_record_is_validated_by_name_before_anything_is_built(fields, message):
-    base = _llama_like("mine")
+    base = hf_models.llama_like("mine")
     record = anhf.Architecture(**{**{f: getattr(base, f) for f in base.__dataclass_fields__}, **fields})
     with pytest.raises(ValueError, match=message) as err:
         anhf.register_architecture("mine", record, check=False)
@@ -183,7 +134,7 @@ def test_running_the_same_registration_twice_is_a_no_op_and_a_different_one_need
     monkeypatch.setattr(registration, "check_record", lambda *a: pytest.fail("checked again"))
     exec(compile(_NOTEBOOK_CELL, "<cell>", "exec"), {})
     assert anhf.ARCHITECTURES["granite"] is first
-    other = _llama_like("granite", _scaled_attention, _scaled_mlp)
+    other = hf_models.llama_like("granite", _scaled_attention, _scaled_mlp)
     with pytest.raises(ValueError, match=r"^model_types: 'granite' is already registered .*replace=True"):
         anhf.register_architecture("granite", other)
     anhf.register_architecture("granite", other, replace=True, check=False)
@@ -193,14 +144,14 @@ def test_running_the_same_registration_twice_is_a_no_op_and_a_different_one_need
     with pytest.raises(ValueError, match=r"^model_types: 'granite' is not registered; registered: llama"):
         anhf.unregister_architecture("granite")
     with pytest.raises(ValueError, match="unsupported model type 'granite'"):
-        anhf.fuse(_model("granite"))
+        anhf.fuse(hf_models.from_config("granite"))
 
 
 def test_the_check_leaves_torch_s_random_state_alone():
     torch.manual_seed(3)
     expected = torch.rand(3)
     torch.manual_seed(3)
-    anhf.register_architecture("granite", _llama_like("granite", _scaled_attention, _scaled_mlp))
+    anhf.register_architecture("granite", hf_models.llama_like("granite", _scaled_attention, _scaled_mlp))
     assert torch.equal(torch.rand(3), expected)
 
 
@@ -218,4 +169,4 @@ def test_the_readme_s_registration_runs_as_written_and_is_the_model():
     assert len(found) == 1, "README: one registration example in the Hugging Face section"
     exec(compile(found[0], "README.md", "exec"), {})  # its own imports, as a user copies it
     assert anhf.ARCHITECTURES["granite"].name == "granite"
-    _assert_fused_is_the_model(_model("granite", residual_multiplier=0.22))
+    _assert_fused_is_the_model(hf_models.from_config("granite", residual_multiplier=0.22))
