@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from .architectures import Architecture, ConfigSpec, Sizes, Sublayer, Weight
 from .registration import register_architecture
 
-__all__ = ["FAMILIES", "mlp", "packed_qkv", "self_attn", "separate_qkv", "weights"]
+__all__ = ["FAMILIES", "llama_sublayers", "mlp", "packed_qkv", "self_attn", "separate_qkv", "weights"]
 
 
 # --- how each family calls its sublayers ---------------------------------------------------------------
@@ -109,6 +109,28 @@ def packed_qkv(prefix: str, qkv: str, o: str, **block) -> dict:
 
 LLAMA_ATTN_INIT = separate_qkv("self_attn")
 LLAMA_MLP = weights("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def llama_sublayers(
+    attention=self_attn,
+    feed_forward=mlp,
+    *,
+    norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm"),
+    role: str = "input_norm",
+    mlp_init: tuple[Weight, ...] = LLAMA_MLP,
+    mlp_dropout: str | None = None,
+) -> tuple[Sublayer, Sublayer]:
+    """The sublayers of a Llama-shaped layer: attention ``self_attn`` (separate query, key, value and
+    output projections) called by ``attention``, then ``mlp`` called by ``feed_forward`` (``mlp_init``
+    its scaled weights, ``mlp_dropout`` its own residual dropout's config attribute); ``norms`` are
+    theirs in the slot ``role`` (``input_norm``: Pre-LN, ``branch_norm``: res_post; the same name twice:
+    one norm both read)."""
+    return (
+        Sublayer("self_attn", attention, **{role: norms[0]}, **LLAMA_ATTN_INIT),
+        Sublayer("mlp", feed_forward, **{role: norms[1]}, init_scaled=mlp_init, dropout=mlp_dropout),
+    )
+
+
 _GQA = {"kv_heads": "num_key_value_heads", "head_dim": "head_dim"}
 _LLAMA_CONFIG = ConfigSpec(**_GQA, rope="rope_parameters", study=True)
 _PRE_LLAMA = {"placement": "pre", "norm": "rmsnorm", "layers": "layers", "final_norm": "norm"}
@@ -116,10 +138,7 @@ _PRE_LLAMA = {"placement": "pre", "norm": "rmsnorm", "layers": "layers", "final_
 LLAMA = Architecture(
     "llama",
     **_PRE_LLAMA,
-    sublayers=(
-        Sublayer("self_attn", self_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
-        Sublayer("mlp", mlp, input_norm="post_attention_layernorm", init_scaled=LLAMA_MLP),
-    ),
+    sublayers=llama_sublayers(),
     config=_LLAMA_CONFIG,
 )
 GEMMA = Architecture(
@@ -204,9 +223,8 @@ OLMO2 = Architecture(
     norm="rmsnorm",
     layers="layers",
     final_norm="norm",
-    sublayers=(
-        Sublayer("self_attn", self_attn, branch_norm="post_attention_layernorm", **LLAMA_ATTN_INIT),
-        Sublayer("mlp", mlp, branch_norm="post_feedforward_layernorm", init_scaled=LLAMA_MLP),
+    sublayers=llama_sublayers(
+        norms=("post_attention_layernorm", "post_feedforward_layernorm"), role="branch_norm"
     ),
     config=ConfigSpec(**_GQA),
 )
@@ -236,30 +254,21 @@ _MOE_EXPERTS = tuple(Weight(f"mlp.experts.{p}", experts=True) for p in ("gate_up
 MIXTRAL = Architecture(
     "mixtral",
     **_PRE_LLAMA,
-    sublayers=(
-        Sublayer("self_attn", self_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
-        Sublayer("mlp", mlp, input_norm="post_attention_layernorm", init_scaled=_MOE_EXPERTS),
-    ),
+    sublayers=llama_sublayers(mlp_init=_MOE_EXPERTS),
     config=ConfigSpec(**_GQA, fields=_mixtral_experts),
 )
 QWEN2_MOE = Architecture(
     "qwen2_moe",
     **_PRE_LLAMA,
-    sublayers=(
-        Sublayer("self_attn", self_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
-        Sublayer(
-            "mlp",
-            mlp,
-            input_norm="post_attention_layernorm",
-            init_scaled=tuple(
-                Weight(w.path, experts=w.experts, optional=True)
-                for w in (
-                    *_MOE_EXPERTS,
-                    *(Weight(f"mlp.shared_expert.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")),
-                    *LLAMA_MLP,  # dense layers (mlp_only_layers, decoder_sparse_step)
-                )
-            ),
-        ),
+    sublayers=llama_sublayers(
+        mlp_init=tuple(
+            Weight(w.path, experts=w.experts, optional=True)
+            for w in (
+                *_MOE_EXPERTS,
+                *(Weight(f"mlp.shared_expert.{p}.weight") for p in ("gate_proj", "up_proj", "down_proj")),
+                *LLAMA_MLP,  # dense layers (mlp_only_layers, decoder_sparse_step)
+            )
+        )
     ),
     config=ConfigSpec(**_GQA, fields=_qwen2_moe_experts),
 )

@@ -15,7 +15,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from .architectures import Architecture, ConfigSpec, Sizes, Sublayer, Weight
-from .families import LLAMA_ATTN_INIT, LLAMA_MLP, mlp, self_attn, separate_qkv, weights
+from .families import llama_sublayers, mlp, separate_qkv, weights
 from .registration import register_architecture
 
 __all__ = ["PARALLEL_FAMILIES"]
@@ -129,6 +129,7 @@ def _rotary(sizes: Sizes) -> dict:
 
 
 _PARALLEL = {"placement": "pre", "norm": "layernorm", "parallel": True}
+_SHARED_NORM = ("input_layernorm", "input_layernorm")  # attention and MLP read the stream through one norm
 _GPT_DROPOUTS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 
 GPTJ = Architecture(
@@ -268,10 +269,7 @@ COHERE = Architecture(
     **_PARALLEL,
     layers="layers",
     final_norm="norm",
-    sublayers=(
-        Sublayer("self_attn", self_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
-        Sublayer("mlp", mlp, input_norm="input_layernorm", init_scaled=LLAMA_MLP),
-    ),
+    sublayers=llama_sublayers(norms=_SHARED_NORM),
     config=ConfigSpec(kv_heads="num_key_value_heads"),
 )
 STABLELM_PARALLEL = Architecture(
@@ -279,10 +277,7 @@ STABLELM_PARALLEL = Architecture(
     **_PARALLEL,
     layers="layers",
     final_norm="norm",
-    sublayers=(
-        Sublayer("self_attn", _stablelm_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
-        Sublayer("mlp", _stablelm_parallel_mlp, input_norm="input_layernorm", init_scaled=LLAMA_MLP),
-    ),
+    sublayers=llama_sublayers(_stablelm_attn, _stablelm_parallel_mlp, norms=_SHARED_NORM),
     config=ConfigSpec(kv_heads="num_key_value_heads", dropouts=("hidden_dropout", "attention_dropout")),
 )
 STABLELM = Architecture(
@@ -291,12 +286,7 @@ STABLELM = Architecture(
     norm="layernorm",
     layers="layers",
     final_norm="norm",
-    sublayers=(
-        Sublayer("self_attn", _stablelm_attn, input_norm="input_layernorm", **LLAMA_ATTN_INIT),
-        Sublayer(
-            "mlp", mlp, input_norm="post_attention_layernorm", dropout="hidden_dropout", init_scaled=LLAMA_MLP
-        ),
-    ),
+    sublayers=llama_sublayers(_stablelm_attn, mlp_dropout="hidden_dropout"),
     variant=lambda config: STABLELM_PARALLEL if config.use_parallel_residual else None,
     config=ConfigSpec(kv_heads="num_key_value_heads", dropouts=("hidden_dropout", "attention_dropout")),
 )
