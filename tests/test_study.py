@@ -11,6 +11,7 @@ import time
 
 import pytest
 import yaml
+from tiny_runs import TINY_SIZES
 from typer.testing import CliRunner
 
 from addnorm.cli import app
@@ -18,17 +19,7 @@ from addnorm.study import Store, compute_findings, executors, load_spec, parse_s
 from addnorm.study.spec import apply_overrides
 from addnorm.train import RunConfig
 
-TINY = dict(
-    d_model=16,
-    n_heads=2,
-    d_ff=32,
-    n_layers=2,
-    steps=4,
-    batch_size=4,
-    seq_len=16,
-    eval_every=2,
-    eval_batches=1,
-)
+TINY = dict(TINY_SIZES, steps=4, eval_every=2, eval_batches=1)
 
 
 def tiny_spec(**sweep):

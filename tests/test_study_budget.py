@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from tiny_runs import TINY_SIZES
 
 from addnorm import __version__
 from addnorm.study import Store
@@ -34,7 +35,7 @@ from addnorm.study.runner import _Window
 from addnorm.train import RunConfig, RunResult
 from addnorm.train.device import device_name
 
-TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=3, batch_size=4, seq_len=16, eval_every=0)
+TINY = dict(TINY_SIZES, steps=3, eval_every=0)
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 ENV = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
 H100 = "NVIDIA H100 80GB HBM3"
@@ -165,14 +166,21 @@ def test_a_budget_starts_a_run_only_when_its_estimate_ends_in_time_on_every_work
 
 
 # --- the command --------------------------------------------------------------------------------------
-def test_a_budget_stores_what_fits_and_says_how_many_runs_are_left(tmp_path):
-    """Runs of d_model 32 measured at 1000 s on this device (a stored run of another seed) do not fit a
-    budget of 300 s; the d_model 16 runs, measured at 1 s, do: exit 0, 'N of M runs stored, resume to
-    continue'. A budget that holds them all finishes the study (no such line)."""
+def _two_widths_measured(tmp_path: Path) -> tuple[Path, Path]:
+    """A spec of 4 runs (d_model 16 and 32, two seeds each) and its out folder, whose store holds a run of
+    each width of another seed measured on this device: d_model 32 at 1000 s, d_model 16 at 1 s."""
     spec = write_spec(tmp_path / "spec.yaml", {"d_model": [16, 32], "seed": [0, 1]})
     out = tmp_path / "out"
     store_fake(out / "study.sqlite", cfg(d_model=32, seed=9).to_dict(), 1000.0, device_name())
     store_fake(out / "study.sqlite", cfg(d_model=16, seed=9).to_dict(), 1.0, device_name())
+    return spec, out
+
+
+def test_a_budget_stores_what_fits_and_says_how_many_runs_are_left(tmp_path):
+    """Runs of d_model 32 measured at 1000 s on this device (a stored run of another seed) do not fit a
+    budget of 300 s; the d_model 16 runs, measured at 1 s, do: exit 0, 'N of M runs stored, resume to
+    continue'. A budget that holds them all finishes the study (no such line)."""
+    spec, out = _two_widths_measured(tmp_path)
     result = cli("study", spec, "--out", out, "--budget", "300", "--workers", "1", "--quiet")
     assert result.exit_code == 0, result.output
     assert "2 of 4 runs stored, resume to continue (2 did not fit in the budget of 5m00s" in result.output
@@ -202,10 +210,7 @@ def test_a_budget_too_small_for_any_run_is_one_line_and_touches_nothing(tmp_path
 
 
 def test_dry_run_with_a_budget_lists_every_run_with_its_estimate_and_what_starts(tmp_path):
-    spec = write_spec(tmp_path / "spec.yaml", {"d_model": [16, 32], "seed": [0, 1]})
-    out = tmp_path / "out"
-    store_fake(out / "study.sqlite", cfg(d_model=32, seed=9).to_dict(), 1000.0, device_name())
-    store_fake(out / "study.sqlite", cfg(d_model=16, seed=9).to_dict(), 1.0, device_name())
+    spec, out = _two_widths_measured(tmp_path)
     result = cli("study", spec, "--out", out, "--budget", "300", "--workers", "1", "--dry-run")
     assert result.exit_code == 0, result.output
     assert "--budget 5m00s: 2 of the 4 runs left would start" in " ".join(result.output.split())

@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from tiny_runs import TINY_SIZES
 
 import addnorm as an
 from addnorm.tasks import build_task, read_corpus
@@ -11,19 +12,7 @@ from addnorm.train import RunConfig, lr_multiplier, param_groups, train
 
 
 def tiny(**kw):
-    base = dict(
-        d_model=16,
-        n_heads=2,
-        d_ff=32,
-        n_layers=2,
-        steps=6,
-        batch_size=4,
-        seq_len=16,
-        eval_every=3,
-        eval_batches=1,
-    )
-    base.update(kw)
-    return RunConfig(**base)
+    return RunConfig(**{**TINY_SIZES, "steps": 6, "eval_every": 3, "eval_batches": 1, **kw})
 
 
 def test_algorithmic_targets():
