@@ -55,6 +55,13 @@ def save_arm(store, losses, **config) -> list[str]:
     return [save(store, loss, seed=seed, **config) for seed, loss in zip(SEEDS, losses, strict=True)]
 
 
+def save_seeds(store, metric: str, lower: list, tops, **config) -> list[str]:
+    """One run per seed (held-out loss 2.0) whose per-layer ``metric`` ("grads" or "rms") is ``lower``,
+    then that seed's entry of ``tops`` at the top layer."""
+    runs = zip(SEEDS, tops, strict=True)
+    return [save(store, 2.0, seed=seed, **{metric: [*lower, top]}, **config) for seed, top in runs]
+
+
 def verdicts(store) -> dict[str, list]:
     out: dict[str, list] = {}
     for f in compute_findings(store):
@@ -108,28 +115,13 @@ def test_an_empty_study_tests_nothing(tmp_path):
 
 def test_gradient_profiles_per_init_with_the_mechanism(tmp_path):
     with Store(tmp_path / "s.sqlite") as store:
-        for seed, top in zip(SEEDS, (3.0, 3.3, 2.7), strict=True):
-            save(
-                store,
-                2.0,
-                placement="post",
-                n_layers=4,
-                seed=seed,
-                grads=[1.0, 1.5, 2.0, top],
-                rms=[1, 1, 1, 1],
-            )
-        pre = [
-            save(
-                store,
-                2.0,
-                placement="pre",
-                n_layers=4,
-                seed=s,
-                grads=[1, 1.1, 0.9, top],
-                rms=[1, 1.5, 2, 2.1],
-            )
-            for s, top in zip(SEEDS, (1.0, 1.05, 0.95), strict=True)
-        ]
+        # Post-LN's gradients grow toward the top layer, Pre-LN's stay flat while its stream grows
+        post_grads, pre_grads = [1.0, 1.5, 2.0], [1, 1.1, 0.9]
+        save_seeds(store, "grads", post_grads, (3.0, 3.3, 2.7), placement="post", n_layers=4, rms=[1] * 4)
+        pre_rms = [1, 1.5, 2, 2.1]
+        pre = save_seeds(
+            store, "grads", pre_grads, (1.0, 1.05, 0.95), placement="pre", n_layers=4, rms=pre_rms
+        )
         save(store, 2.0, placement="pre", init="gpt2", n_layers=4, seed=0, grads=[1.0, 1.0, 1.0, 1.0])
         found = verdicts(store)
         post = found[POST_GRAD][0]
@@ -257,25 +249,29 @@ def test_deepnorm_beats_post_only_at_depth_and_by_the_rule(tmp_path):
         assert one(store, DEEPNORM).verdict == NOT_SUPPORTED
 
 
-def test_peri_ln_activation_growth_against_pre_ln(tmp_path):
+_GROWS, _FLAT = ([1.0, 2.0, 4.0], 8.0), ([1.0, 1.0, 1.0], 1.1)  # (the lower layers, the top one)
+
+
+@pytest.mark.parametrize(
+    "pre, sandwich, verdict",
+    [(_GROWS, _FLAT, SUPPORTED), (_FLAT, _GROWS, NOT_SUPPORTED)],
+    ids=["pre-grows", "sandwich-grows"],
+)
+def test_peri_ln_activation_growth_against_pre_ln(tmp_path, pre, sandwich, verdict):
+    """A stream growing 8x over 4 layers against one growing 1.1x: log-ratios 2.08 vs 0.10 (seed spread
+    ~0.01); supported when Pre-LN's is the one that grows."""
     with Store(tmp_path / "s.sqlite") as store:
-        # Pre-LN's stream grows 8x over 4 layers, sandwich's 1.1x: log-ratios 2.08 vs 0.10 (seed spread ~0.01)
-        for seed, jitter in zip(SEEDS, (1.0, 1.01, 0.99), strict=True):
-            save(store, 2.0, rms=[1.0, 2.0, 4.0, 8.0 * jitter], placement="pre", n_layers=8, seed=seed)
-            save(store, 2.0, rms=[1.0, 1.0, 1.0, 1.1 * jitter], placement="sandwich", n_layers=8, seed=seed)
-        assert one(store, PERI).verdict == SUPPORTED
-    with Store(tmp_path / "t.sqlite") as store:
-        for seed, jitter in zip(SEEDS, (1.0, 1.01, 0.99), strict=True):
-            save(store, 2.0, rms=[1.0, 1.0, 1.0, 1.1 * jitter], placement="pre", n_layers=8, seed=seed)
-            save(store, 2.0, rms=[1.0, 2.0, 4.0, 8.0 * jitter], placement="sandwich", n_layers=8, seed=seed)
-        assert one(store, PERI).verdict == NOT_SUPPORTED
+        for placement, (lower, top) in (("pre", pre), ("sandwich", sandwich)):
+            tops = [top * jitter for jitter in (1.0, 1.01, 0.99)]
+            save_seeds(store, "rms", lower, tops, placement=placement, n_layers=8)
+        assert one(store, PERI).verdict == verdict
 
 
 def test_mix_ln_top_layer_gradients_against_pre_ln(tmp_path):
     with Store(tmp_path / "s.sqlite") as store:
-        for seed, jitter in zip(SEEDS, (1.0, 1.02, 0.98), strict=True):
-            save(store, 2.0, grads=[1.0, 0.5, 0.3, 0.2 * jitter], placement="pre", n_layers=8, seed=seed)
-            save(store, 2.0, grads=[1.0, 0.9, 0.9, 0.8 * jitter], placement="mix", n_layers=8, seed=seed)
+        jitters = (1.0, 1.02, 0.98)
+        save_seeds(store, "grads", [1.0, 0.5, 0.3], [0.2 * j for j in jitters], placement="pre", n_layers=8)
+        save_seeds(store, "grads", [1.0, 0.9, 0.9], [0.8 * j for j in jitters], placement="mix", n_layers=8)
         found = one(store, MIX)
         assert found.verdict == SUPPORTED and "Li et al. 2024" in found.source
         # seeds that disagree: inconclusive
