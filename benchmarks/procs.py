@@ -1,5 +1,6 @@
 """Child processes for the benchmarks and tests: ranks spawned on a free loopback port that leave
-without the interpreter's teardown (:func:`run_spawned`; the multi-process benchmarks and tests);
+without the interpreter's teardown (:func:`run_spawned`; the multi-process benchmarks and tests), each
+running its named jobs and reporting a failing one as a line (:func:`run_jobs`);
 children that take Ctrl-C (:func:`interruptible`); and, as Linux's ``/proc`` lists them, a process's
 parent, children and liveness, a session's live members and a driver's pool workers (the fault trials,
 ``tests/test_study_faults.py``, ``tests/test_ray.py``)."""
@@ -12,7 +13,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 
@@ -117,3 +118,23 @@ def run_spawned(worker, *args, nprocs: int = 2, deadline: float = 150.0) -> None
             for p in ctx.processes:
                 p.kill()
             raise TimeoutError(f"the {nprocs}-process run did not finish in {deadline:.0f} s")
+
+
+def run_jobs(jobs: dict[str, Callable[[], object]], rank: int, out: str, *, barrier: bool = True) -> None:
+    """Run ``jobs`` in order on this rank of an initialised process group, each result by name, a job that
+    raises as the line ``"Type: first line of its message"`` (the test reports it per job, rather than as
+    a failed or hung spawn), with a barrier after each unless ``barrier`` is False (jobs in which a rank
+    leaves); rank 0 saves ``{name: result}`` to ``out`` with ``torch.save``."""
+    import torch
+    import torch.distributed as dist
+
+    results = {}
+    for name, job in jobs.items():
+        try:
+            results[name] = job()
+        except Exception as e:  # the test reads the type and message
+            results[name] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+        if barrier:
+            dist.barrier()
+    if rank == 0:
+        torch.save(results, out)

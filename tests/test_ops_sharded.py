@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import run_spawned  # benchmarks/procs.py
+from procs import run_jobs, run_spawned  # benchmarks/procs.py
 
 from addnorm.ops import add_norm, add_norm_reference, dropout_keep_mask
 from addnorm.ops import library as lib
@@ -332,19 +332,11 @@ def _worker(rank: int, port: int, names: list[str], out: str) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    results = {}
     jobs = {name: (lambda n=name: run_case(CASES[n])) for name in names}
     jobs.update(
         cancellation=run_cancellation, unseeded=run_unseeded, errors=run_errors, compiled=run_compiled
     )
-    for name, job in jobs.items():
-        try:
-            results[name] = job()
-        except Exception as e:  # reported per case by the test, not as a hung spawn
-            results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        dist.barrier()
-    if rank == 0:
-        torch.save(results, out)
+    run_jobs(jobs, rank, out)
     dist.destroy_process_group()
 
 
@@ -651,14 +643,7 @@ def _fault_worker(rank: int, port: int, out: str) -> None:
     )
     jobs = {name: (lambda c=case: run_empty_shard(c)) for name, case in EMPTY_SHARDS.items()}
     jobs.update({name: (lambda n=name: run_fault(n)) for name in FAULTS})
-    results = {}
-    for name, job in jobs.items():
-        try:
-            results[name] = job()
-        except Exception as e:  # reported per case by the test
-            results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-    if rank == 0:
-        torch.save(results, out)
+    run_jobs(jobs, rank, out, barrier=False)  # a fault leaves a rank out of any barrier
     dist.destroy_process_group()
 
 

@@ -29,7 +29,7 @@ import warnings
 
 import pytest
 import torch
-from procs import run_spawned  # benchmarks/procs.py
+from procs import run_jobs, run_spawned  # benchmarks/procs.py
 
 pytest.importorskip("torchtitan", reason="needs the torchtitan extra")
 
@@ -337,19 +337,11 @@ def _worker(rank: int, port: int, names: list[str], checkpoint: str, out: str) -
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    results = {}
     jobs = {
         name: (lambda n=name: run(n, checkpoint, os.path.join(os.path.dirname(out), n))) for name in names
     }
     jobs.update({f"deepnorm-init-{how}": (lambda h=how: sharded_init(h)) for how in ("fsdp", "tp")})
-    for name, job in jobs.items():
-        try:
-            results[name] = job()
-        except Exception as e:  # reported per run by the test, not as a hung spawn
-            results[name] = f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"
-        dist.barrier()
-    if rank == 0:
-        torch.save(results, out)
+    run_jobs(jobs, rank, out)
     dist.destroy_process_group()
 
 
