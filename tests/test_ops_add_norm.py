@@ -135,29 +135,16 @@ def check_against_oracle(
     norm="layernorm",
     prenorm=True,
     alpha=1.0,
-    gate=None,
     dropout_p=0.0,
-    rows=7,
-    hidden=123,
-    lead=None,
-    noncontig=False,
-    weight=True,
-    bias=True,
     residual_in_fp32=False,
     device="cpu",
     seed=1234,
+    **case,
 ):
-    x, r, w, b, g = make_case(
-        rows,
-        hidden,
-        dtype,
-        lead=lead,
-        gate=gate,
-        weight=weight,
-        bias=bias,
-        noncontig=noncontig,
-        device=device,
-    )
+    """The op on ``backend`` against the float64 oracle and the same formula at the inputs' precision
+    (outputs and every gradient), on the inputs ``make_case`` draws for ``case`` (rows, hidden, lead,
+    gate, weight, bias, noncontig)."""
+    x, r, w, b, g = make_case(dtype=dtype, device=device, **case)
     gen = torch.Generator().manual_seed(7)
     dy = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(device)
     ds = torch.randn(x.shape, generator=gen, dtype=torch.float64).to(device)
@@ -183,7 +170,7 @@ def check_against_oracle(
         )
 
     if backend == "triton":  # the kernels really run (no silent fallback) for these shapes
-        assert resolve_backend(backend, x.device, hidden, (dtype,)) == "triton"
+        assert resolve_backend(backend, x.device, x.shape[-1], (dtype,)) == "triton"
     out, grads = run(ours, x, r, w, b, g, dy, ds, prenorm)
     out_ref, grads_ref = run(oracle(torch.float64), x, r, w, b, g, dy, ds, prenorm)
     low_dtype = torch.float32 if residual_in_fp32 else dtype
