@@ -25,8 +25,11 @@ run: $(STAMP)
 	$(VENV)/bin/addnorm study $(ARGS)
 
 # TRITON_INTERPRET=1 runs the Triton kernels on the CPU, so CI checks them without a GPU.
+# TEST_WORKERS pytest-xdist workers of one thread each (tests/conftest.py), a test file per worker so a
+# module's shared spawn of ranks runs once; TEST_WORKERS=0 runs in this process alone.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest $(PYTEST_ARGS)
+	TRITON_INTERPRET=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -1,4 +1,5 @@
 import contextlib
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -12,6 +13,11 @@ import torch._inductor.config
 # autograd (pytorch/pytorch#144344), so an entry compiled against an older add_norm_bwd could replay.
 torch._inductor.config.fx_graph_cache = False
 torch._functorch.config.enable_autograd_cache = False
+
+# Two pytest-xdist workers on two cores: one thread each (workers x threads <= cores).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
 
 # The benchmarks' helpers (procs.py: spawned ranks, /proc) are the tests' too.
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
