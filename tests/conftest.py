@@ -98,8 +98,9 @@ def dynamo_cache_warnings():
 
 @pytest.fixture
 def registries_restored():
-    """Every addnorm registry as it was before the test: a block of the docs registers its own
-    placement ("deep_pre"), and one test's registration must not reach another's ``set(PLACEMENTS)``."""
+    """Every addnorm registry (placements, placement inits, HF architectures, ...) as it was before the
+    test, entries and aliases: what a test or a docs block registers (docs/placements.md's "deep_pre")
+    must not reach another test's ``set(PLACEMENTS)``."""
     from addnorm.registry import Registry
 
     def found():

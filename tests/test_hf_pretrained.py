@@ -18,7 +18,7 @@ import addnorm as an
 import addnorm.hf as anhf
 from addnorm import placement_spec
 from addnorm.hf.placement import SAVED_MODEL_TYPE
-from addnorm.placements import PLACEMENTS, Placement
+from addnorm.placements import Placement
 
 transformers = pytest.importorskip("transformers")
 
@@ -134,8 +134,7 @@ def test_options_are_checked_by_name():
     assert model.config.addnorm["mix_fraction"] == 1.0 and model.model.layers[0].mlp_block.norm.eps == 1e-3
 
 
-def test_a_user_registers_a_family(monkeypatch, tmp_path):
-    monkeypatch.setattr(anhf.ARCHITECTURES, "_entries", dict(anhf.ARCHITECTURES._entries))
+def test_a_user_registers_a_family(registries_restored, tmp_path):
     plain = hf_models.from_config("olmo3")
     with pytest.raises(ValueError, match="unsupported model type 'olmo3'"):
         anhf.fuse(copy.deepcopy(plain))
@@ -161,10 +160,9 @@ def test_a_user_registers_a_family(monkeypatch, tmp_path):
         anhf.register_architecture("olmo3x", {"layers": "layers"})
 
 
-def test_one_spec_gives_both_worlds_their_rules(monkeypatch):
+def test_one_spec_gives_both_worlds_their_rules(registries_restored):
     """A placement registered once (Pre-LN with DeepNet's residual scale and initialisation) gets the
     same alpha and the same weight-role gains in addnorm's own layers and in a re-placed HF model."""
-    monkeypatch.setattr(PLACEMENTS, "_entries", dict(PLACEMENTS._entries))
     an.register_placement(
         Placement("deep_pre", "y = alpha x + F(N(x))", "test", input_norm=True, init="deepnorm")
     )

@@ -19,10 +19,8 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(autouse=True)
-def registry(monkeypatch):
-    """Each test registers into a copy of the registry."""
-    monkeypatch.setattr(anhf.ARCHITECTURES, "_entries", dict(anhf.ARCHITECTURES._entries))
-    monkeypatch.setattr(anhf.ARCHITECTURES, "_aliases", dict(anhf.ARCHITECTURES._aliases))
+def registry(registries_restored):
+    """Each test's registrations are undone after it."""
 
 
 def _scaled_attention(layer, h, **kwargs):

@@ -152,13 +152,11 @@ def test_a_shared_gate_trains_as_one_parameter_in_a_re_placed_model():
     assert all(layer.mlp_block.gate.grad is layer.self_attn_block.gate.grad for layer in model.model.layers)
 
 
-def test_a_placement_with_its_own_init_and_lifecycle_is_two_registrations(monkeypatch, tmp_path):
+def test_a_placement_with_its_own_init_and_lifecycle_is_two_registrations(registries_restored, tmp_path):
     """The worked example of docs/placements.md: a placement registered once (file 1:
     ``register_placement``) and its initialisation and lifecycle once (file 2: a ``PLACEMENT_INITS``
     entry) give addnorm's layers and a re-placed HF model the same weight-role init, and the training loop
     runs its hooks (a pass on data before training, one call after every optimiser step) in both."""
-    monkeypatch.setattr(PLACEMENTS, "_entries", dict(PLACEMENTS._entries))
-    monkeypatch.setattr(PLACEMENT_INITS, "_entries", dict(PLACEMENT_INITS._entries))
     calls: list[str] = []
     an.register_placement(
         Placement(
