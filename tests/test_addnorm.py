@@ -110,6 +110,15 @@ def test_placement_registry():
     assert an.PLACEMENTS["sandwich"].final_norm and an.PLACEMENTS["normed_residual"].final_norm
 
 
+@pytest.mark.parametrize("name", ["pre", "mix", "hybridnorm_star"])
+def test_layer_kinds_are_the_placements_a_built_stack_runs(name):
+    """A placement's layer kinds: the distinct placements of the layers an encoder of it builds (Mix-LN:
+    Post-LN below, Pre-LN above; HybridNorm*: its first layer, then HybridNorm), in order."""
+    cfg = an.TransformerConfig(d_model=16, n_heads=2, d_ff=32, n_layers=4, placement=name)
+    built = [p.name for p in an.Encoder(cfg).placements]
+    assert [p.name for p in an.PLACEMENTS[name].layer_kinds()] == list(dict.fromkeys(built))
+
+
 def test_errors_name_the_argument():
     conn = an.AddNorm(4, "post")
     x = torch.randn(2, 4)

@@ -128,10 +128,11 @@ def why_not_around_sublayers(
         return f"changes the residual stream across layers ({p.stream})"
     if p.norm is not None:
         return f"needs its own norm ({p.norm}){norm_note}"
-    for q in (p.layers or ())[:2]:
-        why = why_not_around_sublayers(get_placement(q), sublayers, norm_note)
-        if why is not None:
-            return why
+    if p.layers is not None:
+        for q in p.layer_kinds():
+            why = why_not_around_sublayers(q, sublayers, norm_note)
+            if why is not None:
+                return why
     return None
 
 

@@ -97,6 +97,14 @@ class Placement:
             n_bottom = min(n_layers, split)
         return [get_placement(bottom)] * n_bottom + [get_placement(top)] * (n_layers - n_bottom)
 
+    def layer_kinds(self) -> tuple[Placement, ...]:
+        """The placements this one's layers run, whatever the depth: ``(bottom, top)`` of ``layers``
+        (Mix-LN: Post-LN then Pre-LN), else this placement alone; the distinct values of
+        :meth:`layer_placements` at a depth that has both."""
+        if self.layers is None:
+            return (self,)
+        return (get_placement(self.layers[0]), get_placement(self.layers[1]))
+
     @property
     def final_norm(self) -> bool:
         """A stack of these layers needs a final norm when the stream leaves a layer unnormalised."""

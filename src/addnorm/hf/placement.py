@@ -59,7 +59,7 @@ def saved_model_type(model_type: str) -> str:
 
 def _unsupported_by(arch: Architecture, p: Placement) -> str | None:
     """Why ``p`` cannot go around the layers of ``arch``, or None."""
-    if arch.parallel and any(q.stream == "b2t" for q in (p, *(map(get_placement, (p.layers or ())[:2])))):
+    if arch.parallel and any(q.stream == "b2t" for q in (p, *p.layer_kinds())):
         return "needs two connections per layer (a parallel block has one)"
     return None
 
@@ -236,8 +236,7 @@ def with_placement(
 
 def _has_norms(p: Placement) -> bool:
     """Whether a model re-placed with ``p`` has any norm (ReZero has none)."""
-    layers = [get_placement(q) for q in p.layers[:2]] if p.layers is not None else [p]
-    return any(q.norm_slots or q.final_norm for q in layers)
+    return any(q.norm_slots or q.final_norm for q in p.layer_kinds())
 
 
 def _number(name: str, value: object, expected: str, valid) -> float | None:

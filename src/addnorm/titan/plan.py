@@ -30,7 +30,7 @@ def why_unsupported(p: Placement) -> str | None:
     sublayers stay (:func:`~addnorm.placement_spec.why_not_around_sublayers`), and Admin's omegas, which
     need a profiling pass on data that torchtitan's ``init_weights`` cannot run."""
     why = why_not_around_sublayers(p, "the attention and FFN modules", "; torchtitan's blocks use RMSNorm")
-    if why is None and any(q.omega for q in (p, *map(get_placement, (p.layers or ())[:2]))):
+    if why is None and any(q.omega for q in (p, *p.layer_kinds())):
         return "needs a profiling pass on data for its omegas, which torchtitan's init_weights cannot run"
     return why
 
