@@ -139,6 +139,18 @@ def fused_and_unfused(model: nn.Module, placement: str) -> tuple[nn.Module, nn.M
     return fused, unfused
 
 
+def on_the_triton_backend(request, run):
+    """``run()`` with every add_norm call on the Triton kernels, as a GPU runs them (the ``triton_backend``
+    fixture: Triton's CPU interpreter; skips where it cannot), checking that some call took them."""
+    from addnorm.ops import functional as fn
+
+    request.getfixturevalue("triton_backend")
+    fn.clear_plans()
+    result = run()
+    assert any(plan.triton for plan in fn._PLANS.values()), "no call took the Triton kernels"
+    return result
+
+
 def causal_mask(seq: int) -> torch.Tensor:
     """The additive causal mask a transformers attention takes: (1, 1, seq, seq), -inf above the diagonal."""
     return torch.full((seq, seq), float("-inf")).triu(1)[None, None]
