@@ -13,6 +13,31 @@ TYPES = ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "gpt2", 
 TYPES += ["olmo2", "phi3", "mixtral", "qwen2_moe"]  # OLMo 2 (res_post), Phi-3 and the MoE families
 VOCAB, LAYERS = 100, 2
 
+# the config fields of each layout that a registered type's config resolves to another record, or another
+# path through one (Architecture.variant): with each registered type's default config, every layout
+VARIANTS = {
+    "gpt_neox": ({"use_parallel_residual": False},),
+    "falcon": (
+        {"multi_query": False},
+        {"new_decoder_architecture": True, "num_kv_heads": 2},
+        {"parallel_attn": False},
+        {"parallel_attn": False, "alibi": True, "multi_query": False},  # Falcon-RW: sequential, ALiBi
+    ),
+    "stablelm": ({"use_parallel_residual": True},),
+}
+
+
+def layouts() -> list[tuple[str, dict]]:
+    """(model type, config fields) of every layout of every registered record: each registered type's
+    default config, then its :data:`VARIANTS`."""
+    import addnorm.hf as anhf
+
+    return [(t, fields) for t in anhf.ARCHITECTURES for fields in ({}, *VARIANTS.get(t, ()))]
+
+
+def layout_id(model_type: str, fields: dict) -> str:
+    return "-".join([model_type, *(f"{k}={v}" for k, v in fields.items())])
+
 
 def perturbed(model: nn.Module, scale: float = 0.3, seed: int = 1) -> nn.Module:
     """Add noise to every 1-D parameter (norm gains, biases), in place."""
@@ -112,6 +137,18 @@ def fused_and_unfused(model: nn.Module, placement: str) -> tuple[nn.Module, nn.M
     unfused = with_placement(copy.deepcopy(model), placement, fused=False)
     unfused.load_state_dict(fused.state_dict())
     return fused, unfused
+
+
+def on_the_triton_backend(request, run):
+    """``run()`` with every add_norm call on the Triton kernels, as a GPU runs them (the ``triton_backend``
+    fixture: Triton's CPU interpreter; skips where it cannot), checking that some call took them."""
+    from addnorm.ops import functional as fn
+
+    request.getfixturevalue("triton_backend")
+    fn.clear_plans()
+    result = run()
+    assert any(plan.triton for plan in fn._PLANS.values()), "no call took the Triton kernels"
+    return result
 
 
 def causal_mask(seq: int) -> torch.Tensor:

@@ -189,7 +189,10 @@ class Architecture:
     message) pairs checked for truthiness; ``parallel``: the layer is a parallel block, x + F_1(N(x)) +
     F_2(N'(x)) (GPT-J, GPT-NeoX, Falcon, Phi, Cohere): one connection around the sum of its sublayers,
     N the first sublayer's input norm, N' the second's (the same path for one shared norm);
-    ``returns_tuple``: the layer returns ``(hidden_states, attention_weights)`` (GPT-J, Falcon);
+    ``returns_tuple``: the layer returns ``(hidden_states, attention_weights)``, the weights being the
+    second output of its first sublayer's module (``Sublayer.name``), which the model collects from the
+    layers' returns (GPT-J, CodeGen, Falcon; rewired, read from that module when the call asks for them
+    with ``output_attentions``, else None);
     ``variant(config)``: the record for this config when it differs (GPT-NeoX without its parallel
     residual), or a one-line reason it cannot be rewired, or None; ``config``: :class:`ConfigSpec`.
     """

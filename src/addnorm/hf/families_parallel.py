@@ -22,7 +22,14 @@ __all__ = ["PARALLEL_FAMILIES"]
 
 
 def _gptj_attn(
-    layer, h, layer_past=None, attention_mask=None, position_ids=None, use_cache=False, **kwargs
+    layer,
+    h,
+    layer_past=None,
+    attention_mask=None,
+    position_ids=None,
+    use_cache=False,
+    output_attentions=False,
+    **kwargs,
 ) -> Tensor:
     """GPT-J's and CodeGen's attention, called as their blocks call it (its residual dropout inside)."""
     out = layer.attn(
@@ -31,12 +38,22 @@ def _gptj_attn(
         attention_mask=attention_mask,
         position_ids=position_ids,
         use_cache=use_cache,
+        output_attentions=output_attentions,
     )
     return out[0]
 
 
 def _falcon_attn(layer, h, alibi=None, **kwargs) -> Tensor:
-    keys = ("attention_mask", "position_ids", "layer_past", "use_cache", "position_embeddings")
+    """Falcon's attention, called as its layer calls it (``output_attentions`` picks the path that
+    computes the weights where the model runs SDPA)."""
+    keys = (
+        "attention_mask",
+        "position_ids",
+        "layer_past",
+        "use_cache",
+        "output_attentions",
+        "position_embeddings",
+    )
     return layer.self_attention(h, alibi=alibi, **{k: kwargs[k] for k in keys if k in kwargs})[0]
 
 

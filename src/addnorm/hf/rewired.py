@@ -188,7 +188,8 @@ class LayerRun:
     to its output itself (the last layer of a model that has no final norm but whose placement needs one).
     A step whose connection goes around several sublayers (a parallel block) runs F(h) = F_1(h) +
     F_2(h'), h' = ``second_norm`` of the layer's input where the block has one, else h. ``returns_tuple``:
-    the layer gives ``(hidden_states, None)`` as the family's own forward does (GPT-J, Falcon).
+    the layer gives ``(hidden_states, attention weights)`` as the family's own forward does (GPT-J,
+    CodeGen, Falcon): the weights when the call asks for them (``output_attentions``), else None.
     Under the model's gradient checkpointing the layer runs checkpointed, fused within itself only.
     """
 
@@ -223,22 +224,34 @@ class LayerRun:
         else:
             hidden_states = kwargs.pop("hidden_states")
         layer = self.layer
-        if self.returns_tuple and kwargs.get("output_attentions"):
-            raise ValueError(
-                f"output_attentions: a rewired {type(layer).__name__} does not return attention weights "
-                "(unfuse the model to read them)"
-            )
+        weights = self.returns_tuple and kwargs.get("output_attentions")
+        run = self._run_keeping_weights if weights else self._run
         if getattr(layer, "gradient_checkpointing", False) and layer.training:
             kwargs.update((k, v) for k, v in _CACHE_OFF.items() if k in kwargs)
-            run = functools.partial(self._run, local=True, **kwargs)
-            out = layer._gradient_checkpointing_func(run, hidden_states)
+            out = layer._gradient_checkpointing_func(
+                functools.partial(run, local=True, **kwargs), hidden_states
+            )
         else:
-            out = self._run(hidden_states, **kwargs)
-        return (out, None) if self.returns_tuple else out
+            out = run(hidden_states, **kwargs)
+        return (out, None) if self.returns_tuple and not weights else out
 
     def _run(self, x: Tensor, local: bool = False, **kwargs) -> Tensor:
         with self.reads.loaded():
             return self._through(x, local, **kwargs)
+
+    def _run_keeping_weights(self, x: Tensor, local: bool = False, **kwargs) -> tuple[Tensor, Tensor | None]:
+        """:meth:`_run` and the attention weights the layer returns: the second output of its first
+        sublayer's module (``Sublayer.name``), read by a forward hook held for this call only."""
+        kept = []
+        module = self.layer.get_submodule(self.steps[0][0][0].name)
+        handle = module.register_forward_hook(
+            lambda module, args, output: kept.append(output[1] if isinstance(output, tuple) else None)
+        )
+        try:
+            out = self._run(x, local, **kwargs)
+        finally:
+            handle.remove()
+        return out, kept[-1] if kept else None
 
     def _through(self, x: Tensor, local: bool, **kwargs) -> Tensor:
         normed = None if local else self.handover.take(x, self.first_norm)
