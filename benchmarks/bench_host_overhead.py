@@ -10,7 +10,7 @@ Per call (8 x 64 fp32 by default, one torch thread), interleaved, medians of bat
 records the graph); ``fwd+bwd`` adds ``torch.autograd.grad`` of the outputs. Then one training step
 (forward, cross-entropy, backward, AdamW) of a tiny Pre-LN ``addnorm.LanguageModel`` (d_model 64,
 4 layers, dropout 0.1) with the model's default against ``fused=False``, and with the op forced
-wherever the model can fuse (the measurement behind ``fused_op_preferred``), and a second
+wherever the model can fuse (the measurement behind ``fusion_decision``), and a second
 ``fused=False`` model, the spread between identical models.
 
 Targets (issue 10, CPU): fused/eager <= 1.2x without dropout, <= 2x with it; the default model step
@@ -377,18 +377,6 @@ def bench_ops(
     return out
 
 
-@contextlib.contextmanager
-def op_everywhere() -> Iterator[None]:
-    """The fused op wherever a model can fuse, whatever ``fused_op_preferred`` says (the measurement
-    behind that rule: the default against the op forced)."""
-    rule = policy.fused_op_preferred
-    policy.fused_op_preferred = lambda device, *, dropout, sharded=False: True
-    try:
-        yield
-    finally:
-        policy.fused_op_preferred = rule
-
-
 def bench_lm_step(device: str, steps: int, samples: int) -> dict:
     """One training step of a tiny Pre-LN LM: the model's default, ``fused=False``, and the op forced
     wherever the model can fuse."""
@@ -405,7 +393,7 @@ def bench_lm_step(device: str, steps: int, samples: int) -> dict:
         if name == "op forced":
 
             def step(step=step) -> None:
-                with op_everywhere():
+                with policy.fusion("always"):
                     step()
 
         fns[name] = step
@@ -505,7 +493,7 @@ def to_markdown(report: dict, header: list[str] = HEADER) -> str:
         ]
         if "forced_us" in s:
             lines += [
-                f"The same step with the op forced wherever the model can fuse (what `fused_op_preferred` "
+                f"The same step with the op forced wherever the model can fuse (what `fusion_decision` "
                 f"decides against): {s['forced_us']:.0f} us, {s['forced_us'] / s['unfused_us']:.3f}x "
                 "fused=False.",
                 "",

@@ -114,7 +114,7 @@ def test_fused_dropout_is_the_op_s_hashed_mask(model_type, monkeypatch):
     """Train mode with every dropout on (attention and embedding dropout draw from torch's generator in
     both models alike): equal logits, loss and gradients. The op runs wherever the model fuses (on the
     CPU the policy would give dropout to the unfused modules)."""
-    monkeypatch.setattr(policy, "fused_op_preferred", lambda device, *, dropout, sharded=False: True)
+    monkeypatch.setattr(policy, "fused_op_preferred", lambda device, **call: True)
     plain = tiny(model_type, dropout=True, **_DROPOUT_ON[model_type]).train()
     fused = anhf.fuse(copy.deepcopy(plain))
     layers = plain.base_model.get_submodule(anhf.architecture_of(plain).layers)

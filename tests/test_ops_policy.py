@@ -1,6 +1,7 @@
-"""The op policy's measured rules (``addnorm.ops.policy.MEASURED``) against the recorded tables they
-come from, and the rules the policy's functions give against that table: where a recorded table shows
-the eager ops faster than the fused op, ``auto`` does not choose the op."""
+"""The op policy's measured rules (``addnorm.ops.measured.MEASURED``) against the recorded tables they
+come from, and the decisions the policy gives from them: a model fuses on a GPU only where a recorded
+step on that very GPU ran faster fused; the op's ``auto`` backend leaves to the eager ops the shapes a
+recorded table found faster there."""
 
 from __future__ import annotations
 
@@ -14,85 +15,160 @@ import torch
 
 import addnorm as an
 from addnorm import addnorm as addnorm_module
-from addnorm.ops import policy
+from addnorm.ops import measured, policy
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
+H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+ROW_IDS = [f"{m.device}-{m.scope}-{m.source}-{m.min_hidden}-{m.dropout}" for m in measured.MEASURED]
 
 
-@pytest.mark.parametrize("row", policy.MEASURED, ids=lambda m: f"{m.device_type}-{m.source}")
-def test_each_measured_rule_is_a_recorded_number_beyond_the_spread(row):
-    """Each row names its source table, which holds its evidence line, the device it names and its
-    ratio (fused / eager time, or its inverse where the table gives speeds), and the ratio exceeds the
-    runs' spread (a tie is not a rule)."""
+@pytest.fixture
+def gpu_named(monkeypatch):
+    """``gpu_named(name)``: CUDA devices report ``name`` to the policy (no GPU needed); the policy's
+    cached decisions are forgotten before and after."""
+
+    def name_it(name: str) -> None:
+        monkeypatch.setattr(measured, "_cuda_name", lambda index: name)
+        policy.set_fusion("measured")
+
+    yield name_it
+    policy.set_fusion("measured")
+
+
+@pytest.mark.parametrize("row", measured.MEASURED, ids=ROW_IDS)
+def test_each_measured_row_is_a_recorded_number_beyond_the_spread(row):
+    """Each row names its source table, which holds its evidence line and the device it names, and a
+    number on that line is its ratio (fused / unfused time, or its inverse where the table gives
+    speeds); the ratio is beyond the runs' spread (a tie is not a rule)."""
     text = (RESULTS / row.source).read_text()
     assert row.device in text, (row.source, row.device)
     (line,) = [ln for ln in text.splitlines() if row.evidence in ln][:1]
     numbers = [float(v) for v in re.findall(r"(\d+\.\d+)x", line)]
+    numbers += [float(v) for v in re.findall(r"\| (\d+\.\d+)x? \|", line)]
     assert any(abs(v - row.ratio) < 1e-3 or abs(1 / v - row.ratio) < 1e-2 for v in numbers), (line, row)
-    assert row.ratio > 1 + policy.SPREAD
+    assert row.slower or row.faster
+    assert row.scope in measured.SCOPES
 
 
-@pytest.mark.parametrize("row", policy.MEASURED, ids=lambda m: f"{m.device_type}-{m.source}")
-def test_each_rule_covers_its_measured_calls_and_no_smaller_or_larger_ones(row):
+@pytest.mark.parametrize("row", [m for m in measured.MEASURED if m.slower], ids=lambda m: f"{m.device}-{m.source}")
+def test_each_slower_row_covers_its_calls_and_no_narrower_smaller_or_other_ones(row, gpu_named):
     """At the row's bounds the eager ops are preferred; one column narrower (a row from a hidden size
-    on) or one element more (a row up to a size) the op is, as it is for another norm, placement or
-    dropout than the row's."""
+    on) or one element more (a row up to a size) they are not, nor for another norm, placement,
+    dropout or execution mode than the row's."""
+    device = "cpu" if row.device == "cpu" else "cuda"
+    if device == "cuda":
+        gpu_named(row.device)
     hidden = row.min_hidden or 64
     numel = row.max_numel if row.max_numel is not None else hidden * 8
-    call = {"hidden": hidden, "numel": numel, "norm": row.norm or "layernorm", "prenorm": bool(row.prenorm)}
-    call["dropout"] = bool(row.dropout)
-    assert policy.eager_faster(row.device_type, **call)
+    call = {"scope": row.scope, "mode": row.mode or "eager", "hidden": hidden, "numel": numel}
+    call |= {"norm": row.norm or "layernorm", "prenorm": bool(row.prenorm), "dropout": bool(row.dropout)}
+    assert policy.eager_faster(device, **call) == row
     if row.min_hidden:
-        assert not policy.eager_faster(row.device_type, **{**call, "hidden": row.min_hidden - 1})
+        assert policy.eager_faster(device, **{**call, "hidden": row.min_hidden - 1}) != row
     if row.max_numel is not None:
-        assert not policy.eager_faster(row.device_type, **{**call, "numel": row.max_numel + 1})
+        assert policy.eager_faster(device, **{**call, "numel": row.max_numel + 1}) != row
     if row.norm is not None:
-        assert not policy.eager_faster(row.device_type, **{**call, "norm": "rmsnorm"})
+        assert policy.eager_faster(device, **{**call, "norm": "rmsnorm" if row.norm == "layernorm" else "layernorm"}) != row
     if row.prenorm is not None:
-        assert not policy.eager_faster(row.device_type, **{**call, "prenorm": not row.prenorm})
+        assert policy.eager_faster(device, **{**call, "prenorm": not row.prenorm}) != row
     if row.dropout is not None:
-        assert not policy.eager_faster(row.device_type, **{**call, "dropout": not row.dropout})
+        assert policy.eager_faster(device, **{**call, "dropout": not row.dropout}) != row
+    if row.mode is not None:
+        assert policy.eager_faster(device, **{**call, "mode": "compile"}) != row
 
 
-def test_a_model_fuses_where_no_measured_rule_says_otherwise():
-    """fused_op_preferred (the rows without a size bound): the op except on the CPU with dropout; a
-    DTensor stream always."""
-    assert not policy.fused_op_preferred("cpu", dropout=True)
-    assert policy.fused_op_preferred("cpu", dropout=False)
-    assert policy.fused_op_preferred(torch.device("cuda"), dropout=True)
-    assert policy.fused_op_preferred(torch.device("cuda"), dropout=False)
-    assert policy.fused_op_preferred("cpu", dropout=True, sharded=True)
-    # the size-bounded rows: the H100's tiny calls (the LM step at 8 x 16 x 64 elements)
-    assert policy.eager_faster_at_size("cuda", 8 * 16 * 64, True)
-    assert policy.eager_faster_at_size("cuda", 8 * 16 * 64, False)
-    assert not policy.eager_faster_at_size("cuda", 8 * 16 * 64 + 1, True)
-    assert not policy.eager_faster_at_size("cpu", 1, True)  # the CPU's dropout row is fused_op_preferred's
+def test_on_the_cpu_a_model_fuses_unless_a_recorded_step_ran_slower():
+    """The CPU: without dropout the op runs the unfused modules' own ops (fused); with dropout the
+    recorded step ran slower fused (the unfused modules); a DTensor stream always fuses."""
+    yes = policy.fusion_decision("cpu", dropout=False)
+    assert yes.fuse and yes.row is None and "torch's own ops" in yes.why
+    no = policy.fusion_decision(torch.device("cpu"), dropout=True)
+    assert not no.fuse and no.row.source == "host_overhead_cpu.md" and "1.06x slower" in no.why
+    assert policy.fusion_decision("cpu", dropout=True, sharded=True).fuse
+    assert policy.fused_op_preferred("cpu", dropout=False) and not policy.fused_op_preferred("cpu", dropout=True)
+
+
+def test_on_a_gpu_a_model_fuses_only_where_that_gpu_ran_the_step_faster(gpu_named):
+    """Each GPU by its own rows: the H100's HF step ran faster fused without dropout (fused there, but
+    not its tiny host-bound calls, which ran slower); the H200 ran both steps slower (unfused); a GPU
+    with no recorded step, dropout on the H100 (level, no row) and compiled steps (level): unfused, the
+    reason saying so."""
+    big, tiny = 8 * 1024 * 768, 8 * 16 * 64
+    gpu_named(H100)
+    d = policy.fusion_decision("cuda", dropout=False, numel=big)
+    assert d.fuse and d.row.source == "hf_step_gpu.md" and "1.05x faster" in str(d)
+    d = policy.fusion_decision(torch.device("cuda", 0), dropout=False, numel=tiny)
+    assert not d.fuse and d.row.source == "host_overhead_cuda.md"
+    d = policy.fusion_decision("cuda", dropout=True, numel=big)
+    assert not d.fuse and d.row is None and "no recorded step on NVIDIA H100 80GB HBM3" in d.why
+    assert not policy.fusion_decision("cuda", dropout=False, numel=big, compiling=True).fuse
+    gpu_named(H200)  # an H100 row does not decide for an H200
+    for dropout, source in ((True, "lm_step_h200.md"), (False, "hf_step_h200.md")):
+        d = policy.fusion_decision("cuda", dropout=dropout, numel=big)
+        assert not d.fuse and d.row.source == source and "slower fused" in d.why
+    gpu_named("NVIDIA A100-SXM4-80GB")
+    d = policy.fusion_decision("cuda", dropout=False, numel=big)
+    assert not d.fuse and "NVIDIA A100-SXM4-80GB" in d.why
+    assert policy.fusion_decision("cuda", dropout=False, numel=big, sharded=True).fuse
+
+
+def test_set_fusion_overrides_the_measured_rule_and_is_checked(gpu_named):
+    gpu_named("NVIDIA A100-SXM4-80GB")
+    with policy.fusion("always"):
+        assert policy.fusion_decision("cuda", dropout=True, numel=10).fuse
+        assert policy.fusion_decision("cpu", dropout=True).fuse
+    with policy.fusion("never"):
+        assert not policy.fusion_decision("cpu", dropout=False).fuse
+        assert policy.fusion_decision("cpu", dropout=False, sharded=True).fuse  # a DTensor stream needs the op
+    assert not policy.fusion_decision("cpu", dropout=True).fuse
+    with pytest.raises(ValueError, match="mode: expected one of"):
+        policy.set_fusion("sometimes")
+
+
+def test_the_environment_variable_sets_the_fusion_mode(monkeypatch):
+    monkeypatch.setenv("ADDNORM_FUSION", "Never")
+    assert policy._fusion_env() == "never"
+    monkeypatch.setenv("ADDNORM_FUSION", "off")
+    with pytest.raises(ValueError, match="ADDNORM_FUSION: expected one of"):
+        policy._fusion_env()
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="auto means triton on CUDA only where triton is installed")
-def test_the_op_s_auto_backend_leaves_to_torch_the_shapes_measured_faster_there(backend_env):
-    """resolve_backend('auto') on a CUDA device: torch for Post-LN LayerNorm rows of 16384 columns and
-    wider (the H100's op table), triton for narrower rows, Pre-LN, RMSNorm, or unknown norm; an explicit
-    backend is never overridden."""
+def test_the_op_s_auto_backend_leaves_to_torch_the_shapes_measured_faster_on_that_gpu(backend_env, gpu_named):
+    """resolve_backend('auto') on a CUDA device, by its name: on the H100 torch for Post-LN LayerNorm rows
+    of 16384 columns and wider, triton elsewhere; on the H200 torch from the widths its op table found
+    eager faster (4096 for Pre-LN LayerNorm, 1024 for Post-LN RMSNorm without dropout), triton below;
+    an unmeasured GPU: triton; an explicit backend is never overridden."""
     backend_env(None)
     cuda, bf16 = torch.device("cuda"), (torch.bfloat16,)
-    assert policy.resolve_backend("auto", cuda, 16384, bf16, "layernorm", False) == "torch"
+    gpu_named(H100)
+    assert policy.resolve_backend("auto", cuda, 16384, bf16, "layernorm", False, True) == "torch"
     assert policy.resolve_backend("auto", cuda, 32768, bf16, "layernorm", False) == "torch"
     assert policy.resolve_backend("auto", cuda, 8192, bf16, "layernorm", False) == "triton"
     assert policy.resolve_backend("auto", cuda, 16384, bf16, "layernorm", True) == "triton"
     assert policy.resolve_backend("auto", cuda, 16384, bf16, "rmsnorm", False) == "triton"
     assert policy.resolve_backend("auto", cuda, 16384, bf16) == "triton"
     assert policy.resolve_backend("triton", cuda, 16384, bf16, "layernorm", False) == "triton"
+    gpu_named(H200)
+    assert policy.resolve_backend("auto", cuda, 4096, bf16, "layernorm", True, False) == "torch"
+    assert policy.resolve_backend("auto", cuda, 4096, bf16, "layernorm", True, True) == "torch"
+    assert policy.resolve_backend("auto", cuda, 2048, bf16, "layernorm", True, False) == "triton"
+    assert policy.resolve_backend("auto", cuda, 1024, bf16, "rmsnorm", False, False) == "torch"
+    assert policy.resolve_backend("auto", cuda, 1024, bf16, "rmsnorm", False, True) == "triton"
+    assert policy.resolve_backend("auto", cuda, 512, bf16, "rmsnorm", False, False) == "triton"
+    gpu_named("NVIDIA A100-SXM4-80GB")
+    assert policy.resolve_backend("auto", cuda, 16384, bf16, "layernorm", False) == "triton"
 
 
 @pytest.mark.parametrize("tokens, fused", [(4, True), (3, False)])
 def test_a_model_runs_unfused_where_a_size_rule_covers_its_calls(monkeypatch, tokens, fused):
-    """AddNorm asks the size-bounded rows with its stream's element count: a CPU row up to 3 x 16
-    elements (a stand-in for the H100's tiny-call row) sends a 3-token call to the unfused modules and
-    leaves a 4-token call to the op; both give the unfused model's values."""
-    row = policy.Measured("cpu", "test", None, None, None, 0, 3 * 16, 2.0, "", "")
-    monkeypatch.setitem(policy._MEASURED_BY_DEVICE, "cpu", (row,))
+    """AddNorm asks the policy with its stream's element count: a CPU step row up to 3 x 16 elements (a
+    stand-in for the H100's tiny-call row) sends a 3-token call to the unfused modules and leaves a
+    4-token call to the op; both give the unfused model's values."""
+    row = measured.Measured("cpu", "step", None, None, None, None, 0, 3 * 16, 2.0, "", "")
+    monkeypatch.setitem(measured._BY_DEVICE, ("cpu", "step"), (row,))
+    policy.set_fusion("measured")  # forget cached decisions
     calls = []
     op = addnorm_module.add_norm
     monkeypatch.setattr(addnorm_module, "add_norm", lambda *a, **k: calls.append(1) or op(*a, **k))
@@ -105,5 +181,7 @@ def test_a_model_runs_unfused_where_a_size_rule_covers_its_calls(monkeypatch, to
             m.fused = False
     ids = torch.arange(tokens).reshape(1, tokens)
     out = model(ids)
+    monkeypatch.undo()
+    policy.set_fusion("measured")
     assert bool(calls) is fused
     torch.testing.assert_close(out, unfused(ids))

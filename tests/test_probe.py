@@ -283,7 +283,7 @@ def test_probed_and_unprobed_training_steps_are_bit_identical(placement, dtype, 
     """Dropout 0.1, fused on, training: a step under Probe (and hooks on every observation point) gives
     bit-identical logits and gradients to the same step unobserved, whichever path the op policy picks;
     the op runs exactly when the policy prefers it."""
-    monkeypatch.setattr(policy, "fused_op_preferred", lambda device, *, dropout, sharded=False: op_preferred)
+    monkeypatch.setattr(policy, "fused_op_preferred", lambda device, **call: op_preferred)
     calls = []
     op = addnorm_module.add_norm
     monkeypatch.setattr(addnorm_module, "add_norm", lambda *a, **k: calls.append(1) or op(*a, **k))

@@ -36,7 +36,7 @@ _EXPORTS = {
         ("NORMS", "BatchNorm", "DyT", "L2Norm", "LayerNorm", "NoNorm", "RMSNorm", "ScaleNorm", "build_norm"),
         ".norms",
     ),
-    "add_norm": ".ops",
+    **dict.fromkeys(("add_norm", "fusion_decision", "set_fusion"), ".ops"),
     **dict.fromkeys(("PLACEMENTS", "Placement", "get_placement", "register_placement"), ".placements"),
     "Probe": ".probe",
     **dict.fromkeys(("Registry", "UnknownNameError"), ".registry"),

@@ -8,8 +8,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.nn.modules import module as _torch_module
 
-from .norms import NORMS, LayerNorm, RMSNorm, build_norm
+from .norms import NORMS, READERS, LayerNorm, RMSNorm, build_norm
 from .ops import add_norm, policy
 from .placements import Placement, get_placement
 
@@ -45,13 +46,14 @@ def check_bool(name: str, value: object) -> bool:
 
 
 _OP_NORMS = {LayerNorm: "layernorm", RMSNorm: "rmsnorm"}
+_OP_NORMS |= {reader: _OP_NORMS[cls] for cls, reader in READERS.items()}  # the same, reading another's
 _OP_GATES = ("none", "rezero", "layerscale")
 
 
 def op_norm(norm: nn.Module | None) -> str | None:
     """The ``norm=`` under which :func:`addnorm.ops.add_norm` computes ``norm`` itself: ``"layernorm"`` or
-    ``"rmsnorm"`` for exactly addnorm's LayerNorm or RMSNorm (a subclass may compute something else),
-    else None."""
+    ``"rmsnorm"`` for exactly addnorm's LayerNorm or RMSNorm, or one reading another module's parameters
+    (:func:`addnorm.norms.reading`) (another subclass may compute something else), else None."""
     return _OP_NORMS.get(type(norm))
 
 
@@ -82,6 +84,15 @@ class ConnectionRole:
             object.__setattr__(self, "weights", (self.sublayer,))
 
 
+# torch's module-global hook tables (mutated in place by ``register_module_*_hook``, never rebound)
+_GLOBAL_HOOKS = (
+    _torch_module._global_backward_pre_hooks,
+    _torch_module._global_backward_hooks,
+    _torch_module._global_forward_hooks,
+    _torch_module._global_forward_pre_hooks,
+)
+
+
 class ObservationPoint(nn.Module):
     """A point of the residual stream that hooks read (:class:`addnorm.Probe`, activation statistics):
     the identity, called on every step whether or not anything is hooked, so observing never changes
@@ -92,7 +103,25 @@ class ObservationPoint(nn.Module):
     gradient dL/ds: the norm's share stays inside the op. The point is then called as
     ``point(s, grad_from=r, grad_scale=alpha)``: ``r`` is the op's residual input, read by that op only,
     and dL/ds = dL/dr / alpha. Hooks registered ``with_kwargs=True`` see both.
+
+    A call runs ``nn.Module.__call__`` (its hooks) only where a hook could see it (:attr:`observed`:
+    the point's own hooks or torch's global module hooks); otherwise it returns ``t`` at once, the
+    same result without the module call's host time (a connection calls three points a step).
     """
+
+    def __call__(self, *args, **kwargs):
+        return self._wrapped_call_impl(*args, **kwargs) if self.observed else args[0]
+
+    @property
+    def observed(self) -> bool:
+        """Whether a hook sees this point's calls: its own hooks, or torch's global module hooks."""
+        return bool(
+            self._forward_hooks
+            or self._forward_pre_hooks
+            or self._backward_hooks
+            or self._backward_pre_hooks
+            or any(_GLOBAL_HOOKS)
+        )
 
     def forward(self, x: Tensor, grad_from: Tensor | None = None, grad_scale: float = 1.0) -> Tensor:
         return x
@@ -288,10 +317,9 @@ class AddNorm(nn.Module):
         stream (:mod:`addnorm.model.stream`; where none does, or the op cannot compute it, the add runs
         unfused then); None: the unfused modules. Fused when ``fused`` is on, the op computes this add
         (residual on, dropout on the branch, a scalar alpha, gate none / ReZero / LayerScale, a stream
-        dtype it keeps: base's, or float32) and :func:`addnorm.ops.policy.fused_op_preferred` prefers
-        the op on the stream's device with this call's dropout (always on a DTensor stream) and no
-        recorded measurement found a call of this size faster unfused
-        (:func:`addnorm.ops.policy.eager_faster_at_size`). Hooks play no part.
+        dtype it keeps: base's, or float32) and :func:`addnorm.ops.policy.fusion_decision` says so for
+        the stream's device, this call's dropout and its size (on a GPU: a recorded step on that GPU ran
+        faster fused; always on a DTensor stream). Hooks play no part.
         """
         if not (
             self._fused
@@ -299,15 +327,13 @@ class AddNorm(nn.Module):
             and self.dropout_at == "branch"
             and self.omega is None
             and self._placement.gate in _OP_GATES
-            and torch.promote_types(f.dtype, base.dtype) in (base.dtype, torch.float32)
+            and (f.dtype is base.dtype or torch.promote_types(f.dtype, base.dtype) in (base.dtype, torch.float32))
         ):
             return None
         dropout = self.training and self.dropout.p > 0
         sharded = type(base) is not Tensor and policy.is_dtensor(base)
-        if not policy.fused_op_preferred(base.device, dropout=dropout, sharded=sharded):
+        if not policy.fused_op_preferred(base.device, dropout=dropout, sharded=sharded, numel=base.numel()):
             return None
-        if not sharded and policy.eager_faster_at_size(base.device.type, base.numel(), dropout):
-            return None  # a call this small ran faster unfused (ops.policy.MEASURED)
         n3 = self.output_norm
         if n3 is None:
             return "next"

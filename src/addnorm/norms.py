@@ -189,6 +189,69 @@ class NoNorm(nn.Module):
         return x
 
 
+class _ReadsSource:
+    """A norm whose ``weight`` and ``bias`` are another module's (its source, e.g. a Hugging Face model's
+    own norm), read at each access: whatever replaces or moves the source's parameters (loading with
+    ``assign=True``, ``to_empty``, FSDP2's unshard, an offload hook) is what the norm computes with,
+    and nothing is ever assigned to the norm. Made by :func:`reading`."""
+
+    @property
+    def weight(self) -> Tensor | None:
+        return _read(self, "weight")
+
+    @property
+    def bias(self) -> Tensor | None:
+        return _read(self, "bias")
+
+
+def _read(norm: nn.Module, name: str) -> Tensor | None:
+    how = norm.__dict__["_source_reads"].get(name)
+    if how is None:  # the source had no such attribute
+        return None
+    source = norm.__dict__["_source"]
+    if how:  # a parameter of the source when it was read first: one dictionary lookup
+        found = source._parameters.get(name)
+        if found is not None:
+            return found
+    return getattr(source, name, None)
+
+
+class ReadingLayerNorm(_ReadsSource, LayerNorm):
+    """:class:`LayerNorm` computing with its source's weight and bias (see :func:`reading`)."""
+
+
+class ReadingRMSNorm(_ReadsSource, RMSNorm):
+    """:class:`RMSNorm` computing with its source's weight and bias (see :func:`reading`)."""
+
+
+READERS = {LayerNorm: ReadingLayerNorm, RMSNorm: ReadingRMSNorm}
+
+
+def reading(norm: nn.Module, source: nn.Module, eps: float) -> nn.Module:
+    """Make ``norm`` (exactly a :class:`LayerNorm` or :class:`RMSNorm`) compute with ``source``'s
+    ``weight`` and ``bias`` as they are at each call, and epsilon ``eps``; returns it. Its own parameters
+    are dropped, so no state dict or parameter list sees the source's twice, and the source is held as a
+    plain reference, not a submodule. A name the source has as a parameter is read from its parameters
+    (a dictionary lookup per call), any other attribute by ``getattr``; one the source lacks now (a norm
+    without a bias) is None for good."""
+    cls = READERS.get(type(norm))
+    if cls is None:
+        raise TypeError(f"norm: expected an addnorm LayerNorm or RMSNorm, got {type(norm).__name__}")
+    for name in ("weight", "bias"):
+        if name in norm._parameters:
+            delattr(norm, name)
+    reads = {}
+    for name in ("weight", "bias"):
+        if name in source._parameters:
+            reads[name] = True
+        elif getattr(source, name, None) is not None:
+            reads[name] = False
+    norm.__dict__.update(_source=source, _source_reads=reads)
+    norm.__class__ = cls
+    norm.eps = float(eps)
+    return norm
+
+
 def build_norm(
     name: str = "layernorm",
     dim: int = 512,

@@ -21,7 +21,7 @@ dropout (GPT-2, BERT, Phi-3): on the CPU in eager mode ``nn.Dropout``'s mask, th
 same seed; where the op runs it, its hashed mask (the same distribution, a different mask).
 
 The fused model is a view of the model: its norms read the model's norm parameters each time they are
-called (:class:`~addnorm.hf.rewired.Reads`), so fuse before or after loading, moving, converting,
+called (:func:`addnorm.norms.reading`), so fuse before or after loading, moving, converting,
 ``load_state_dict(assign=True)``, ``to_empty``, offloading (``device_map``) or sharding (FSDP2
 ``fully_shard``): the numbers are the unfused model's. Gradient checkpointing works: a checkpointed
 layer fuses within itself only.
@@ -35,25 +35,18 @@ from contextlib import contextmanager
 from torch import nn
 
 from ..addnorm import AddNorm
-from ..norms import build_norm
+from ..norms import build_norm, reading
 from .architectures import Architecture, architecture_of, norm_options
 from .rewired import Reads, Rewiring, install, rewiring_of, role_of, uninstall
 
-__all__ = ["fuse", "fused", "reading", "unfuse"]
+__all__ = ["fuse", "fused", "unfuse"]
 
 
-def reading(norm: nn.Module, source: nn.Module, reads: Reads, arch: Architecture) -> nn.Module:
-    """``norm`` (addnorm's RMSNorm/LayerNorm) made to compute with ``source``'s parameters: its own are
-    dropped, and ``reads`` points its ``weight`` and ``bias`` at ``source``'s as they are at each call
-    (plain attributes, not registered, so no state dict or parameter list sees them twice; None where
-    the source has none). Its epsilon is the source's, read as ``arch.norm_eps`` says."""
-    for name in ("weight", "bias"):
-        if name in norm._parameters:
-            delattr(norm, name)
-    norm.eps = arch.eps_of(source)
-    reads.pairs.append((norm, source))
-    reads.refresh()
-    return norm
+def _reading(norm: nn.Module, source: nn.Module, reads: Reads, arch: Architecture) -> nn.Module:
+    """``norm`` made to compute with ``source``'s parameters at each call (:func:`addnorm.norms.reading`),
+    with its epsilon read as ``arch.norm_eps`` says; ``source`` noted in ``reads`` (for offload hooks)."""
+    reads.sources.append(source)
+    return reading(norm, source, arch.eps_of(source))
 
 
 def fuse(model: nn.Module) -> nn.Module:
@@ -84,7 +77,7 @@ def fuse(model: nn.Module) -> nn.Module:
             dropout = arch.residual_dropout(config, i)
             conn = AddNorm(config.hidden_size, arch.placement, arch.norm, dropout, norm_options=options)
             for slot, path in sublayers[0].norm_paths().items():
-                reading(getattr(conn, slot), layer.get_submodule(path), layer_reads, arch)
+                _reading(getattr(conn, slot), layer.get_submodule(path), layer_reads, arch)
             conn.connection_role = role_of(arch, i)
             conn.train(layer.training)
             layer.add_module(block, conn)
@@ -93,13 +86,13 @@ def fuse(model: nn.Module) -> nn.Module:
         second = None
         if second_path is not None:
             norm = build_norm(arch.norm, config.hidden_size, **options)
-            second = reading(norm, layer.get_submodule(second_path), layer_reads, arch)
+            second = _reading(norm, layer.get_submodule(second_path), layer_reads, arch)
         second_norms.append(second)
     final_module = base.get_submodule(arch.final_norm) if arch.final_norm else None
-    final_norm, final_reads = None, Reads()
+    final_norm = None
     if final_module is not None:
         norm = build_norm(arch.norm, config.hidden_size, **options)
-        final_norm = reading(norm, final_module, final_reads, arch)
+        final_norm = _reading(norm, final_module, Reads(), arch)
     rewiring = Rewiring(
         "fused",
         arch,
@@ -107,7 +100,6 @@ def fuse(model: nn.Module) -> nn.Module:
         connections,
         final_module=final_module,
         reads=reads,
-        final_reads=final_reads,
         second_norms=second_norms,
     )
     install(model, rewiring, final_norm=final_norm)

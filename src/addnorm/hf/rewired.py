@@ -13,7 +13,7 @@ object, same version counter: a forward pre-hook that edits it in place makes th
 norm itself), and otherwise computes its norm itself.
 
 The rewiring is a view of the model: every norm reads the parameters of the model's own norm module
-(:class:`Reads`) when it is called, never a copy taken earlier, so whatever replaces or moves them
+when it is called (:func:`addnorm.norms.reading`), never a copy taken earlier, so whatever replaces or moves them
 (``load_state_dict(assign=True)``, ``to_empty``, FSDP2's unshard and reshard, offload hooks) is seen.
 A layer hands N(s) over only where it may read the next norm's parameters itself: neither it nor the
 module owning that norm is managed by FSDP2 or an offload hook (each such module has its parameters
@@ -28,7 +28,6 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -55,49 +54,21 @@ _CACHE_OFF = {"use_cache": False, "past_key_values": None}
 
 
 class Reads:
-    """Norms that compute with the parameters of a model's own norm modules: ``pairs`` of (norm,
-    source). :meth:`refresh` points each norm's ``weight`` and ``bias`` at its source's, as they are
-    now. Every rewired forward runs inside ``with reads.current():`` (or ``loaded()``), which does it
-    first, so nothing computes with parameters read earlier, and puts back what the norms held before
-    when it ends: between calls the model's attributes are as they were, so tracing (``torch.export``
-    snapshots every module's tensor attributes and warns about any that a call reassigned) sees none
-    reassigned. ``with reads.loaded():`` also serves a source that an offload hook manages itself
-    (accelerate's ``_hf_hook`` on the norm module: its parameters are on the meta device outside its own
-    forward), running the hook's ``pre_forward`` first and its ``post_forward`` after."""
+    """The model's own norm modules (``sources``) whose parameters a rewired layer's norms compute with.
+    The norms read them at each call (:func:`addnorm.norms.reading`), never a copy taken earlier, and
+    nothing is assigned to the model's modules. A source that an offload hook manages itself
+    (accelerate's ``_hf_hook`` on the norm module: its parameters on the meta device outside its own
+    forward) is served by :meth:`hooked` and the hook's ``pre_forward`` / ``post_forward`` around the
+    layer's run."""
 
-    __slots__ = ("pairs",)
+    __slots__ = ("sources",)
 
-    def __init__(self, pairs: list[tuple[nn.Module, nn.Module]] | None = None) -> None:
-        self.pairs = pairs or []
+    def __init__(self, sources: list[nn.Module] | None = None) -> None:
+        self.sources = sources or []
 
-    def refresh(self) -> None:
-        for norm, source in self.pairs:
-            for name in ("weight", "bias"):
-                object.__setattr__(norm, name, getattr(source, name, None))
-
-    @contextmanager
-    def current(self) -> Iterator[None]:
-        """The norms read their sources' parameters inside the block; what they held before, after it."""
-        held = [(norm, norm.__dict__.get("weight"), norm.__dict__.get("bias")) for norm, _ in self.pairs]
-        self.refresh()
-        try:
-            yield
-        finally:
-            for norm, weight, bias in held:
-                object.__setattr__(norm, "weight", weight)
-                object.__setattr__(norm, "bias", bias)
-
-    @contextmanager
-    def loaded(self) -> Iterator[None]:
-        hooked = [source for _, source in self.pairs if hasattr(source, "_hf_hook")]
-        for source in hooked:
-            source._hf_hook.pre_forward(source)
-        try:
-            with self.current():
-                yield
-        finally:
-            for source in hooked:
-                source._hf_hook.post_forward(source, None)
+    def hooked(self) -> list[nn.Module]:
+        """The sources an offload hook manages now (accelerate sets ``_hf_hook`` on the instance)."""
+        return [source for source in self.sources if "_hf_hook" in source.__dict__]
 
 
 def role_of(arch: Architecture, index: int) -> ConnectionRole:
@@ -109,27 +80,40 @@ def role_of(arch: Architecture, index: int) -> ConnectionRole:
     return ConnectionRole(sublayers[0].name, arch.kind(index))
 
 
+# per module class: whether FSDP2 manages it (``fully_shard`` gives a module a class of its own)
+_FSDP_CLASSES: dict[type, bool] = {}
+
+
 def _managed(module: nn.Module | None) -> bool:
     """Whether ``module`` has its parameters only inside its own forward: FSDP2 (``fully_shard``) or an
-    offload hook (accelerate's ``_hf_hook``, as ``from_pretrained(device_map=...)`` installs)."""
+    offload hook (accelerate's ``_hf_hook``, set on the instance, as ``from_pretrained(device_map=...)``
+    installs)."""
     if module is None:
         return False
-    if hasattr(module, "_hf_hook"):
+    if "_hf_hook" in module.__dict__:
         return True
-    if not torch.distributed.is_available():
-        return False
-    # imported here, not cached: Dynamo traces through a functools cache, and warns a compiling user
-    from torch.distributed.fsdp import FSDPModule
+    cls = type(module)
+    found = _FSDP_CLASSES.get(cls)
+    if found is None:
+        found = False
+        if torch.distributed.is_available():
+            from torch.distributed.fsdp import FSDPModule
 
-    return isinstance(module, FSDPModule)
+            found = issubclass(cls, FSDPModule)
+        _FSDP_CLASSES[cls] = found
+    return found
 
 
 def _plain_on(norm: nn.Module, device: torch.device) -> bool:
     """Whether ``norm``'s parameters are plain tensors (not DTensor shards) on ``device``."""
-    for name in ("weight", "bias"):
-        p = getattr(norm, name, None)
-        if p is not None and (type(p.data) is not Tensor or p.device != device):
+    for p in (getattr(norm, "weight", None), getattr(norm, "bias", None)):
+        if p is None:
+            continue
+        if p.device != device:
             return False
+        kind = type(p)
+        if kind is not nn.Parameter and kind is not Tensor and type(p.data) is not Tensor:
+            return False  # a tensor subclass (a DTensor shard) under its Parameter
     return True
 
 
@@ -203,7 +187,6 @@ class LayerRun:
         next_owner: nn.Module | None = None,
         final_norm: nn.Module | None = None,
         reads: Reads | None = None,
-        next_reads: Reads | None = None,
         second_norm: nn.Module | None = None,
         returns_tuple: bool = False,
     ) -> None:
@@ -211,7 +194,7 @@ class LayerRun:
         self.second_norm, self.returns_tuple = second_norm, returns_tuple
         self.first_norm = steps[0][1].conn.input_norm
         self.next_norm, self.next_owner, self.final_norm = next_norm, next_owner, final_norm
-        self.reads, self.next_reads = reads or Reads(), next_reads or Reads()
+        self.reads = reads or Reads()
         params = list(inspect.signature(type(layer).forward).parameters.values())[2:]
         self.arg_names = tuple(p.name for p in params if p.kind == p.POSITIONAL_OR_KEYWORD)
 
@@ -236,8 +219,16 @@ class LayerRun:
         return (out, None) if self.returns_tuple and not weights else out
 
     def _run(self, x: Tensor, local: bool = False, **kwargs) -> Tensor:
-        with self.reads.loaded():
+        hooked = self.reads.hooked()
+        if not hooked:
             return self._through(x, local, **kwargs)
+        for source in hooked:
+            source._hf_hook.pre_forward(source)
+        try:
+            return self._through(x, local, **kwargs)
+        finally:
+            for source in hooked:
+                source._hf_hook.post_forward(source, None)
 
     def _run_keeping_weights(self, x: Tensor, local: bool = False, **kwargs) -> tuple[Tensor, Tensor | None]:
         """:meth:`_run` and the attention weights the layer returns: the second output of its first
@@ -260,12 +251,14 @@ class LayerRun:
             stream = connection(stream, self._sublayer(sublayers, x, kwargs))
         if self.final_norm is not None:
             return stream.output(self.final_norm)
-        if local or stream.held is None or not self._may_read_next():
+        if (
+            local
+            or stream.held is None
+            or not self._may_read_next()
+            or not _plain_on(self.next_norm, stream.held.residual.device)
+        ):
             return stream.tensor()
-        with self.next_reads.current():
-            if not _plain_on(self.next_norm, stream.held.residual.device):
-                return stream.tensor()
-            s, normed = stream.read(self.next_norm)
+        s, normed = stream.read(self.next_norm)
         self.handover.put(s, normed, self.next_norm)
         return s
 
@@ -332,7 +325,6 @@ class Rewiring:
     final_module: nn.Module | None = None
     silenced: list[nn.Module] = field(default_factory=list)
     reads: list[Reads] | None = None
-    final_reads: Reads = field(default_factory=Reads)
     replaced: list[tuple[nn.Module, str, object]] = field(default_factory=list)
     second_norms: list[nn.Module | None] | None = None
 
@@ -369,7 +361,6 @@ def install(
     nexts = [blocks[0].input_norm for blocks in conns[1:]] + [final_norm]
     owners = [*layers[1:], rewiring.final_module]
     reads = rewiring.reads or [Reads() for _ in layers]
-    next_reads = [*reads[1:], rewiring.final_reads]
     for i, layer in enumerate(layers):
         run = LayerRun(
             layer,
@@ -379,7 +370,6 @@ def install(
             next_owner=owners[i],
             final_norm=applied_final_norm if i == len(layers) - 1 else None,
             reads=reads[i],
-            next_reads=next_reads[i],
             second_norm=second_norms[i],
             returns_tuple=arch.returns_tuple,
         )

@@ -55,10 +55,13 @@ class HeldAdd:
         """(s, N(s)), N None: (s, s). One fused op where it computes ``norm``, else the add, then N."""
         conn = self.conn
         if op_norm(norm) is not None:
+            point = conn.stream_out
+            if not point.observed:  # nothing sees the point: s is all there is to hand on
+                return conn.add_then_norm(self.branch, self.residual, norm, prenorm=True, gate=self.gate)[::-1]
             # the op's own residual input: only the op reads it, so its gradient is alpha * dL/ds
             r = self.residual.view_as(self.residual)
             h, s = conn.add_then_norm(self.branch, r, norm, prenorm=True, gate=self.gate)
-            conn.stream_out(s, grad_from=r, grad_scale=conn.alpha)
+            point(s, grad_from=r, grad_scale=conn.alpha)
             return s, h
         s = conn.stream_out(conn.add(self.branch, self.residual, gate=self.gate)[0])
         return s, (s if norm is None else norm(s))

@@ -4,19 +4,33 @@ imported lazily, only by ``ops/triton*`` modules (and by ``library`` where CUDA 
 
 from .args import MAX_FUSED_HIDDEN
 from .functional import add_norm
-from .policy import BACKENDS, compile_path, fused_op_preferred, resolve_backend, set_compile_path
+from .policy import (
+    BACKENDS,
+    FusionDecision,
+    compile_path,
+    fused_op_preferred,
+    fusion,
+    fusion_decision,
+    resolve_backend,
+    set_compile_path,
+    set_fusion,
+)
 from .reference import add_norm_reference, dropout_keep_mask, dropout_threshold, hash32
 
 __all__ = [
     "BACKENDS",
     "MAX_FUSED_HIDDEN",
+    "FusionDecision",
     "add_norm",
     "add_norm_reference",
     "compile_path",
     "dropout_keep_mask",
     "dropout_threshold",
     "fused_op_preferred",
+    "fusion",
+    "fusion_decision",
     "hash32",
     "resolve_backend",
     "set_compile_path",
+    "set_fusion",
 ]

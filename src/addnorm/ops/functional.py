@@ -69,7 +69,7 @@ class Plan:
         hidden = x.shape[-1]
         dtypes = (x.dtype, residual.dtype, s_dtype, y_dtype)
         self.backend, self.device = backend, x.device
-        self.triton = resolve_backend(backend, x.device, hidden, dtypes, norm, prenorm) == "triton"
+        self.triton = resolve_backend(backend, x.device, hidden, dtypes, norm, prenorm, p > 0) == "triton"
         self.norm, self.eps, self.alpha, self.prenorm, self.p = norm, float(eps), float(alpha), prenorm, p
         self.hidden, self.s_dtype, self.y_dtype = hidden, s_dtype, y_dtype
         self.shape, self.rms = torch.Size([hidden]), norm == "rmsnorm"

@@ -25,11 +25,13 @@ from .torch_path import add_norm_bwd_torch, add_norm_fwd_torch
 __all__ = ["TRITON_OP", "add_norm_bwd", "add_norm_fwd"]
 
 
-def _on_triton(backend: str, t: Tensor, dtypes: tuple[torch.dtype, ...], norm=None, prenorm=None) -> bool:
+def _on_triton(
+    backend: str, t: Tensor, dtypes: tuple[torch.dtype, ...], norm=None, prenorm=None, dropout=None
+) -> bool:
     """Whether an op body runs the Triton launchers: the backend resolves to triton (for this norm and
     placement where known), and on the CPU (interpreter) only for real tensors (fake or functional
     ones, while tracing, take the torch path, which has the same outputs' metadata)."""
-    if resolve_backend(backend, t.device, t.shape[-1], dtypes, norm, prenorm) != "triton":
+    if resolve_backend(backend, t.device, t.shape[-1], dtypes, norm, prenorm, dropout) != "triton":
         return False
     return t.device.type == "cuda" or type(t) is Tensor
 
@@ -55,7 +57,8 @@ else:  # imported on first use: only where the Triton backend runs (the CPU inte
 
 def _fwd_body(a: FwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(y, s or empty, mean or empty, rstd) for (..., hidden) x and residual."""
-    if _on_triton(a.backend, a.x, (a.x.dtype, a.residual.dtype, a.s_dtype, a.y_dtype), a.norm, a.prenorm):
+    dtypes = (a.x.dtype, a.residual.dtype, a.s_dtype, a.y_dtype)
+    if _on_triton(a.backend, a.x, dtypes, a.norm, a.prenorm, a.dropout):
         return add_norm_fwd_triton(a, traceable=True)
     return add_norm_fwd_torch(a)
 

@@ -8,12 +8,13 @@ a plan per call signature holding what these rules decided; the cache is keyed o
 every change of policy (:func:`read_backend_env`, :func:`invalidate`) bumps, so no plan outlives the
 policy it was made under.
 
-:func:`fused_op_preferred` is the one rule that a model's fusion decision (the residual stream's
-held-back adds, a Post-LN connection's add and norm) asks about the device and the dropout; the op itself
-picks its backend. Where the fused op is slower than the eager ops is one data table, :data:`MEASURED`:
-each row a case a recorded table under ``benchmarks/results`` shows (the device it was measured on, the
-number, the file), read by :func:`eager_faster` for the model's choice, the op's ``auto`` backend and
-(:func:`eager_faster_at_size`) a model's calls of a given size. :func:`compile_path` is what
+:func:`fusion_decision` is the one rule that a model's fusion decision (the residual stream's
+held-back adds, a Post-LN connection's add and norm) asks: fuse on a GPU only where a recorded training
+step on that GPU ran faster fused, and say why (:class:`FusionDecision`); :func:`fused_op_preferred` is
+its answer alone, :func:`set_fusion` (``ADDNORM_FUSION``) overrides it. The op itself picks its backend.
+The recorded numbers are one data table, :data:`~addnorm.ops.measured.MEASURED`, keyed on the device's
+name: the steps for the model's choice, the op alone for its ``auto`` backend (:func:`eager_faster`).
+:func:`compile_path` is what
 ``addnorm.ops.add_norm`` gives Inductor while ``torch.compile`` traces it: its composite of torch ops
 (``"composite"``, the default) or the registered op with the Triton kernels (``"kernel"``). Both drop
 the same elements (the hashed mask of (seed, row, column)), so the choice never changes a result beyond
@@ -32,23 +33,28 @@ from typing import NamedTuple
 
 import torch
 
+from torch.compiler import is_compiling
+
 from .args import MAX_FUSED_HIDDEN, TRITON_DTYPES, interpreting
+from .measured import Measured, device_name, rows_for
 
 __all__ = [
     "BACKENDS",
     "COMPILE_PATHS",
-    "MEASURED",
+    "FUSION_MODES",
     "VERSION",
-    "Measured",
+    "FusionDecision",
     "compile_path",
     "eager_faster",
-    "eager_faster_at_size",
     "fused_op_preferred",
+    "fusion",
+    "fusion_decision",
     "invalidate",
     "is_dtensor",
     "read_backend_env",
     "resolve_backend",
     "set_compile_path",
+    "set_fusion",
     "triton_available",
     "use_triton_op",
     "using_compile_path",
@@ -111,7 +117,7 @@ def _warn_once(msg: str) -> None:
 
 def resolve_backend(
     backend: str, device: torch.device, hidden: int, dtypes: tuple[torch.dtype, ...],
-    norm: str | None = None, prenorm: bool | None = None,
+    norm: str | None = None, prenorm: bool | None = None, dropout: bool | None = None,
 ) -> str:  # fmt: skip
     """``"torch"`` or ``"triton"`` for a call: an explicit ``backend`` wins, then ``ADDNORM_BACKEND``
     (see :func:`read_backend_env`), then auto (triton for CUDA tensors when triton imports, except
@@ -124,7 +130,7 @@ def resolve_backend(
         if backend == "auto":
             ok = device.type == "cuda" and triton_available()
             ok = ok and hidden <= MAX_FUSED_HIDDEN and all(d in TRITON_DTYPES for d in dtypes)
-            ok = ok and not eager_faster(device.type, hidden=hidden, norm=norm, prenorm=prenorm)
+            ok = ok and eager_faster(device, hidden=hidden, norm=norm, prenorm=prenorm, dropout=dropout) is None
             return "triton" if ok else "torch"
     if backend == "torch":
         return "torch"
@@ -163,81 +169,17 @@ COMPILE_PATHS = ("composite", "kernel")
 _compile_path = "composite"
 
 
-class Measured(NamedTuple):
-    """A recorded case where the eager ops ran faster than the fused op, and the rule it gives: on
-    ``device_type``, a call matching every field that is not None (the norm, Pre-LN or not, branch
-    dropout active or not, the hidden size from ``min_hidden``, at most ``max_numel`` elements per
-    call) is left to the eager ops. ``ratio`` is the fused time over the eager time measured on
-    ``device``; ``evidence`` is the line of ``benchmarks/results/<source>`` that gives it."""
-
-    device_type: str
-    device: str
-    norm: str | None
-    prenorm: bool | None
-    dropout: bool | None
-    min_hidden: int
-    max_numel: int | None
-    ratio: float
-    evidence: str
-    source: str
-
-
-# The cases the recorded tables show the op slower than eager by more than the runs' spread (SPREAD:
-# identical fused=False models timed side by side differed by up to ~2% on the H100, lm_step_cuda.md,
-# gpu_h100.md; so the d_model-1024 LM's 0.985x in eager mode is a tie, and the op stays there for its
-# 2-7% less peak memory). A GPU session that re-measures (make gpu-bench) edits these rows.
-SPREAD = 0.02
-MEASURED = (
-    # a tiny Pre-LN LM step on 2 CPU cores (d_model 64, dropout 0.1): the hashed NumPy mask costs more
-    # than nn.Dropout; without dropout the op runs the unfused modules' own torch ops
-    Measured("cpu", "CPU AMD EPYC, 2 logical cores", None, None, True, 0, None, 1.061,
-             "27781 us, 1.061x fused=False", "host_overhead_cpu.md"),
-    # the same step on the H100 (8 x 16 tokens x d_model 64 = 8192 elements a call), host-bound: a
-    # fused call cost 2.0-3.0x eager's host time at 8 x 64 (issue 30 item 4 works on that)
-    Measured("cuda", "NVIDIA H100 80GB HBM3", None, None, None, 0, 8192, 1.278,
-             "10518 us, 1.278x fused=False", "host_overhead_cuda.md"),
-    # the op alone, bf16, 2**27 elements: Post-LN LayerNorm at hidden 16384, fwd+bwd 0.64x eager's speed
-    # (1.15x at 4096) with the column-chunked backward of commit fcabca7, since replaced by the sliced
-    # one (launch_config): to be re-measured
-    Measured("cuda", "NVIDIA H100 80GB HBM3", "layernorm", False, None, 16384, None, 1 / 0.64,
-             "layernorm post bfloat16 h=16384", "gpu_suite_nvidia_h100_80gb_hbm3.md"),
-)  # fmt: skip
-
-
 def eager_faster(
-    device_type: str, *, hidden: int | None = None, numel: int | None = None, norm: str | None = None,
-    prenorm: bool | None = None, dropout: bool | None = None,
-) -> bool:  # fmt: skip
-    """Whether a row of :data:`MEASURED` says the eager ops are faster than the fused op for a call
-    like this on ``device_type`` (a row's field counts only where the caller gives it: a row bounded
-    in ``numel`` needs ``numel``, a LayerNorm row needs ``norm``)."""
-    return any(
-        _covers(m, hidden, numel, norm, prenorm, dropout) for m in _MEASURED_BY_DEVICE.get(device_type, ())
-    )
-
-
-def eager_faster_at_size(device_type: str, numel: int, dropout: bool) -> bool:
-    """:func:`eager_faster` over the rows bounded in the call's size only (elements a call): what a
-    model asks per call beside :func:`fused_op_preferred`, which covers the rows without a bound."""
-    rows = _MEASURED_BY_DEVICE.get(device_type, ())
-    return any(m.max_numel is not None and _covers(m, None, numel, None, None, dropout) for m in rows)
-
-
-def _covers(m: Measured, hidden, numel, norm, prenorm, dropout) -> bool:
-    return (
-        (m.norm is None or m.norm == norm)
-        and (m.prenorm is None or m.prenorm is prenorm)
-        and (m.dropout is None or m.dropout is dropout)
-        and (not m.min_hidden or (hidden is not None and hidden >= m.min_hidden))
-        and (m.max_numel is None or (numel is not None and numel <= m.max_numel))
-    )
-
-
-_MEASURED_BY_DEVICE: dict[str, tuple[Measured, ...]] = {}
-for _m in MEASURED:
-    _MEASURED_BY_DEVICE[_m.device_type] = (*_MEASURED_BY_DEVICE.get(_m.device_type, ()), _m)
-# fused_op_preferred's answer per (device type, dropout), from the rows that need nothing else
-_PREFERRED = {(t, d): not eager_faster(t, dropout=d) for t in ("cpu", "cuda") for d in (False, True)}
+    device: torch.device | str, *, scope: str = "op", mode: str | None = None, hidden: int | None = None,
+    numel: int | None = None, norm: str | None = None, prenorm: bool | None = None,
+    dropout: bool | None = None,
+) -> Measured | None:  # fmt: skip
+    """The row of :data:`~addnorm.ops.measured.MEASURED` in ``scope`` measured on ``device`` (by its
+    name) that found the unfused ops faster than the fused op for a call like this, or None."""
+    for m in rows_for(device_name(torch.device(device)), scope):
+        if m.slower and m.covers(mode, hidden, numel, norm, prenorm, dropout):
+            return m
+    return None
 
 
 def compile_path() -> str:
@@ -265,29 +207,122 @@ def using_compile_path(path: str) -> Iterator[None]:
         set_compile_path(previous)
 
 
-def fused_op_preferred(device: torch.device, *, dropout: bool, sharded: bool = False) -> bool:
-    """Whether :func:`addnorm.ops.add_norm` should compute a model's add + norm on ``device`` (True) or
-    the unfused modules should (False: ``nn.Dropout``, the add, the norm module), with branch dropout
-    active (``dropout``: training with p > 0) or not, on a DTensor stream (``sharded``) or not.
+FUSION_MODES = ("measured", "always", "never")
 
-    A DTensor stream always takes the op: its dropout mask is the whole tensor's on every shard
-    (:mod:`addnorm.ops.sharded`), while ``nn.Dropout`` on a CPU DTensor draws each rank's own local
-    mask (DTensor's RNG tracker is CUDA-only): shards of one tensor get the same mask, replicas
-    different ones.
 
-    The rule is :data:`MEASURED`'s, the recorded cases where the eager ops were faster
-    (:func:`eager_faster`): here the op everywhere except on the CPU with dropout
-    (``benchmarks/results/host_overhead_cpu.md``); a row bounded in the call's size (the H100's tiny
-    calls) is asked by ``AddNorm.add_fusion`` with the stream's element count, and the op's own
-    ``auto`` backend asks the rows bounded in the hidden size (:func:`resolve_backend`). It reads only
-    the device and the call's dropout, never hooks or observers. What it means for dropout masks: on a GPU the
-    fused op drops by a hash of (seed, row, column), the seed drawn from torch's generator; on the
-    CPU the unfused path draws ``nn.Dropout``'s mask from torch's RNG stream, so a CPU model with
-    dropout is exactly its ``fused=False`` twin. Same distribution, different elements, each
-    reproducible under ``torch.manual_seed``. Without dropout (eval, p = 0) both paths compute the
-    same function. Under ``torch.compile`` the op hands Inductor its composite by default
-    (:func:`compile_path`)."""
-    return sharded or _PREFERRED.get((torch.device(device).type, bool(dropout)), True)
+class FusionDecision(NamedTuple):
+    """Whether a model's add runs in the fused op (``fuse``), ``why`` in one sentence, and the recorded
+    measurement it rests on (``row``, None where none does)."""
+
+    fuse: bool
+    why: str
+    row: Measured | None = None
+
+    def __str__(self) -> str:
+        return f"{'fused' if self.fuse else 'unfused'}: {self.why}"
+
+
+def _fusion_env() -> str:
+    mode = os.environ.get("ADDNORM_FUSION", "measured").strip().lower() or "measured"
+    if mode not in FUSION_MODES:
+        raise ValueError(f"ADDNORM_FUSION: expected one of {FUSION_MODES}, got {mode!r}")
+    return mode
+
+
+_fusion = _fusion_env()
+_decisions: dict[tuple, FusionDecision] = {}
+
+
+def set_fusion(mode: str) -> None:
+    """Where models fuse from now on: ``"measured"`` (the default, :func:`fusion_decision`'s rule),
+    ``"always"`` (wherever a connection can: what the benchmarks time against the unfused modules) or
+    ``"never"`` (the unfused modules everywhere, as ``AddNorm(fused=False)``). The environment variable
+    ``ADDNORM_FUSION`` sets it at import. Affects graphs traced afterwards."""
+    global _fusion
+    if mode not in FUSION_MODES:
+        raise ValueError(f"mode: expected one of {FUSION_MODES}, got {mode!r}")
+    _fusion = mode
+    _decisions.clear()
+
+
+@contextlib.contextmanager
+def fusion(mode: str) -> Iterator[None]:
+    """``set_fusion(mode)`` for a block, then the previous mode again."""
+    previous = _fusion
+    set_fusion(mode)
+    try:
+        yield
+    finally:
+        set_fusion(previous)
+
+
+def fusion_decision(
+    device: torch.device | str, *, dropout: bool = False, numel: int | None = None, sharded: bool = False,
+    compiling: bool | None = None,
+) -> FusionDecision:  # fmt: skip
+    """Whether a model's residual add runs in :func:`addnorm.ops.add_norm` on ``device``, and why: the
+    one rule :meth:`addnorm.AddNorm.add_fusion` asks (with the call's branch dropout, ``dropout``:
+    training with p > 0, and its stream's element count, ``numel``), readable by a user for any call
+    (``print(addnorm.ops.fusion_decision("cuda", dropout=True, numel=8 * 1024 * 1024))``).
+
+    - a DTensor stream (``sharded``) always fuses: the op's dropout mask is the whole tensor's on every
+      shard (:mod:`addnorm.ops.sharded`), ``nn.Dropout`` on CPU DTensors draws each rank's own;
+    - :func:`set_fusion` ``"always"`` / ``"never"`` (``ADDNORM_FUSION``) override the rest;
+    - on a GPU the op runs its own kernels, so it fuses only where a recorded training step on *this*
+      GPU (by name, not "cuda": an H100's table does not decide for an H200) ran faster fused for such
+      a call (eager or compiled, ``compiling``: default whether torch.compile is tracing, dropout,
+      elements per call) and none ran slower; unmeasured, level or slower: the unfused modules;
+    - on the CPU the op without dropout runs the unfused modules' own torch ops (no kernel of its own
+      to be faster or slower), so it fuses unless a recorded step ran slower (with dropout: the hashed
+      NumPy mask against ``nn.Dropout``).
+
+    The rows are :data:`~addnorm.ops.measured.MEASURED` (``scope="step"``). The decision reads only the
+    device, the call and the rows, never hooks or observers, and is cached per call signature."""
+    if compiling is None:
+        compiling = is_compiling()
+    key = (device, dropout, numel, sharded, compiling, _fusion, VERSION)
+    found = None if compiling else _decisions.get(key)
+    if found is None:
+        found = _decide(torch.device(device), bool(dropout), numel, sharded, compiling)
+        if not compiling:
+            if len(_decisions) > 4096:  # many call sizes (varying sequence lengths): start again
+                _decisions.clear()
+            _decisions[key] = found
+    return found
+
+
+def _decide(device: torch.device, dropout: bool, numel, sharded: bool, compiling: bool) -> FusionDecision:
+    if sharded:
+        return FusionDecision(True, "a DTensor stream: the op's mask is the whole tensor's on every shard")
+    if _fusion != "measured":
+        return FusionDecision(_fusion == "always", f"set_fusion({_fusion!r}) (or ADDNORM_FUSION)")
+    name, mode = device_name(device), "compile" if compiling else "eager"
+    call = f"{mode}, {'with' if dropout else 'without'} dropout" + (f", {numel} elements" if numel else "")
+    rows = [m for m in rows_for(name, "step") if m.covers(mode, None, numel, None, None, dropout)]
+    slower = next((m for m in rows if m.slower), None)
+    if slower is not None:
+        return FusionDecision(
+            False, f"{name} ran such a step {slower.ratio:.2f}x slower fused ({slower.source})", slower
+        )
+    if device.type != "cuda":
+        return FusionDecision(True, f"on {name} the op runs torch's own ops; no recorded step ran slower")
+    faster = next((m for m in rows if m.faster), None)
+    if faster is not None:
+        return FusionDecision(
+            True, f"{name} ran such a step {1 / faster.ratio:.2f}x faster fused ({faster.source})", faster
+        )
+    return FusionDecision(
+        False,
+        f"no recorded step on {name} ran faster fused for this call ({call}); "
+        "measure with benchmarks/bench_lm_step.py, or set_fusion('always')",
+    )
+
+
+def fused_op_preferred(
+    device: torch.device | str, *, dropout: bool, sharded: bool = False, numel: int | None = None
+) -> bool:
+    """``fusion_decision(...).fuse``: whether a model's add runs in the fused op (see there)."""
+    return fusion_decision(device, dropout=dropout, numel=numel, sharded=sharded).fuse
 
 
 def is_dtensor(t: object) -> bool:

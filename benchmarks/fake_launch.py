@@ -1,0 +1,123 @@
+"""The GPU path's launches on a machine without a GPU: Triton's driver faked, its compiler replaced by a
+kernel whose launch does no work (or spins for a modelled launch cost), and addnorm's op told that the
+Triton backend may run on CPU tensors. What remains is the Python and the autograd of the GPU path
+exactly as it runs on CUDA: the real ``JITFunction`` kernels, their binder and kernel cache on a first
+call, then :mod:`addnorm.ops.triton_direct`'s direct launch of the "compiled" kernel.
+
+The benchmarks use it to count and time host work (``bench_host_overhead.py --jit-launch``,
+``bench_step_host.py``); nothing in the library knows it. It needs the real kernels, so Triton must not
+run in its interpreter: ``TRITON_INTERPRET`` unset or ``0`` before triton is imported
+(:func:`require_jit`).
+
+    with faked_launches(launch_us=4.0) as launches:
+        step()
+    launches.count   # kernels launched in the block
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+__all__ = ["Launches", "faked_launches", "require_jit"]
+
+
+def require_jit() -> None:
+    """Set ``TRITON_INTERPRET=0`` (before triton is imported), or fail if triton is already imported in
+    the interpreter's mode."""
+    import sys
+
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("fake_launch: triton was imported with TRITON_INTERPRET=1; the real kernels are needed")
+    os.environ["TRITON_INTERPRET"] = "0"
+
+
+class Launches:
+    """What the faked kernels were asked to do: ``count`` launches; each spins ``launch_us``
+    microseconds of this process's time (the modelled cost of the driver's launch)."""
+
+    __slots__ = ("count", "launch_s")
+
+    def __init__(self, launch_us: float) -> None:
+        self.count = 0
+        self.launch_s = launch_us * 1e-6
+
+
+class _NoOpCompiled:
+    """A compiled kernel whose launch does nothing but count (and spin for the modelled cost)."""
+
+    function, packed_metadata = 0, ()
+
+    def __init__(self, launches: Launches) -> None:
+        self.launches = launches
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        launches = self.launches
+        launches.count += 1
+        if launches.launch_s:
+            end = time.perf_counter() + launches.launch_s
+            while time.perf_counter() < end:
+                pass
+
+
+@contextlib.contextmanager
+def faked_launches(launch_us: float = 0.0) -> Iterator[Launches]:
+    """Inside the block: Triton's active driver is a fake one (device 0, stream 0, an sm_90 target),
+    every JIT kernel "compiles" to :class:`_NoOpCompiled`, and ``addnorm.ops`` takes the Triton backend
+    for CPU tensors as its ``auto`` backend does for CUDA ones (``ADDNORM_BACKEND=triton``, and the
+    interpreter check let through).
+    Yields the :class:`Launches` counter. Plans and launch caches made inside are forgotten after."""
+    require_jit()
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    from addnorm.ops import functional, policy
+    from addnorm.ops import triton_kernels as tk
+    from addnorm.ops import triton_launch as tl
+
+    launches = Launches(launch_us)
+
+    class FakeDriver:
+        def get_current_device(self):
+            return 0
+
+        def get_current_stream(self, device):
+            return 0
+
+        def get_current_target(self):
+            return GPUTarget("cuda", 90, 32)
+
+    def compile_nothing(self, key, signature, device, constexprs, options, attrs, warmup):
+        ck = self.device_caches[device][0][key] = _NoOpCompiled(launches)
+        return ck
+
+    driver.set_active(FakeDriver())
+    real_compile, JITFunction._do_compile = JITFunction._do_compile, compile_nothing
+    # the op's backend rule refuses Triton on CPU tensors outside the interpreter: let it through
+    real_interpreting, real_interpreted = policy.interpreting, tk.kernels_are_interpreted
+    policy.interpreting = tk.kernels_are_interpreted = lambda: True
+    env_backend = os.environ.get("ADDNORM_BACKEND")
+    os.environ["ADDNORM_BACKEND"] = "triton"  # what "auto" picks for CUDA tensors
+    policy.read_backend_env()
+    functional.clear_plans()
+    tl.clear_caches()  # launch specs hold their direct launches' kernels
+    try:
+        yield launches
+    finally:
+        JITFunction._do_compile = real_compile
+        policy.interpreting, tk.kernels_are_interpreted = real_interpreting, real_interpreted
+        if env_backend is None:
+            os.environ.pop("ADDNORM_BACKEND", None)
+        else:
+            os.environ["ADDNORM_BACKEND"] = env_backend
+        policy.read_backend_env()
+        functional.clear_plans()
+        tl.clear_caches()
+        with contextlib.suppress(RuntimeError):  # without a GPU there is no driver to go back to
+            driver.reset_active()

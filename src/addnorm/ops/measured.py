@@ -1,0 +1,146 @@
+"""Where the fused op was measured against the unfused ops: one table of recorded numbers, keyed on the
+device that measured them, that the policy (:mod:`addnorm.ops.policy`) reads.
+
+Each :class:`Measured` row is a line of a table under ``benchmarks/results`` (``source``, ``evidence``):
+on one device, by its name as torch reports it (``"NVIDIA H200"``, ``"NVIDIA H100 80GB HBM3"``; ``"cpu"``
+stands for any CPU), a ``scope`` (``"step"``: a model's training step, which decides where a model fuses;
+``"op"``: the op alone against the eager ops it replaces, which decides the op's ``auto`` backend), the
+calls it covers (execution mode, norm, Pre-LN or not, branch dropout, hidden sizes from ``min_hidden``,
+elements per call up to ``max_numel``) and ``ratio``, the fused time over the unfused time. A row counts
+only beyond the runs' spread (:data:`SPREAD`): slower (``ratio > 1 + SPREAD``) or faster (``ratio < 1 -
+SPREAD``); a tie is no row. A GPU session that re-measures (``make gpu-bench``) edits the rows.
+
+No Triton here, and torch only for the device's name.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["MEASURED", "SCOPES", "SPREAD", "Measured", "device_name", "rows_for"]
+
+SCOPES = ("step", "op")
+# identical fused=False models timed side by side differed by up to ~2% on the H100 (lm_step_cuda.md,
+# gpu_h100.md) and by 2.2% on the H200 (host_overhead_h200.md): a difference within it is a tie
+SPREAD = 0.02
+
+
+class Measured(NamedTuple):
+    """One recorded measurement of the fused op against the unfused ops, and the calls it covers (a
+    field that is None covers every value; see the module docstring)."""
+
+    device: str
+    scope: str
+    mode: str | None
+    norm: str | None
+    prenorm: bool | None
+    dropout: bool | None
+    min_hidden: int
+    max_numel: int | None
+    ratio: float
+    evidence: str
+    source: str
+
+    @property
+    def slower(self) -> bool:
+        """The fused op ran slower than the unfused ops beyond the spread."""
+        return self.ratio > 1 + SPREAD
+
+    @property
+    def faster(self) -> bool:
+        """The fused op ran faster than the unfused ops beyond the spread."""
+        return self.ratio < 1 - SPREAD
+
+    def covers(self, mode=None, hidden=None, numel=None, norm=None, prenorm=None, dropout=None) -> bool:
+        """Whether a call like this falls under the row (a field the row bounds counts only where the
+        caller gives it: a row bounded in ``numel`` needs ``numel``, a LayerNorm row needs ``norm``)."""
+        return (
+            (self.mode is None or self.mode == mode)
+            and (self.norm is None or self.norm == norm)
+            and (self.prenorm is None or self.prenorm is prenorm)
+            and (self.dropout is None or self.dropout is dropout)
+            and (not self.min_hidden or (hidden is not None and hidden >= self.min_hidden))
+            and (self.max_numel is None or (numel is not None and numel <= self.max_numel))
+        )
+
+
+_H100, _H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+_LN, _RMS = "layernorm", "rmsnorm"
+# fmt: off
+MEASURED = (
+    # --- training steps: where a model fuses ------------------------------------------------------
+    # a tiny Pre-LN LM step on 2 CPU cores (d_model 64, dropout 0.1): the hashed NumPy mask costs more
+    # than nn.Dropout; without dropout the op runs the unfused modules' own torch ops
+    Measured("cpu", "step", None, None, None, True, 0, None, 1.061,
+             "27781 us, 1.061x fused=False", "host_overhead_cpu.md"),
+    # the same step on the H100 (8 x 16 tokens x d_model 64 = 8192 elements a call), host-bound
+    Measured(_H100, "step", "eager", None, None, None, 0, 8192, 1.278,
+             "10518 us, 1.278x fused=False", "host_overhead_cuda.md"),
+    # HF Llama 134M (RMSNorm, no dropout, 8 x 1024 x 768 elements a call), eager: fused 1.048x plain
+    Measured(_H100, "step", "eager", None, None, False, 0, None, 1 / 1.048,
+             "| eager | 122162 | 128054 |", "hf_step_gpu.md"),
+    # the H200 (fb82146): the LM at d_model 1024 with dropout 0.1, eager 0.763x fused=False; HF Llama
+    # 134M without dropout 0.715x plain (the LM without dropout: 0.859x); compiled: level (no row)
+    Measured(_H200, "step", "eager", None, None, True, 0, None, 1 / 0.763,
+             "| gelu | pre | eager | 219,782 | 167,760 | 0.763x", "lm_step_h200.md"),
+    Measured(_H200, "step", "eager", None, None, False, 0, None, 1 / 0.715,
+             "| eager | 183956 | 131528 |", "hf_step_h200.md"),
+    # --- the op alone (bf16, 2**27 elements): the op's auto backend ----------------------------------
+    # the H100: Post-LN LayerNorm at hidden 16384, fwd+bwd 0.64x eager's speed with the column-chunked
+    # backward of commit fcabca7, since replaced by the sliced one: to be re-measured
+    Measured(_H100, "op", None, _LN, False, None, 16384, None, 1 / 0.64,
+             "layernorm post bfloat16 h=16384", "gpu_suite_nvidia_h100_80gb_hbm3.md"),
+    # the H200 (fb82146, add_norm_h200.md, "speed vs eager", fwd+bwd): from the first hidden size at
+    # which eager is faster beyond the spread and stays so at every wider one
+    Measured(_H200, "op", None, _LN, True, False, 4096, None, 1 / 0.87,
+             "| layernorm | Pre-LN | 0 | bfloat16 | 4096 |", "add_norm_h200.md"),
+    Measured(_H200, "op", None, _LN, True, True, 4096, None, 1 / 0.77,
+             "| layernorm | Pre-LN | 0.1 | bfloat16 | 4096 |", "add_norm_h200.md"),
+    Measured(_H200, "op", None, _LN, False, False, 2048, None, 1 / 0.92,
+             "| layernorm | Post-LN | 0 | bfloat16 | 2048 |", "add_norm_h200.md"),
+    Measured(_H200, "op", None, _LN, False, True, 4096, None, 1 / 0.56,
+             "| layernorm | Post-LN | 0.1 | bfloat16 | 4096 |", "add_norm_h200.md"),
+    Measured(_H200, "op", None, _RMS, True, False, 2048, None, 1 / 0.96,
+             "| rmsnorm | Pre-LN | 0 | bfloat16 | 2048 |", "add_norm_h200.md"),
+    Measured(_H200, "op", None, _RMS, True, True, 4096, None, 1 / 0.80,
+             "| rmsnorm | Pre-LN | 0.1 | bfloat16 | 4096 |", "add_norm_h200.md"),
+    Measured(_H200, "op", None, _RMS, False, False, 1024, None, 1 / 0.93,
+             "| rmsnorm | Post-LN | 0 | bfloat16 | 1024 |", "add_norm_h200.md"),
+    Measured(_H200, "op", None, _RMS, False, True, 4096, None, 1 / 0.75,
+             "| rmsnorm | Post-LN | 0.1 | bfloat16 | 4096 |", "add_norm_h200.md"),
+)
+# fmt: on
+
+_BY_DEVICE: dict[tuple[str, str], tuple[Measured, ...]] = {}
+
+
+def _index() -> None:
+    _BY_DEVICE.clear()
+    for m in MEASURED:
+        _BY_DEVICE[m.device, m.scope] = (*_BY_DEVICE.get((m.device, m.scope), ()), m)
+
+
+_index()
+
+
+def rows_for(name: str, scope: str) -> tuple[Measured, ...]:
+    """The rows measured on the device called ``name`` (:func:`device_name`) in ``scope``."""
+    return _BY_DEVICE.get((name, scope), ())
+
+
+@functools.lru_cache(maxsize=64)
+def _cuda_name(index: int | None) -> str:
+    return torch.cuda.get_device_name(torch.cuda.current_device() if index is None else index)
+
+
+@torch.compiler.assume_constant_result
+def device_name(device: torch.device) -> str:
+    """The name the rows key a device on: ``"cpu"`` for the CPU, torch's name of a CUDA device
+    (``torch.cuda.get_device_name``, looked up once per device), else the device type. A constant to
+    ``torch.compile`` (the graph does not depend on it at run time)."""
+    if device.type == "cuda":
+        return _cuda_name(device.index)
+    return device.type
