@@ -197,74 +197,47 @@ def jit_launch(rows: int, hidden: int, calls: int, samples: int) -> list[dict]:
     stream) and its compiler replaced by a compiled kernel whose launch does nothing; per call, through
     ``kernel[grid](...)`` (``JITFunction.run``) and launched directly (``addnorm.ops.triton_direct``),
     timed in alternation (CPU time). What the stubbed mode leaves out: the launch's own Python."""
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.driver import driver
-    from triton.runtime.jit import JITFunction
+    from fake_launch import faked_launches
 
     from addnorm.ops import triton_launch as tl
 
-    class FakeDriver:
-        def get_current_device(self):
-            return 0
-
-        def get_current_stream(self, device):
-            return 0
-
-        def get_current_target(self):
-            return GPUTarget("cuda", 90, 32)
-
-    class NoOpCompiled:
-        function, packed_metadata = 0, ()
-
-        def launch_metadata(self, grid, stream, *args):
-            return None
-
-        def run(self, *args):
-            return None
-
-    def compile_nothing(self, key, signature, device, constexprs, options, attrs, warmup):
-        ck = self.device_caches[device][0][key] = NoOpCompiled()
-        return ck
-
-    driver.set_active(FakeDriver())
-    real_compile, JITFunction._do_compile = JITFunction._do_compile, compile_nothing
     direct_before = tl.DIRECT
-    try:
-        f32 = torch.float32
-        fwd = tl.fwd_spec(hidden, "layernorm", 1e-5, 1.0, 0.0, True, True, 0, True, f32, f32, "none").launch
-        bwd = tl.bwd_spec(
-            hidden, "layernorm", 1.0, 0.0, True, True, 0, True, 0, f32, f32, f32, False, 1e-5
-        ).launch
-        g = torch.Generator().manual_seed(0)
-        x, r, dy = (torch.randn(rows, hidden, generator=g) for _ in range(3))
-        w, b = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g)
-        s = torch.randn(rows, hidden, generator=g)
+    with faked_launches(0.0):
+        try:
+            f32 = torch.float32
+            fwd = tl.fwd_spec(
+                hidden, "layernorm", 1e-5, 1.0, 0.0, True, True, 0, True, f32, f32, "none"
+            ).launch
+            bwd = tl.bwd_spec(
+                hidden, "layernorm", 1.0, 0.0, True, True, 0, True, 0, f32, f32, f32, False, 1e-5
+            ).launch
+            g = torch.Generator().manual_seed(0)
+            x, r, dy = (torch.randn(rows, hidden, generator=g) for _ in range(3))
+            w, b = torch.randn(hidden, generator=g), torch.randn(hidden, generator=g)
+            s = torch.randn(rows, hidden, generator=g)
 
-        def call(launcher_call, direct):
-            def fn():
-                tl.DIRECT = direct
-                launcher_call()
+            def call(launcher_call, direct):
+                def fn():
+                    tl.DIRECT = direct
+                    launcher_call()
 
-            return fn
+                return fn
 
-        def fwd_call():
-            fwd(None, x, r, w, b)
+            def fwd_call():
+                fwd(None, x, r, w, b)
 
-        def bwd_call():
-            bwd(dy, None, s, None, None, w, b, None, None, None, s[:, 0])
+            def bwd_call():
+                bwd(dy, None, s, None, None, w, b, None, None, None, s[:, 0])
 
-        fns = {}
-        for name, c in (("forward launcher", fwd_call), ("backward launcher", bwd_call)):
-            fns[f"{name}, kernel[grid](...)"] = call(c, False)
-            fns[f"{name}, direct"] = call(c, True)
-        for fn in fns.values():
-            fn()
-        us = per_call_us(fns, calls, samples, clock="cpu")
-    finally:
-        JITFunction._do_compile = real_compile
-        with contextlib.suppress(RuntimeError):  # without a GPU there is no driver to go back to
-            driver.reset_active()
-        tl.DIRECT = direct_before
+            fns = {}
+            for name, c in (("forward launcher", fwd_call), ("backward launcher", bwd_call)):
+                fns[f"{name}, kernel[grid](...)"] = call(c, False)
+                fns[f"{name}, direct"] = call(c, True)
+            for fn in fns.values():
+                fn()
+            us = per_call_us(fns, calls, samples, clock="cpu")
+        finally:
+            tl.DIRECT = direct_before
     out = [{"case": k, "us": v} for k, v in us.items()]
     for r_ in out:
         print(f"{r_['case']:42s} {r_['us']:6.2f} us", flush=True)

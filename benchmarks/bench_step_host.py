@@ -68,20 +68,20 @@ _NO_KERNEL = frozenset(
 )
 
 
-def build(name: str, fused: bool) -> torch.nn.Module:
-    """Model ``name`` from seed 0, plain or fused."""
+def build(name: str, fused: bool, layers: int = LAYERS) -> torch.nn.Module:
+    """Model ``name`` of ``layers`` layers from seed 0, plain or fused."""
     torch.manual_seed(0)
     if name == "hf":
         import addnorm.hf as anhf
 
         model = anhf.tiny_model(
-            "llama", seed=0, layers=LAYERS, hidden=HIDDEN, heads=HEADS, vocab=VOCAB,
+            "llama", seed=0, layers=layers, hidden=HIDDEN, heads=HEADS, vocab=VOCAB,
             intermediate=4 * HIDDEN, positions=SEQ, num_key_value_heads=HEADS,
         )  # fmt: skip
         return anhf.fuse(model) if fused else model
     gelu = name == "lm-gelu"
     cfg = an.TransformerConfig(
-        d_model=HIDDEN, n_heads=HEADS, d_ff=4 * HIDDEN, n_layers=LAYERS, dropout=0.1 if gelu else 0.0,
+        d_model=HIDDEN, n_heads=HEADS, d_ff=4 * HIDDEN, n_layers=layers, dropout=0.1 if gelu else 0.0,
         activation="gelu" if gelu else "swiglu", norm="layernorm" if gelu else "rmsnorm", bias=gelu,
         placement="pre", max_len=SEQ,
     )  # fmt: skip
@@ -137,15 +137,15 @@ def aten_launches(step: Callable[[], None]) -> int:
     return count
 
 
-def measure(name: str, reps: int, warmup: int, rounds: int, launch_us: float) -> dict:
+def measure(name: str, reps: int, warmup: int, rounds: int, launch_us: float, layers: int = LAYERS) -> dict:
     """Plain and fused (the op forced wherever the model can fuse), interleaved; fused with the
     launches free and with ``launch_us`` each."""
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, VOCAB, (BATCH, SEQ + 1), generator=gen)
     with policy.fusion("always"):
         with faked_launches(0.0) as launches:
-            steps = {"plain": make_step(name, build(name, False), tokens)}
-            fused = make_step(name, build(name, True), tokens)
+            steps = {"plain": make_step(name, build(name, False, layers), tokens)}
+            fused = make_step(name, build(name, True, layers), tokens)
             steps["fused"] = fused
 
             def fused_costed() -> None:
@@ -178,6 +178,7 @@ def measure(name: str, reps: int, warmup: int, rounds: int, launch_us: float) ->
         "launches": {"plain": aten["plain"], "fused": aten["fused"] + triton_launches},
         "triton_launches": triton_launches,
         "launch_us": launch_us,
+        "layers": layers,
     }
 
 
@@ -192,7 +193,7 @@ def _timer(step: Callable[[], None]) -> Callable[[], float]:
     return timer
 
 
-def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int) -> str:
+def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, layers: int) -> str:
     launch_us = rows[0]["launch_us"]
     costed = f"fused, {launch_us:g} us a launch"
     lines = [
@@ -200,7 +201,7 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int) -> str:
         "",
         machine_line(machine),
         "",
-        f"{LAYERS} layers, hidden {HIDDEN}, {HEADS} heads, FFN {4 * HIDDEN}, vocab {VOCAB}, batch {BATCH} x "
+        f"{layers} layers, hidden {HIDDEN}, {HEADS} heads, FFN {4 * HIDDEN}, vocab {VOCAB}, batch {BATCH} x "
         f"seq {SEQ}, float32, one torch thread; step = forward + loss + backward + fused AdamW. Fused: "
         "the op's CUDA path (direct launch included) on CPU tensors, Triton's driver faked and each "
         f"kernel a launch that does no work, or that spins {launch_us:g} us (the modelled launch cost). "
@@ -233,18 +234,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--launch-us", type=float, default=4.0, help="modelled cost of one kernel launch")
+    parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--label", default=None, help="a note recorded with the run")
     add_out_argument(parser)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rows = []
     for name in args.models:
-        rows.append(measure(name, args.reps, args.warmup, args.rounds, args.launch_us))
+        rows.append(measure(name, args.reps, args.warmup, args.rounds, args.launch_us, args.layers))
         r = rows[-1]
         print(name, {k: round(v, 2) for k, v in r["cpu_ms"].items()}, r["python_calls"], r["launches"],
               file=sys.stderr, flush=True)  # fmt: skip
     machine = machine_info("cpu")
-    text = to_markdown(rows, machine, args.reps, args.rounds)
+    text = to_markdown(rows, machine, args.reps, args.rounds, args.layers)
     if args.label:
         text += f"\n{args.label}\n"
     print(text)

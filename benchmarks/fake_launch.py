@@ -30,7 +30,9 @@ def require_jit() -> None:
     import sys
 
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
-        raise RuntimeError("fake_launch: triton was imported with TRITON_INTERPRET=1; the real kernels are needed")
+        raise RuntimeError(
+            "fake_launch: triton was imported with TRITON_INTERPRET=1; the real kernels are needed"
+        )
     os.environ["TRITON_INTERPRET"] = "0"
 
 
@@ -45,19 +47,20 @@ class Launches:
         self.launch_s = launch_us * 1e-6
 
 
+_active: list[Launches] = []  # the innermost faked_launches block's counter
+
+
 class _NoOpCompiled:
-    """A compiled kernel whose launch does nothing but count (and spin for the modelled cost)."""
+    """A compiled kernel whose launch does nothing but count (and spin for the modelled cost) in the
+    active block's :class:`Launches` (Triton keeps compiled kernels across blocks)."""
 
     function, packed_metadata = 0, ()
-
-    def __init__(self, launches: Launches) -> None:
-        self.launches = launches
 
     def launch_metadata(self, grid, stream, *args):
         return None
 
     def run(self, *args):
-        launches = self.launches
+        launches = _active[-1]
         launches.count += 1
         if launches.launch_s:
             end = time.perf_counter() + launches.launch_s
@@ -94,7 +97,7 @@ def faked_launches(launch_us: float = 0.0) -> Iterator[Launches]:
             return GPUTarget("cuda", 90, 32)
 
     def compile_nothing(self, key, signature, device, constexprs, options, attrs, warmup):
-        ck = self.device_caches[device][0][key] = _NoOpCompiled(launches)
+        ck = self.device_caches[device][0][key] = _NoOpCompiled()
         return ck
 
     driver.set_active(FakeDriver())
@@ -107,9 +110,11 @@ def faked_launches(launch_us: float = 0.0) -> Iterator[Launches]:
     policy.read_backend_env()
     functional.clear_plans()
     tl.clear_caches()  # launch specs hold their direct launches' kernels
+    _active.append(launches)
     try:
         yield launches
     finally:
+        _active.pop()
         JITFunction._do_compile = real_compile
         policy.interpreting, tk.kernels_are_interpreted = real_interpreting, real_interpreted
         if env_backend is None:

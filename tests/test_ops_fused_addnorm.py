@@ -298,7 +298,9 @@ def test_fusion_asks_the_op_policy_with_the_stream_device_and_dropout(monkeypatc
             m.train(train)
             torch.manual_seed(6)
             outs.append(_outputs_and_grads(m, lambda m: m(tokens)))
-        assert asked == [(torch.device("cpu"), train, False, 2 * 7 * 16)] * 4  # 2 layers x 2 adds, fused model
+        assert (
+            asked == [(torch.device("cpu"), train, False, 2 * 7 * 16)] * 4
+        )  # 2 layers x 2 adds, fused model
         assert torch.equal(outs[0][0], outs[1][0])
         assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1], strict=True))
     assert count_prenorm == []

@@ -51,7 +51,9 @@ def test_each_measured_row_is_a_recorded_number_beyond_the_spread(row):
     assert row.scope in measured.SCOPES
 
 
-@pytest.mark.parametrize("row", [m for m in measured.MEASURED if m.slower], ids=lambda m: f"{m.device}-{m.source}")
+@pytest.mark.parametrize(
+    "row", [m for m in measured.MEASURED if m.slower], ids=lambda m: f"{m.device}-{m.source}"
+)
 def test_each_slower_row_covers_its_calls_and_no_narrower_smaller_or_other_ones(row, gpu_named):
     """At the row's bounds the eager ops are preferred; one column narrower (a row from a hidden size
     on) or one element more (a row up to a size) they are not, nor for another norm, placement,
@@ -69,7 +71,12 @@ def test_each_slower_row_covers_its_calls_and_no_narrower_smaller_or_other_ones(
     if row.max_numel is not None:
         assert policy.eager_faster(device, **{**call, "numel": row.max_numel + 1}) != row
     if row.norm is not None:
-        assert policy.eager_faster(device, **{**call, "norm": "rmsnorm" if row.norm == "layernorm" else "layernorm"}) != row
+        assert (
+            policy.eager_faster(
+                device, **{**call, "norm": "rmsnorm" if row.norm == "layernorm" else "layernorm"}
+            )
+            != row
+        )
     if row.prenorm is not None:
         assert policy.eager_faster(device, **{**call, "prenorm": not row.prenorm}) != row
     if row.dropout is not None:
@@ -86,7 +93,9 @@ def test_on_the_cpu_a_model_fuses_unless_a_recorded_step_ran_slower():
     no = policy.fusion_decision(torch.device("cpu"), dropout=True)
     assert not no.fuse and no.row.source == "host_overhead_cpu.md" and "1.06x slower" in no.why
     assert policy.fusion_decision("cpu", dropout=True, sharded=True).fuse
-    assert policy.fused_op_preferred("cpu", dropout=False) and not policy.fused_op_preferred("cpu", dropout=True)
+    assert policy.fused_op_preferred("cpu", dropout=False) and not policy.fused_op_preferred(
+        "cpu", dropout=True
+    )
 
 
 def test_on_a_gpu_a_model_fuses_only_where_that_gpu_ran_the_step_faster(gpu_named):
@@ -120,7 +129,9 @@ def test_set_fusion_overrides_the_measured_rule_and_is_checked(gpu_named):
         assert policy.fusion_decision("cpu", dropout=True).fuse
     with policy.fusion("never"):
         assert not policy.fusion_decision("cpu", dropout=False).fuse
-        assert policy.fusion_decision("cpu", dropout=False, sharded=True).fuse  # a DTensor stream needs the op
+        assert policy.fusion_decision(
+            "cpu", dropout=False, sharded=True
+        ).fuse  # a DTensor stream needs the op
     assert not policy.fusion_decision("cpu", dropout=True).fuse
     with pytest.raises(ValueError, match="mode: expected one of"):
         policy.set_fusion("sometimes")

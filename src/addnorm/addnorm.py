@@ -327,7 +327,10 @@ class AddNorm(nn.Module):
             and self.dropout_at == "branch"
             and self.omega is None
             and self._placement.gate in _OP_GATES
-            and (f.dtype is base.dtype or torch.promote_types(f.dtype, base.dtype) in (base.dtype, torch.float32))
+            and (
+                f.dtype is base.dtype
+                or torch.promote_types(f.dtype, base.dtype) in (base.dtype, torch.float32)
+            )
         ):
             return None
         dropout = self.training and self.dropout.p > 0

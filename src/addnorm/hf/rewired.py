@@ -13,8 +13,9 @@ object, same version counter: a forward pre-hook that edits it in place makes th
 norm itself), and otherwise computes its norm itself.
 
 The rewiring is a view of the model: every norm reads the parameters of the model's own norm module
-when it is called (:func:`addnorm.norms.reading`), never a copy taken earlier, so whatever replaces or moves them
-(``load_state_dict(assign=True)``, ``to_empty``, FSDP2's unshard and reshard, offload hooks) is seen.
+when it is called (:func:`addnorm.norms.reading`), never a copy taken earlier, so whatever replaces or
+moves them (``load_state_dict(assign=True)``, ``to_empty``, FSDP2's unshard and reshard, offload hooks)
+is seen.
 A layer hands N(s) over only where it may read the next norm's parameters itself: neither it nor the
 module owning that norm is managed by FSDP2 or an offload hook (each such module has its parameters
 only inside its own forward), and the parameters are plain tensors on the stream's device.
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch

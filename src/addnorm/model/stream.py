@@ -57,7 +57,9 @@ class HeldAdd:
         if op_norm(norm) is not None:
             point = conn.stream_out
             if not point.observed:  # nothing sees the point: s is all there is to hand on
-                return conn.add_then_norm(self.branch, self.residual, norm, prenorm=True, gate=self.gate)[::-1]
+                return conn.add_then_norm(self.branch, self.residual, norm, prenorm=True, gate=self.gate)[
+                    ::-1
+                ]
             # the op's own residual input: only the op reads it, so its gradient is alpha * dL/ds
             r = self.residual.view_as(self.residual)
             h, s = conn.add_then_norm(self.branch, r, norm, prenorm=True, gate=self.gate)

@@ -32,7 +32,6 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import torch
-
 from torch.compiler import is_compiling
 
 from .args import MAX_FUSED_HIDDEN, TRITON_DTYPES, interpreting
@@ -130,7 +129,10 @@ def resolve_backend(
         if backend == "auto":
             ok = device.type == "cuda" and triton_available()
             ok = ok and hidden <= MAX_FUSED_HIDDEN and all(d in TRITON_DTYPES for d in dtypes)
-            ok = ok and eager_faster(device, hidden=hidden, norm=norm, prenorm=prenorm, dropout=dropout) is None
+            ok = (
+                ok
+                and eager_faster(device, hidden=hidden, norm=norm, prenorm=prenorm, dropout=dropout) is None
+            )
             return "triton" if ok else "torch"
     if backend == "torch":
         return "torch"

@@ -1,0 +1,230 @@
+"""Where a training step's wall time goes, plain against fused: a torch profiler trace (CPU and CUDA
+activity, Python stacks) of a few steps of each run, and a table read from it
+(:mod:`trace_analysis`): wall time, GPU busy time and share, the longest GPU idle gaps and what the host
+was doing in them, kernel launches, host-device synchronisations, and the host time in addnorm's own
+Python. Issue 38: on the H200 the fused HF Llama step lost 17.8 ms to the plain one while its add & norm
+kernels saved GPU time; this is what lets a machine without a GPU read where from the trace.
+
+Runs (each built from one seed, two warmup steps, then ``--steps`` profiled steps, each step in a
+``record_function("addnorm.step")`` scope):
+
+- ``hf``: the Hugging Face Llama of ``bench_hf_step.py`` (GPU: 134M, hidden 768 x 12 layers, batch 8 x
+  seq 1024), untouched (``plain``) and ``addnorm.hf.fuse`` (``fused``);
+- ``lm``: addnorm's LM of ``bench_lm_step.py`` (GPU: d_model 1024 x 12 layers, LayerNorm + GELU, dropout
+  0.1), ``fused=False`` and the op wherever it can fuse (``set_fusion("always")``: what the default
+  does on a GPU where a step was measured faster fused);
+- ``hf-gpu-bound``: the HF Llama at hidden 2048, 4 layers, batch 1 x seq 4096, a step the GPU bounds
+  (its GPU-busy share says how far).
+
+On a GPU: bf16 autocast, fused AdamW. On the CPU (no GPU: the runs at toy sizes, the fused ones on the
+op's CUDA path with Triton's driver faked and no-op kernels, :mod:`fake_launch`), the same table
+without its GPU columns: the end-to-end check that the trace and its reading work.
+
+Writes ``step_trace_<device>.md`` / ``.json`` (the table and the records) and
+``step_trace_<device>.json.gz``, one Chrome trace of every run side by side (open it in Perfetto or
+chrome://tracing; Python frames kept for addnorm, the model and the benchmark), at most ``--max-mib``.
+
+    python benchmarks/bench_step_trace.py [--runs hf lm hf-gpu-bound] [--steps 2] [--out DIR | --record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gzip
+import json
+import os
+import re
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+from fake_launch import faked_launches, require_jit
+
+require_jit()  # the real JIT kernels (on the CPU the fused runs launch them through a faked driver)
+
+import torch  # noqa: E402
+from machine import device_slug, machine_info, machine_line, write_results  # noqa: E402
+from results_path import add_out_argument  # noqa: E402
+from trace_analysis import STEP_SCOPE, analyze, trim  # noqa: E402
+
+from addnorm.ops import policy  # noqa: E402
+
+RUNS = ("hf", "lm", "hf-gpu-bound")
+VARIANTS = {"hf": ("plain", "fused"), "lm": ("fused=False", "fused"), "hf-gpu-bound": ("plain", "fused")}
+
+
+def _hf_setup(run: str, gpu: bool):
+    import bench_hf_step as hf
+
+    if not gpu:
+        return replace(hf.CPU, layers=4, hidden=64, heads=4, kv_heads=4, intermediate=128, vocab=256, seq=32)
+    if run == "hf-gpu-bound":
+        return replace(
+            hf.GPU, hidden=2048, layers=4, heads=16, kv_heads=16, intermediate=5632, batch=1, seq=4096
+        )
+    return hf.GPU
+
+
+def build_step(run: str, variant: str, device: str) -> tuple[Callable[[], None], int]:
+    """One training step of ``run``'s ``variant`` on ``device`` and its tokens per step."""
+    gpu = device == "cuda"
+    if run.startswith("hf"):
+        import bench_hf_step as hf
+
+        setup = _hf_setup(run, gpu)
+        model = hf.build(variant, setup, torch.device(device))
+        timed = hf.make_step(model, hf.tokens_for(setup, torch.device(device)), gpu=gpu, compiled=False)
+        return (lambda: timed()), setup.batch * setup.seq
+    import bench_lm_step as lm
+
+    cfg = lm.GPU if gpu else lm.TINY
+    model = lm.build_lm(cfg, "pre", fused=variant == "fused", device=device)
+    tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), device=device)
+    return lm.make_step(model, tokens, cfg["vocab"], fused_adamw=gpu, autocast=gpu), cfg["batch"] * cfg["seq"]
+
+
+def trace_run(step: Callable[[], None], device: str, steps: int, warmup: int) -> dict:
+    """The Chrome trace (as loaded JSON) of ``steps`` profiled steps after ``warmup`` unprofiled ones."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        step()
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities, with_stack=True) as prof:
+        for _ in range(steps):
+            with record_function(STEP_SCOPE):
+                step()
+                sync()  # the step's GPU work inside its scope
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)
+
+
+def summarise(records: list[dict]) -> dict:
+    """The mean over the profiled steps (the gaps: the longest of any step)."""
+    out = {}
+    keys = ("wall_ms", "gpu_busy_ms", "gpu_busy_share", "launches", "syncs", "sync_ms", "copies", "copy_ms")
+    for key in (*keys, "python_ms", "addnorm_ms"):
+        values = [r[key] for r in records if r[key] is not None]
+        out[key] = sum(values) / len(values) if values else None
+    out["sync_names"] = sorted({n for r in records for n in r["sync_names"]})
+    out["gaps"] = sorted((g for r in records for g in r["gaps"]), key=lambda g: -g["ms"])[:3]
+    return out
+
+
+def run_all(runs: list[str], device: str, steps: int, warmup: int) -> tuple[list[dict], list[dict]]:
+    """Each run's variants traced in turn; (rows, the combined trace's events)."""
+    rows, events = [], []
+    for run in runs:
+        for variant in VARIANTS[run]:
+            fused_faked = device == "cpu" and variant == "fused"
+            ctx = faked_launches(0.0) if fused_faked else contextlib.nullcontext()
+            with ctx, policy.fusion("always" if variant == "fused" else "measured"):
+                t0 = time.monotonic()
+                step, tokens = build_step(run, variant, device)
+                trace = trace_run(step, device, steps, warmup)
+                del step
+            if device == "cuda":
+                torch.cuda.empty_cache()
+            records = analyze(trace)
+            row = {"run": run, "variant": variant, "tokens": tokens, "steps": records,
+                   **summarise(records), "seconds": time.monotonic() - t0}  # fmt: skip
+            row["tokens_per_s"] = tokens / row["wall_ms"] * 1e3 if row["wall_ms"] else None
+            rows.append(row)
+            events += trim(trace, f"{run} {variant}")
+            print(f"[{run} {variant}] {row['wall_ms']:.1f} ms/step, {row['seconds']:.0f} s", flush=True)
+    return rows, events
+
+
+def _fmt(v, spec: str) -> str:
+    return "n/a" if v is None else format(v, spec)
+
+
+def to_markdown(rows: list[dict], machine: dict, steps: int, trace_file: str, trace_note: str) -> str:
+    gpu = rows[0]["gpu_busy_ms"] is not None
+    lines = [
+        "# Where a training step's time goes: plain vs fused (torch profiler trace)",
+        "",
+        machine_line(machine),
+        "",
+        f"Each run: 2 warmup steps, then {steps} profiled steps (CPU{' and CUDA' if gpu else ''} activity, "
+        'Python stacks), each in a `record_function("addnorm.step")` scope; means per step. GPU busy: the '
+        "union of kernels, copies and memsets in the step; gaps: the longest stretches with nothing on the "
+        "GPU, and the innermost frames open on each host thread at their middle; launches: "
+        "`cudaLaunchKernel*` and `cuLaunchKernel*` calls; syncs: calls that make the host wait for the GPU "
+        "(`*Synchronize`, blocking `cudaMemcpy`); addnorm ms: host time in addnorm's own Python frames "
+        f"(self time). The trace: `{trace_file}`{trace_note}. Read with `benchmarks/trace_analysis.py`.",
+        "",
+        "| run | variant | wall ms/step | tokens/s | GPU busy ms | GPU busy | launches | syncs (ms) | "
+        "cudaMemcpyAsync (ms) | Python ms | addnorm Python ms |",
+        "| --- " * 11 + "|",
+    ]
+    for r in rows:
+        cells = [r["run"], r["variant"], _fmt(r["wall_ms"], ".2f"), _fmt(r["tokens_per_s"], ",.0f")]
+        cells += [_fmt(r["gpu_busy_ms"], ".2f"), _fmt(r["gpu_busy_share"], ".1%"), _fmt(r["launches"], ".0f")]
+        cells += [f"{_fmt(r['syncs'], '.0f')} ({_fmt(r['sync_ms'], '.2f')})"]
+        cells += [f"{_fmt(r['copies'], '.0f')} ({_fmt(r['copy_ms'], '.2f')})"]
+        cells += [_fmt(r["python_ms"], ".2f"), _fmt(r["addnorm_ms"], ".2f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    if gpu:
+        lines += ["", "## The longest GPU idle gaps, and what the host was doing", ""]
+        for r in rows:
+            lines.append(f"- **{r['run']} {r['variant']}** (syncs: {', '.join(r['sync_names']) or 'none'})")
+            for g in r["gaps"]:
+                lines.append(
+                    f"  - {g['ms']:.2f} ms at {g['at_ms']:.1f} ms into the step; {g['launches']} launches, "
+                    f"{g['syncs']} syncs inside; host: {'; '.join(g['host']) or 'nothing open'}"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def write_trace(events: list[dict], path: str, max_mib: float) -> str:
+    """Write the combined trace gzipped to ``path``; where it exceeds ``max_mib``, again with addnorm's
+    Python frames only, then with no Python frames. Returns a note on what it holds."""
+    keep_all = events
+    only_ours = [
+        e for e in events if e.get("cat") != "python_function" or re.search(r"addnorm[/\\]", e["name"])
+    ]
+    no_py = [e for e in events if e.get("cat") != "python_function"]
+    for kept, note in ((keep_all, ""), (only_ours, " (Python frames: addnorm's only, to fit)"),
+                       (no_py, " (no Python frames, to fit)")):  # fmt: skip
+        data = gzip.compress(json.dumps({"traceEvents": kept}).encode(), compresslevel=6)
+        if len(data) <= max_mib * 2**20 or kept is no_py:
+            with open(path, "wb") as f:
+                f.write(data)
+            return note + f", {len(data) / 2**20:.1f} MiB"
+    return ""
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", nargs="+", default=list(RUNS), choices=RUNS)
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--cpu", action="store_true", help="the CPU even where CUDA is present")
+    ap.add_argument("--max-mib", type=float, default=15.0, help="the largest trace file written")
+    add_out_argument(ap)
+    args = ap.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(1)
+    rows, events = run_all(args.runs, device, args.steps, args.warmup)
+    machine = machine_info(device)
+    slug = device_slug(machine["device"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    trace_file = f"step_trace_{slug}.json.gz"
+    note = write_trace(events, str(args.out / trace_file), args.max_mib)
+    text = to_markdown(rows, machine, args.steps, trace_file, note)
+    print(text)
+    write_results(args.out, f"step_trace_{slug}", text, {"machine": machine, "rows": rows})
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""The host-work benchmarks of issue 38 run end to end on the CPU: the trace reading
+(``benchmarks/trace_analysis.py``) against a trace whose answers are known by construction, the step
+trace (``bench_step_trace.py``) and the host-work proxy (``bench_step_host.py``) with the op's CUDA path
+on a faked Triton driver (``fake_launch.py``). The faked launches need Triton's real kernels, so those
+run in a process of their own (the tests' process has the interpreter's)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
+
+
+def _x(name, ts, dur, cat, tid=1, pid=1):
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat, "tid": tid, "pid": pid}
+
+
+def test_trace_reading_finds_busy_time_gaps_launches_syncs_and_addnorm_time(bench_module):
+    """A step of 1000 us: kernels at [100, 300) and [250, 400) (busy 300 us, merged), [800, 900); the
+    host launches twice, synchronises once (at 500-790, inside the 400-800 gap, under an addnorm frame
+    at 450-795 whose own time is 345 - 290 = 55 us); a kernel outside the step is not counted."""
+    ta = bench_module("trace_analysis")
+    events = [
+        _x(ta.STEP_SCOPE, 0, 1000, "user_annotation"),
+        _x("k1", 100, 200, "kernel", tid=7, pid=0),
+        _x("k2", 250, 150, "kernel", tid=7, pid=0),
+        _x("k3", 800, 100, "kernel", tid=7, pid=0),
+        _x("k_outside", 1500, 50, "kernel", tid=7, pid=0),
+        _x("cudaLaunchKernel", 50, 10, "cuda_runtime"),
+        _x("cuLaunchKernelEx", 700, 10, "cuda_driver"),
+        _x("addnorm/ops/functional.py(350): add_norm", 450, 345, "python_function"),
+        _x("cudaStreamSynchronize", 500, 290, "cuda_runtime"),
+        _x("torch/nn/modules/module.py(1): _call_impl", 0, 40, "python_function"),
+    ]
+    (rec,) = ta.analyze({"traceEvents": events}, gaps=2)
+    assert rec["wall_ms"] == pytest.approx(1.0)
+    assert rec["gpu_busy_ms"] == pytest.approx(0.4) and rec["gpu_busy_share"] == pytest.approx(0.4)
+    (g1, g2) = rec["gaps"]
+    assert (g1["ms"], g1["at_ms"]) == (pytest.approx(0.4), pytest.approx(0.4))  # 400-800
+    assert g1["syncs"] == 1 and g1["launches"] == 1
+    assert "add_norm > cudaStreamSynchronize" in g1["host"][0]
+    assert g2["ms"] == pytest.approx(0.1)  # 0-100 or 900-1000: 100 us each
+    assert rec["launches"] == 2 and rec["syncs"] == 1 and rec["sync_ms"] == pytest.approx(0.29)
+    assert rec["sync_names"] == ["cudaStreamSynchronize"]
+    assert rec["addnorm_ms"] == pytest.approx(0.055) and rec["python_ms"] == pytest.approx(0.095)
+    kept = ta.trim({"traceEvents": events}, "run A")
+    assert {e["pid"] for e in kept} == {"run A: 0", "run A: 1"}
+    assert not any("module.py" in e["name"] for e in kept)  # torch's plumbing frames dropped
+
+
+def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *args], cwd=BENCH.parent, env=env, capture_output=True,
+        text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the faked launches need triton")
+def test_step_trace_runs_on_the_cpu_and_writes_its_table_and_trace(tmp_path):
+    """Plain and fused HF Llama and LM steps traced on the CPU (the fused ones on the op's CUDA path,
+    launches faked): a row per run and variant, addnorm's own Python found in the fused runs' stacks,
+    and one trace file holding every run side by side."""
+    out = _run("bench_step_trace.py", "--cpu", "--runs", "hf", "lm", "--steps", "1", "--warmup", "1",
+               "--out", str(tmp_path))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads((tmp_path / "step_trace_cpu.json").read_text())["rows"]
+    assert [(r["run"], r["variant"]) for r in rows] == [
+        ("hf", "plain"),
+        ("hf", "fused"),
+        ("lm", "fused=False"),
+        ("lm", "fused"),
+    ]
+    by = {(r["run"], r["variant"]): r for r in rows}
+    assert by["hf", "plain"]["addnorm_ms"] == 0 and by["hf", "fused"]["addnorm_ms"] > 0
+    assert all(r["wall_ms"] > 0 and r["gpu_busy_ms"] is None for r in rows)
+    trace = json.loads(gzip.decompress((tmp_path / "step_trace_cpu.json.gz").read_bytes()))
+    labels = {str(e.get("pid")).split(":")[0] for e in trace["traceEvents"]}
+    assert {"hf plain", "hf fused", "lm fused=False", "lm fused"} <= labels
+    assert "| hf | fused |" in (tmp_path / "step_trace_cpu.md").read_text()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="the faked launches need triton")
+def test_host_work_proxy_runs_the_gpu_path_with_its_launches_counted(tmp_path):
+    """The proxy's fused steps launch the op's two kernels (forward, backward) per residual add: 4
+    layers, 8 adds, each fused with the norm that next reads the stream (the last with the final
+    norm; the HF model's first input norm runs unfused)."""
+    out = _run("bench_step_host.py", "--models", "hf", "lm-llama", "--layers", "4", "--reps", "2",
+               "--warmup", "1", "--rounds", "1", "--out", str(tmp_path))  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = {r["model"]: r for r in json.loads((tmp_path / "step_host_cpu.json").read_text())["results"]}
+    assert rows["hf"]["triton_launches"] == rows["lm-llama"]["triton_launches"] == 2 * (2 * 4)
+    for r in rows.values():
+        assert r["python_calls"]["fused"] > 0 and r["cpu_ms"]["plain"] > 0
+    assert "| Hugging Face Llama" in (tmp_path / "step_host_cpu.md").read_text()
