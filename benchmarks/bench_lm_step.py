@@ -9,16 +9,22 @@ vocab 32,000, batch 8 x seq 1024, bf16 autocast, fused AdamW):
 - ``llama``: a Llama-style LM, RMSNorm + SwiGLU (d_ff 2816, 8/3 d rounded up to 256), no biases, no
   dropout.
 
+Columns: ``fused=False`` (the unfused modules), ``default`` (the fusion policy's choice,
+``addnorm.ops.fusion_decision``: on a GPU the op only where a recorded step on that GPU ran faster fused),
+``fused`` (the op wherever the model can fuse, ``set_fusion("always")``: the measurement the policy's
+rows come from) and ``nn.TransformerEncoder`` (the same LM on torch's layers).
+
 Per (model, placement, mode) row: tokens/s of the median step (forward + cross-entropy + backward +
 AdamW) and, on a GPU, peak memory, in ``eager`` or ``compile`` (``torch.compile``; ``reduce-overhead``:
 CUDA graphs). Under ``torch.compile`` the op hands Inductor its traceable composite (the default) or the
-registered Triton kernels: ``--compile-paths both`` adds a column for the non-default one.
+registered Triton kernels: ``--compile-paths both`` adds a ``fused`` column for the non-default one.
 
 ``--profile``: the removable time (``step_profile.py``): the torch profiler over a few steps of the
 ``fused=False`` model, the time of the dropout, add and norm ops that the fused op replaces; the fused
 step's saving (fused=False step time - default step time) as a share of it ("realised"), and what the
-fused step still spends in add & norm. Issue 30's targets, per row: default >= 1.0x fused=False,
-realised >= 70%, peak memory <= fused=False's; on the CPU the default no slower than fused=False.
+fused step still spends in add & norm. Targets, per row: default no slower than fused=False beyond
+the runs' 2% spread; fused >= 1.05x fused=False eager on a GPU and >= 1.0x compiled (issue 38), realised
+>= 70%, peak memory <= fused=False's.
 
 ``--warm N``: before timing, the compiled cells are compiled in N processes at once (each builds its
 model, compiles it and runs one step, filling Inductor's and Triton's on-disk caches); the timed
@@ -68,7 +74,10 @@ MODELS = {
     "gelu": {"norm": "layernorm", "activation": "gelu", "bias": True, "dropout": 0.1},
     "llama": {"norm": "rmsnorm", "activation": "swiglu", "bias": False, "dropout": 0.0},
 }
-COLUMNS = ("nn.TransformerEncoder", "fused=False", "default")
+# "default": the policy's choice (addnorm.ops.fusion_decision: on a GPU the op only where a recorded step
+# on that GPU ran faster fused); "fused": the op wherever the model can fuse (set_fusion("always")),
+# the measurement the policy's rows are made from
+COLUMNS = ("nn.TransformerEncoder", "fused=False", "default", "fused")
 
 
 def llama_ff(d_model: int) -> int:
@@ -186,7 +195,8 @@ def _compile_path(column: str) -> str | None:
 
 def prepare(cfg, placement, mode, column, device, args) -> tuple[Callable[[], None], nn.Module]:
     """One (placement, mode, column) cell's training step, built (and compiled) from seed 0, run under
-    the column's compile path; and the (uncompiled) model it trains."""
+    the column's fusion (``fused``: everywhere the model can) and compile path; and the (uncompiled)
+    model it trains."""
     torch.manual_seed(0)
     path = _compile_path(column)
     if column == "nn.TransformerEncoder":
@@ -199,11 +209,12 @@ def prepare(cfg, placement, mode, column, device, args) -> tuple[Callable[[], No
     tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), device=device)
     gpu = device == "cuda"
     step = make_step(fwd, tokens, cfg["vocab"], fused_adamw=gpu, autocast=gpu and not args.fp32)
-    if path is None:
+    fusion = "always" if column.startswith("fused") and column != "fused=False" else "measured"
+    if path is None and fusion == "measured":
         return step, model
 
     def on_path() -> None:
-        with policy.using_compile_path(path):
+        with policy.using_compile_path(path or policy.compile_path()), policy.fusion(fusion):
             step()
 
     return on_path, model
@@ -230,10 +241,10 @@ def _profile(step, model, cfg, mode, device, args) -> dict:
 
 def run_cells(cfg, placement, mode, cols, device, args) -> dict:
     """tokens/s (and on a GPU peak memory) of every column of one row, and with ``--profile`` the
-    profile of the fused=False and default columns. On a GPU one column at a time (each model freed
+    profile of the fused=False and fused columns. On a GPU one column at a time (each model freed
     before the next, so peak memory is its own); on the CPU the columns' steps interleaved, so that
     load from other processes hits them alike."""
-    profiled = {"fused=False", "default"} if args.profile else set()
+    profiled = {"fused=False", "fused"} if args.profile else set()
     out: dict = {}
     if device == "cuda":
         for col in cols:
@@ -260,13 +271,14 @@ def run_cells(cfg, placement, mode, cols, device, args) -> dict:
 
 
 def realised(cells: dict) -> dict | None:
-    """The fused step's saving as a share of the unfused step's removable time (None unprofiled)."""
+    """The fused step's saving (the ``fused`` column: the op wherever the model can fuse) as a share of
+    the unfused step's removable time (None unprofiled)."""
     prof = cells.get("fused=False", {}).get("profile")
-    if prof is None or "default" not in cells:
+    if prof is None or "fused" not in cells:
         return None
-    saving_ms = (cells["fused=False"]["median_s"] - cells["default"]["median_s"]) * 1e3
+    saving_ms = (cells["fused=False"]["median_s"] - cells["fused"]["median_s"]) * 1e3
     removable = prof["removable_ms"]
-    fused_prof = cells["default"].get("profile") or {}
+    fused_prof = cells["fused"].get("profile") or {}
     remaining = sum(fused_prof.get("ms", {}).get(k, 0.0) for k in ("norm", "dropout", "add", "fused"))
     return {
         "removable_ms": removable,
@@ -281,9 +293,9 @@ def columns(args, model: str) -> list[str]:
     cols = [c for c in COLUMNS if c in args.columns]
     if model != "gelu":  # nn.TransformerEncoderLayer has LayerNorm and GELU/ReLU only
         cols = [c for c in cols if c != "nn.TransformerEncoder"]
-    if args.compile_paths == "both":
+    if args.compile_paths == "both" and "fused" in cols:
         other = "kernel" if policy.compile_path() == "composite" else "composite"
-        cols.append(f"default (compile path {other})")
+        cols.append(f"fused (compile path {other})")
     return cols
 
 
@@ -412,17 +424,23 @@ def run(args, on_row: Callable[[dict], None] | None = None) -> dict:
 
 
 def check_targets(report: dict) -> list[dict]:
-    """Per row: default / fused=False >= 1.0; on a GPU also default / nn.TransformerEncoder >= 1.0
-    (where that column ran), peak memory default <= fused=False, and with a profile the realised share
-    of the removable time >= 70%."""
+    """Per row: default / fused=False >= 0.98 (never slower than the unfused modules beyond the runs'
+    spread); fused / fused=False >= 1.05 eager on a GPU (issue 38), else >= 1.0; on a GPU also default /
+    nn.TransformerEncoder >= 1.0 (where that column ran), peak memory default <= fused=False, and with a
+    profile the realised share of the removable time >= 70%."""
     out = []
     gpu = report["device"] == "cuda"
     for r in report["rows"]:
         c = r["cells"]
         if "default" not in c or "fused=False" not in c:
             continue
-        d = c["default"]["tokens_per_s"]
-        checks = [("default / fused=False >= 1.0", d / c["fused=False"]["tokens_per_s"], 1.0, "{:.3f}x")]
+        d, unfused = c["default"]["tokens_per_s"], c["fused=False"]["tokens_per_s"]
+        checks = [("default / fused=False >= 0.98", d / unfused, 0.98, "{:.3f}x")]
+        if "fused" in c:
+            bound = 1.05 if r["mode"] == "eager" and gpu else 1.0
+            checks.append(
+                (f"fused / fused=False >= {bound}", c["fused"]["tokens_per_s"] / unfused, bound, "{:.3f}x")
+            )
         if gpu and "nn.TransformerEncoder" in c:
             te = d / c["nn.TransformerEncoder"]["tokens_per_s"]
             checks.append(("default / nn.TransformerEncoder >= 1.0", te, 1.0, "{:.3f}x"))
@@ -483,7 +501,7 @@ def to_markdown(report: dict) -> str:
     if report.get("note"):
         lines += [report["note"], ""]
     head = ["model", "placement", "mode"] + [f"{c} tokens/s" for c in cols] + ["default / fused=False"]
-    head += ["default / nn.TransformerEncoder"]
+    head += ["fused / fused=False", "default / nn.TransformerEncoder"]
     if gpu:
         head += [f"{c} peak MiB" for c in cols]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
@@ -491,8 +509,12 @@ def to_markdown(report: dict) -> str:
         c = r["cells"]
         cells = [r.get("model", "gelu"), r["placement"], r["mode"]]
         cells += [f"{c[k]['tokens_per_s']:,.0f}" if k in c else "-" for k in cols]
-        d = c["default"]["tokens_per_s"] if "default" in c else None
-        for other in ("fused=False", "nn.TransformerEncoder"):
+        for col, other in (
+            ("default", "fused=False"),
+            ("fused", "fused=False"),
+            ("default", "nn.TransformerEncoder"),
+        ):
+            d = c[col]["tokens_per_s"] if col in c else None
             cells.append(f"{d / c[other]['tokens_per_s']:.3f}x" if d and other in c else "-")
         if gpu:
             cells += [f"{c[k]['peak_mib']:,.0f}" if k in c else "-" for k in cols]
@@ -507,9 +529,9 @@ def to_markdown(report: dict) -> str:
             f"the norms, forward and backward ({'kernel time' if gpu else 'CPU time of the ops'}, mean of "
             f"{report['profile_steps']} profiled steps; how ops are classified: "
             "`benchmarks/step_profile.py`). "
-            "Saving: fused=False step time - default step time (the timed medians). Realised = saving / "
-            "removable. Remaining: what the default step still spends in add & norm (the fused op's kernels "
-            "included).",
+            "Saving: fused=False step time - fused step time (the timed medians; fused: the op wherever the "
+            "model can fuse). Realised = saving / removable. Remaining: what the fused step still spends in "
+            "add & norm (the fused op's kernels included).",
             "",
             "| model | placement | mode | removable ms/step | norm | dropout | add | saving ms/step "
             "| realised | remaining ms/step |",

@@ -75,7 +75,8 @@ def build_step(run: str, variant: str, device: str) -> tuple[Callable[[], None],
 
         setup = _hf_setup(run, gpu)
         model = hf.build(variant, setup, torch.device(device))
-        timed = hf.make_step(model, hf.tokens_for(setup, torch.device(device)), gpu=gpu, compiled=False)
+        tokens = hf.tokens_for(setup, torch.device(device))
+        timed = hf.make_step(model, tokens, gpu=gpu, compiled=False, variant=variant)
         return (lambda: timed()), setup.batch * setup.seq
     import bench_lm_step as lm
 

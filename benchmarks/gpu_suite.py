@@ -5,16 +5,21 @@ Steps in order, each a child process in its own process group with its own budge
 group when it runs over; the next step still runs):
 
 1. ``gpu_tests``: ``pytest -m gpu``, the tests that need CUDA;
-2. ``ops``: the op table (``bench_add_norm.py``: bf16, LayerNorm and RMSNorm, Pre-LN and Post-LN,
+2. ``trace``: where a training step's time goes (``bench_step_trace.py``): a torch profiler trace of two
+   steps each of the HF Llama plain / fused, the LM ``fused=False`` / fused and the GPU-bound HF Llama,
+   read into a table (GPU busy time and share, the longest GPU idle gaps and the host frames open in
+   them, launches, synchronisations, addnorm's own Python) and kept as one gzipped Chrome trace;
+3. ``ops``: the op table (``bench_add_norm.py``: bf16, LayerNorm and RMSNorm, Pre-LN and Post-LN,
    dropout 0 and 0.1, hidden 256 ... 16384; eager, torch.compile, Liger where it imports, addnorm; fwd
    and fwd+bwd as % of the same run's copy bandwidth), shapes compiled first in parallel processes and
    reps sized to the step's budget;
-3. ``host_overhead``: host time per call with real launches (``bench_host_overhead.py``);
-4. ``lm_step``: the two LMs (addnorm's LayerNorm + GELU with dropout 0.1, Llama-style RMSNorm + SwiGLU
-   without), Pre-LN, default vs ``fused=False``, eager and torch.compile, with the profiler's removable
+4. ``host_overhead``: host time per call with real launches (``bench_host_overhead.py``);
+5. ``lm_step``: the two LMs (addnorm's LayerNorm + GELU with dropout 0.1, Llama-style RMSNorm + SwiGLU
+   without), Pre-LN, the policy's default, ``fused=False`` and fused (the op wherever the model can),
+   eager and torch.compile (the fused model through each compile path), with the profiler's removable
    time and the share the fused step realises (``bench_lm_step.py``);
-5. ``hf_step``: the Hugging Face Llama step, plain / ``addnorm.hf.fuse`` / Liger, eager, with the
-   removable time (``bench_hf_step.py``).
+6. ``hf_step``: the Hugging Face Llama step at 134M and at a GPU-bound size, plain / ``addnorm.hf.fuse``
+   / Liger, eager, with the removable time (``bench_hf_step.py``).
 
 **Budgets.** Each step's limit is in ``plan()``; with ``STARTUP_S`` for the suite's own start (Python,
 torch, the device query, optional wheels) they sum to at most ``CALL_S`` = 480 s, and ``--dry-run``
@@ -27,7 +32,8 @@ machine, else ``benchmarks/results``), named by device (``add_norm_h100.md``, ``
 a table a step names ``_cuda`` / ``_gpu`` is renamed so), and rewrites the suite's own two files:
 ``gpu_suite_<device>.md`` (each step's budget, status, seconds and log tail; the GPU tests' result;
 which extras were not installed) and ``gpu_suite_<device>.json`` (that summary, and every file each
-step wrote, Markdown and JSON, by name). Six files in all, within what a device call returns (8 files).
+step wrote, Markdown and JSON, by name); the step trace's ``step_trace_<device>.json.gz`` is copied as it
+is (at most 15 MiB). Eight files in all, what a device call returns (8 files, 16 MiB each).
 ``--unpack gpu_suite_h100.json --out benchmarks/results`` writes the bundled files out to commit them.
 A step past its budget leaves one line in its table, "timed out after N s" (under the rows it
 finished, or alone); a missing extra (Liger, flash-attn, transformers, Triton) is one line, "not
@@ -71,7 +77,9 @@ sys.path.insert(0, str(BENCH))
 from results_path import RESULTS, commit_info  # noqa: E402
 
 CALL_S = 480  # one device call: 8 minutes
-STARTUP_S = 25  # the suite's own: Python and torch import, the device query, wheels, writing
+STARTUP_S = (
+    15  # the suite's own: Python and torch import, the device query, wheels, writing (5 s on the H200)
+)
 OUT_TOKEN = "{out}"  # replaced in a step's argv by its scratch folder
 
 
@@ -108,32 +116,43 @@ def plan(py: str = sys.executable) -> list[Step]:
             65, needs=("pytest",),
         ),
         Step(
+            "trace",
+            "where the step's time goes: torch profiler trace (CPU, CUDA, Python stacks) of 2 steps each of "
+            "HF Llama 134M plain/fused, the LM fused=False/fused and the GPU-bound HF Llama plain/fused: "
+            "GPU busy, idle gaps and the host frames in them, launches, syncs, addnorm's Python",
+            [py, f"{b}/bench_step_trace.py", "--runs", "hf", "lm", "hf-gpu-bound", "--steps", "2",
+             "--warmup", "2", "--out", OUT_TOKEN],
+            55, tables=("step_trace",), needs=("transformers",),
+        ),
+        Step(
             "ops",
             "op table: bf16, LayerNorm/RMSNorm, Pre-/Post-LN, dropout 0/0.1, hidden 256-16384; eager, "
             "torch.compile, Liger, addnorm; fwd and fwd+bwd vs copy",
-            [py, f"{b}/bench_add_norm.py", "--budget", "115", "--warm", "8", "--warm-timeout", "50",
+            [py, f"{b}/bench_add_norm.py", "--budget", "100", "--warm", "8", "--warm-timeout", "45",
              "--reps", "30", "--min-reps", "5", "--out", OUT_TOKEN],
-            135, tables=("add_norm",),
+            115, tables=("add_norm",),
         ),
         Step(
             "host_overhead", "host time per call with real launches",
-            [py, f"{b}/bench_host_overhead.py", "--label", "gpu", "--samples", "10", "--out", OUT_TOKEN],
-            35, tables=("host_overhead",),
+            [py, f"{b}/bench_host_overhead.py", "--label", "gpu", "--samples", "8", "--out", OUT_TOKEN],
+            25, tables=("host_overhead",),
         ),
         Step(
             "lm_step",
-            "LM step, Pre-LN: gelu (LayerNorm+GELU, dropout 0.1) and llama (RMSNorm+SwiGLU); default vs "
-            "fused=False; eager and torch.compile; removable time",
+            "LM step, Pre-LN: gelu (LayerNorm+GELU, dropout 0.1) and llama (RMSNorm+SwiGLU); default, "
+            "fused=False and fused (the op wherever the model can); eager and torch.compile, the fused "
+            "model compiled through each compile path; removable time",
             [py, f"{b}/bench_lm_step.py", "--models", "gelu", "llama", "--placements", "pre",
-             "--modes", "eager", "compile", "--columns", "default", "fused=False", "--compile-paths",
-             "default", "--steps", "6", "--warmup", "2", "--profile", "--profile-steps", "2",
-             "--warm", "4", "--warm-timeout", "70", "--out", OUT_TOKEN],
-            170, tables=("lm_step",),
+             "--modes", "eager", "compile", "--columns", "default", "fused=False", "fused", "--compile-paths",
+             "both", "--steps", "5", "--warmup", "2", "--profile", "--profile-steps", "2",
+             "--warm", "8", "--warm-timeout", "60", "--out", OUT_TOKEN],
+            140, tables=("lm_step",),
         ),
         Step(
-            "hf_step", "HF Llama 134M step: plain / addnorm.hf.fuse / Liger, eager; removable time",
-            [py, f"{b}/bench_hf_step.py", "--gpu", "--modes", "eager", "--reps", "8", "--warmup", "3",
-             "--profile", "--out", OUT_TOKEN],
+            "hf_step", "HF Llama step, 134M and GPU-bound (hidden 2048 x 4 layers, seq 4096): plain / "
+            "addnorm.hf.fuse / Liger, eager; removable time",
+            [py, f"{b}/bench_hf_step.py", "--gpu", "--setups", "134m", "gpu-bound", "--modes", "eager",
+             "--reps", "8", "--warmup", "3", "--profile", "--out", OUT_TOKEN],
             50, tables=("hf_step",), needs=("transformers",),
         ),
     ]
@@ -203,14 +222,27 @@ def status_line(step: Step) -> str:
     return "ok" if r.get("rc") == 0 else f"exit {r.get('rc')}"
 
 
-def collect(step: Step, scratch: Path, out: Path, slug: str, header: str, files: dict[str, str]) -> None:
-    """Copy the step's Markdown tables into ``out`` (named by device) and every file it wrote into
-    ``files``; a step that timed out, failed or was skipped says so in one line of each table it
-    owns (under the rows it finished, or alone in a table of its own)."""
+def collect(
+    step: Step,
+    scratch: Path,
+    out: Path,
+    slug: str,
+    header: str,
+    files: dict[str, str],
+    binaries: dict[str, int],
+) -> None:
+    """Copy the step's Markdown tables into ``out`` (named by device) and every text file it wrote into
+    ``files``; a compressed file (a trace, ``.gz``) is copied into ``out`` as it is and noted in
+    ``binaries`` (name: bytes), not bundled. A step that timed out, failed or was skipped says so in
+    one line of each table it owns (under the rows it finished, or alone in a table of its own)."""
     for path in sorted(scratch.glob("*")) if scratch.is_dir() else []:
         if not path.is_file():
             continue
         name = table_name(path.name, slug)
+        if path.suffix == ".gz":
+            shutil.copyfile(path, out / name)
+            binaries[name] = path.stat().st_size
+            continue
         files[name] = path.read_text()
         if path.suffix == ".md":
             shutil.copyfile(path, out / name)
@@ -238,6 +270,8 @@ def to_markdown(report: dict) -> str:
     ]
     for name, why in report.get("missing", {}).items():
         lines.append(f"- {name}: {why}")
+    for name, size in report.get("binaries", {}).items():
+        lines.append(f"- {name}: {size / 2**20:.1f} MiB, beside this file (not in the .json bundle)")
     lines += ["", "| step | what | status | seconds | budget |", "| --- | --- | --- | --- | --- |"]
     for s in report["steps"]:
         r = s["result"]
@@ -260,6 +294,7 @@ def run_suite(
     out.mkdir(parents=True, exist_ok=True)
     scratch_root = Path(tempfile.mkdtemp(prefix="addnorm-gpu-suite-"))
     files: dict[str, str] = {}
+    report["binaries"] = binaries = {}
     deadline = start + budget
     header = (
         f"Device: {report['device']}; torch {report['torch']}, Triton {report['triton']}; commit "
@@ -279,7 +314,7 @@ def run_suite(
             print(f"[{s.name}] <= {min(s.timeout_s, left):.0f} s: {s.what}", flush=True)
             s.result = run_step(s, env, min(s.timeout_s, left), scratch)
         print(f"[{s.name}] {status_line(s)} in {s.result.get('seconds', 0)} s", flush=True)
-        collect(s, scratch, out, slug, header, files)
+        collect(s, scratch, out, slug, header, files, binaries)
         report["steps"][i] = asdict(s)
         report["seconds"] = time.monotonic() - start
         summary = to_markdown(report)

@@ -140,11 +140,13 @@ def test_lm_step_benchmark_runs_on_tiny_shapes(bench_module, tmp_path):
     ]
     for r in report["rows"]:
         # nn.TransformerEncoderLayer has no RMSNorm / SwiGLU: no such column for the Llama-style LM
-        expected = {"fused=False", "default"} | ({"nn.TransformerEncoder"} if r["model"] == "gelu" else set())
+        expected = {"fused=False", "default", "fused"}
+        expected |= {"nn.TransformerEncoder"} if r["model"] == "gelu" else set()
         assert set(r["cells"]) == expected
         assert all(c["tokens_per_s"] > 0 for c in r["cells"].values())
     md = (tmp_path / "lm_step_cpu.md").read_text()
     assert "## Targets" in md and "default / fused=False" in md and "RMSNorm + SwiGLU, d_ff 96" in md
+    assert "fused / fused=False" in md
 
 
 def test_lm_step_warm_compiles_each_compiled_cell_in_its_own_process(bench_module, monkeypatch, tmp_path):
@@ -394,9 +396,10 @@ def test_stubbed_launches_run_no_kernel_and_the_path_still_returns_its_outputs(b
 
 
 def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module, monkeypatch, capsys):
-    """make gpu-bench's plan: the GPU tests, the op table, host time, the LM steps and the HF step, with
-    budgets that sum, with the suite's start-up, to at most one 8-minute device call; every flag it
-    passes exists in its script; a dry run starts no process; --only keeps the steps named."""
+    """make gpu-bench's plan: the GPU tests, the step trace, the op table, host time, the LM steps and the
+    HF step (with its GPU-bound setup), with budgets that sum, with the suite's start-up, to at most one
+    8-minute device call; every flag it passes exists in its script; a dry run starts no process; --only
+    keeps the steps named."""
     import subprocess
 
     suite = bench_module("gpu_suite")
@@ -409,15 +412,17 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     assert suite.main(["--dry-run"]) == 0
     out = capsys.readouterr().out
     steps = suite.plan()
-    assert [s.name for s in steps] == ["gpu_tests", "ops", "host_overhead", "lm_step", "hf_step"]
+    names = [s.name for s in steps]
+    assert names == ["gpu_tests", "trace", "ops", "host_overhead", "lm_step", "hf_step"]
     assert suite.CALL_S == 480 and suite.STARTUP_S + sum(s.timeout_s for s in steps) <= suite.CALL_S
     assert all(f"[{s.name}] <= {s.timeout_s} s" in out for s in steps) and "nothing run" in out
     assert steps[0].argv[2:5] == ["pytest", "-m", "gpu"]
-    ops, lm, hf = steps[1].argv, steps[3].argv, steps[4].argv
+    trace, ops, lm, hf = (steps[names.index(n)].argv for n in ("trace", "ops", "lm_step", "hf_step"))
     # the inner budget of the op table leaves its process time to start and write before its limit
-    assert float(ops[ops.index("--budget") + 1]) < steps[1].timeout_s - 10
-    assert {"gelu", "llama", "eager", "compile", "--profile"} <= set(lm)
-    assert "--gpu" in hf and "--profile" in hf
+    assert float(ops[ops.index("--budget") + 1]) < steps[names.index("ops")].timeout_s - 10
+    assert {"gelu", "llama", "eager", "compile", "--profile", "fused", "both"} <= set(lm)
+    assert "--gpu" in hf and "--profile" in hf and "gpu-bound" in hf
+    assert {"hf", "lm", "hf-gpu-bound"} <= set(trace)
     for s in steps[1:]:
         source = Path(s.argv[1]).read_text()
         flags = [a for a in s.argv[2:] if a.startswith("--")]
@@ -428,7 +433,7 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     assert "[ops]" in out and "[hf_step]" in out and "[lm_step]" not in out
     with pytest.raises(SystemExit, match="--only: expected step names"):
         suite.main(["--dry-run", "--only", "nope"])
-    with pytest.raises(SystemExit, match="--budget: the plan needs 480 s, more than the budget of 300 s"):
+    with pytest.raises(SystemExit, match="--budget: the plan needs 465 s, more than the budget of 300 s"):
         suite.main(["--dry-run", "--budget", "300"])
 
 
@@ -514,6 +519,25 @@ def test_gpu_suite_writes_to_out_env_and_names_tables_by_device(bench_module, mo
         "a100",
     )
     assert slug("cpu") == "cpu"
+
+
+def test_gpu_suite_copies_a_step_s_trace_as_it_is_and_bundles_its_tables(bench_module, tmp_path):
+    """A step's Markdown goes to the output folder and into the bundle; its gzipped trace is copied byte
+    for byte beside them and noted, never read as text into the bundle."""
+    suite = bench_module("gpu_suite")
+    scratch, out = tmp_path / "scratch", tmp_path / "out"
+    scratch.mkdir()
+    out.mkdir()
+    (scratch / "step_trace_h200.md").write_text("# table\n")
+    blob = bytes(range(256)) * 3
+    (scratch / "step_trace_h200.json.gz").write_bytes(blob)
+    step = suite.Step("trace", "what", [], 10, tables=("step_trace",))
+    step.result = {"rc": 0}
+    files, binaries = {}, {}
+    suite.collect(step, scratch, out, "h200", "header", files, binaries)
+    assert set(files) == {"step_trace_h200.md"} and binaries == {"step_trace_h200.json.gz": len(blob)}
+    assert (out / "step_trace_h200.json.gz").read_bytes() == blob
+    assert (out / "step_trace_h200.md").read_text() == "# table\n"
 
 
 def test_commit_is_the_given_one_then_the_file_then_git(bench_module, monkeypatch, tmp_path):
