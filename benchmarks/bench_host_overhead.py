@@ -202,7 +202,7 @@ def jit_launch(rows: int, hidden: int, calls: int, samples: int) -> list[dict]:
     from addnorm.ops import triton_launch as tl
 
     direct_before = tl.DIRECT
-    with faked_launches(0.0):
+    with faked_launches():
         try:
             f32 = torch.float32
             fwd = tl.fwd_spec(
@@ -281,6 +281,22 @@ def op_cases(hidden: int, backend: str = "auto") -> dict[str, tuple[Callable, Ca
     }
 
 
+def _idle_hooks_passed(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the direct launch handing Triton's empty launch-hook chains and their metadata to
+    every launch, as ``JITFunction.run`` does (``triton_direct.SKIP_IDLE_HOOKS`` False: the previous
+    variant, timed beside the default)."""
+    from addnorm.ops import triton_direct
+
+    def timed() -> object:
+        triton_direct.SKIP_IDLE_HOOKS = False
+        try:
+            return fn()
+        finally:
+            triton_direct.SKIP_IDLE_HOOKS = True
+
+    return timed
+
+
 def bench_ops(
     rows: int,
     hidden: int,
@@ -322,6 +338,8 @@ def bench_ops(
                 sync()
 
             fns[f"{impl} fwd"], fns[f"{impl} fwd+bwd"] = fwd, fwd_bwd
+        if device == "cuda" and "fused fwd+bwd" in fns:  # the direct launch's previous variant beside it
+            fns["fused fwd+bwd, idle hooks passed"] = _idle_hooks_passed(fns["fused fwd+bwd"])
         both = per_call_us(fns, calls, samples, clock="both")
         us = {k: v[1 if clock == "cpu" else 0] for k, v in both.items()}
         dropout = "dropout" in name
@@ -329,9 +347,11 @@ def bench_ops(
             f, e = f"fused {phase}", f"eager {phase}"
             ratio = us[f] / us[e]
             target = targets[phase][dropout]
+            previous = us.get(f"{f}, idle hooks passed")
             out.append(
                 {
                     "case": f"{name} {phase}",
+                    **({"fused_idle_hooks_passed_us": previous} if previous is not None else {}),
                     "clock": clock,
                     "fused_us": us[f],
                     "eager_us": us[e],
@@ -453,6 +473,19 @@ def to_markdown(report: dict, header: list[str] = HEADER) -> str:
                 f"| <= {r['target']}x | {'yes' if r['met'] else 'NO'} |"
                 + (f" {r['wall_ratio']:.2f}x | {r['cpu_ratio']:.2f}x |" if both else "")
             )
+        previous = [r for r in run["ops"] if "fused_idle_hooks_passed_us" in r]
+        if previous:
+            lines += [
+                "",
+                "The direct launch's previous variant (Triton's empty launch-hook chains and their "
+                "metadata handed to every launch, `triton_direct.SKIP_IDLE_HOOKS = False`), timed beside:",
+                "",
+            ]
+            lines += [
+                f"- {r['case']}: {r['fused_idle_hooks_passed_us']:.1f} us against {r['fused_us']:.1f} us"
+                for r in previous
+            ]
+            lines.append("")
         s = run.get("lm_step")
         if s is None:
             lines.append("")

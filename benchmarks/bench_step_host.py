@@ -8,10 +8,11 @@ it can fuse, whatever the device policy says). The fused one runs the op's CUDA 
 Triton's driver faked, every kernel "compiled" to a launch that does no work
 (:mod:`fake_launch`), so what is left of a fused call is the Python, autograd and allocations of
 ``add_norm``'s eager Triton path, its direct launch included. The plain step's torch ops compute on
-tensors so small (batch 1 x seq 16, hidden 64) that their CPU kernels cost about what a GPU launch
-does; the fused step's launches are modelled as ``--launch-us`` of CPU time each (spun in the faked
-launch; the H200 table gives no launch cost apart from the Python around it, so 0 and the default are
-both shown: ``launches`` says how many a step makes, for any other cost).
+tensors so small (batch 1 x seq 16, hidden 64) that their compute is next to nothing. On a GPU each
+kernel launch costs the host more than a CPU op's dispatch: the modelled host work per step is the CPU
+time plus ``launches`` x L, the same L for every launch of either step, L taken from the H200's table
+(:func:`modelled_launch_us`: what the H200's host spent on an eager add + LayerNorm beyond what this CPU
+spends on the same call, per launch; ``--launch-us`` gives another).
 
 Per step (one torch thread, AdamW fused as on a GPU, steps interleaved, medians, best of ``--rounds``):
 
@@ -19,11 +20,12 @@ Per step (one torch thread, AdamW fused as on a GPU, steps interleaved, medians,
 - ``Python calls``: cProfile's count of function calls in one step (torch's Python included): host
   work that does not depend on the machine at all;
 - ``launches``: kernels a GPU would launch: the aten ops that run a kernel (the torch profiler's
-  top-level ops, views and allocations left out) plus the fused op's Triton launches.
+  top-level ops, views and allocations left out) plus the fused op's Triton launches;
+- ``host work``: CPU ms + launches x L.
 
-Targets (issue 38): fused / plain CPU time <= 0.9 for the HF family, <= 1.0 for addnorm's LM.
+Targets (issue 38): fused / plain host work <= 0.9 for the HF family, <= 1.0 for addnorm's LM.
 
-    python benchmarks/bench_step_host.py [--models hf lm-gelu lm-llama] [--reps 40] [--launch-us 4]
+    python benchmarks/bench_step_host.py [--models hf lm-gelu lm-llama] [--reps 40] [--launch-us L]
         [--out DIR | --record]
 """
 
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
 import os
 import pstats
 import statistics
@@ -45,7 +48,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from machine import machine_info, machine_line, write_results  # noqa: E402
-from results_path import add_out_argument  # noqa: E402
+from results_path import RESULTS, add_out_argument  # noqa: E402
 from timing import interleaved  # noqa: E402
 
 import addnorm as an  # noqa: E402
@@ -66,6 +69,35 @@ _NO_KERNEL = frozenset(
     "_has_compatible_shallow_copy_type is_same_size size stride numel dim result_type to set_ "
     "_local_scalar_dense item promote_types".split()
 )
+
+
+H200_TABLE = "host_overhead_h200.json"
+EAGER_CASES = {"layernorm fwd": 2, "layernorm prenorm fwd": 2}  # case: its kernels (the add, the norm)
+
+
+def modelled_launch_us(samples: int = 5) -> tuple[float, str]:
+    """L, the host cost of one kernel launch on the H200, from its table (``host_overhead_h200.json``):
+    an eager add + LayerNorm forward (two launches, 8 x 64 fp32, inputs requiring grad) took e us a call
+    there, the same call on CPU tensors takes c us of this process's CPU time here; L = min over the
+    cases of (e - c) / 2: what the H200's host spent beyond this CPU's own work, per launch (an upper
+    bound where the H200's host runs Python slower than this CPU). Returns L and how it was found."""
+    import bench_host_overhead as bho
+
+    rows = json.loads((RESULTS / H200_TABLE).read_text())["runs"]["gpu"]["ops"]
+    there = {r["case"]: r["eager_us"] for r in rows if r["case"] in EAGER_CASES}
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(8, 64, generator=g).requires_grad_(True) for _ in range(2))
+    w, b = (torch.randn(64, generator=g).requires_grad_(True) for _ in range(2))
+    cases = bho.op_cases(64)
+    fns = {case: (lambda eager=cases[case.removesuffix(" fwd")][1]: eager(x, r, w, b)) for case in there}
+    here = bho.per_call_us(fns, 200, samples, clock="cpu")
+    per_case = {c: (there[c] - here[c]) / EAGER_CASES[c] for c in there}
+    case = min(per_case, key=per_case.get)
+    how = (
+        f"L = {per_case[case]:.1f} us: the H200 ran an eager `{case}` (8 x 64, {EAGER_CASES[case]} launches) "
+        f"in {there[case]:.1f} us a call ({H200_TABLE}), this CPU in {here[case]:.1f} us"
+    )
+    return max(per_case[case], 0.0), how
 
 
 def build(name: str, fused: bool, layers: int = LAYERS) -> torch.nn.Module:
@@ -137,49 +169,41 @@ def aten_launches(step: Callable[[], None]) -> int:
     return count
 
 
-def measure(name: str, reps: int, warmup: int, rounds: int, launch_us: float, layers: int = LAYERS) -> dict:
-    """Plain and fused (the op forced wherever the model can fuse), interleaved; fused with the
-    launches free and with ``launch_us`` each."""
+def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS) -> dict:
+    """Plain and fused (the op forced wherever the model can fuse), interleaved: CPU ms per step (the
+    median of ``reps``, best of ``rounds``), Python calls and kernel launches of one step."""
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    with policy.fusion("always"):
-        with faked_launches(0.0) as launches:
-            steps = {"plain": make_step(name, build(name, False, layers), tokens)}
-            fused = make_step(name, build(name, True, layers), tokens)
-            steps["fused"] = fused
-
-            def fused_costed() -> None:
-                launches.launch_s = launch_us * 1e-6
-                try:
-                    fused()
-                finally:
-                    launches.launch_s = 0.0
-
-            steps[f"fused, {launch_us:g} us a launch"] = fused_costed
-            for step in steps.values():
-                step()
-            launches.count = 0
-            fused()
-            triton_launches = launches.count
-            calls = {k: python_calls(steps[k]) for k in ("plain", "fused")}
-            aten = {k: aten_launches(steps[k]) for k in ("plain", "fused")}
-            timers = {k: _timer(s) for k, s in steps.items()}
-            cpu_rounds: dict[str, list[float]] = {k: [] for k in steps}
-            for _ in range(rounds):
-                _, cpu = interleaved(timers, reps, warmup)
-                for k, v in cpu.items():
-                    cpu_rounds[k].append(statistics.median(v) * 1e3)
-    cpu_ms = {k: min(v) for k, v in cpu_rounds.items()}
+    with policy.fusion("always"), faked_launches() as launches:
+        steps = {"plain": make_step(name, build(name, False, layers), tokens)}
+        steps["fused"] = make_step(name, build(name, True, layers), tokens)
+        for step in steps.values():
+            step()
+        launches.count = 0
+        steps["fused"]()
+        triton_launches = launches.count
+        calls = {k: python_calls(s) for k, s in steps.items()}
+        aten = {k: aten_launches(s) for k, s in steps.items()}
+        timers = {k: _timer(s) for k, s in steps.items()}
+        cpu_rounds: dict[str, list[float]] = {k: [] for k in steps}
+        for _ in range(rounds):
+            _, cpu = interleaved(timers, reps, warmup)
+            for k, v in cpu.items():
+                cpu_rounds[k].append(statistics.median(v) * 1e3)
     return {
         "model": name,
-        "cpu_ms": cpu_ms,
+        "cpu_ms": {k: min(v) for k, v in cpu_rounds.items()},
         "cpu_rounds_ms": cpu_rounds,
         "python_calls": calls,
         "launches": {"plain": aten["plain"], "fused": aten["fused"] + triton_launches},
         "triton_launches": triton_launches,
-        "launch_us": launch_us,
         "layers": layers,
     }
+
+
+def host_work(row: dict, launch_us: float) -> dict[str, float]:
+    """Modelled host work per step (ms): CPU time + launches x ``launch_us``."""
+    return {k: row["cpu_ms"][k] + row["launches"][k] * launch_us / 1e3 for k in ("plain", "fused")}
 
 
 def _timer(step: Callable[[], None]) -> Callable[[], float]:
@@ -193,36 +217,38 @@ def _timer(step: Callable[[], None]) -> Callable[[], float]:
     return timer
 
 
-def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, layers: int) -> str:
-    launch_us = rows[0]["launch_us"]
-    costed = f"fused, {launch_us:g} us a launch"
+def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_us: float, how: str) -> str:
+    layers = rows[0]["layers"]
     lines = [
         "# Host work per training step, plain vs fused: the GPU path's Python on the CPU",
         "",
         machine_line(machine),
         "",
         f"{layers} layers, hidden {HIDDEN}, {HEADS} heads, FFN {4 * HIDDEN}, vocab {VOCAB}, batch {BATCH} x "
-        f"seq {SEQ}, float32, one torch thread; step = forward + loss + backward + fused AdamW. Fused: "
-        "the op's CUDA path (direct launch included) on CPU tensors, Triton's driver faked and each "
-        f"kernel a launch that does no work, or that spins {launch_us:g} us (the modelled launch cost). "
-        f"CPU ms: median of {reps} interleaved steps, best of {rounds} rounds. Python calls: cProfile's "
-        "count in one step. Launches: kernels a GPU would launch (aten ops that run a kernel, plus the "
-        "op's Triton launches). Target (issue 38): fused / plain CPU time <= 0.9 (HF), <= 1.0 (LM).",
+        f"seq {SEQ}, float32, one torch thread; step = forward + loss + backward + fused AdamW. Fused: the "
+        "op wherever the model can fuse, on its CUDA path (direct launch included) on CPU tensors, "
+        "Triton's driver faked and each kernel a launch that does no work. CPU ms: this process's CPU "
+        f"time, median of {reps} interleaved steps, best of {rounds} rounds. Python calls: cProfile's count "
+        "in one step. Launches: kernels a GPU would launch (aten ops that run a kernel, plus the op's Triton "
+        f"launches). Host work: CPU ms + launches x L, L = {launch_us:.1f} us a launch ({how}). Target "
+        "(issue 38): fused / plain host work <= 0.9 (HF), <= 1.0 (LM).",
         "",
-        "| model | plain CPU ms | fused CPU ms | fused / plain | "
-        f"{costed} / plain | target | met | plain Python calls | fused Python calls | calls ratio "
-        "| plain launches | fused launches |",
-        "| --- " * 13 + "|",
+        "| model | plain CPU ms | fused CPU ms | CPU fused / plain | plain launches | fused launches | "
+        "plain host work ms | fused host work ms | host work fused / plain | target | met | plain Python "
+        "calls | fused Python calls | calls fused / plain |",
+        "| --- " * 14 + "|",
     ]
     for r in rows:
         c, calls, la = r["cpu_ms"], r["python_calls"], r["launches"]
-        ratio, ratio_costed = c["fused"] / c["plain"], c[costed] / c["plain"]
+        work = host_work(r, launch_us)
+        ratio = work["fused"] / work["plain"]
         target = TARGETS[r["model"]]
         lines.append(
-            f"| {MODELS[r['model']]} | {c['plain']:.2f} | {c['fused']:.2f} | {ratio:.3f}x | "
-            f"{ratio_costed:.3f}x | <= {target} | {'yes' if ratio_costed <= target else 'NO'} | "
-            f"{calls['plain']} | {calls['fused']} | {calls['fused'] / calls['plain']:.3f}x | {la['plain']} | "
-            f"{la['fused']} |"
+            f"| {MODELS[r['model']]} | {c['plain']:.2f} | {c['fused']:.2f} | "
+            f"{c['fused'] / c['plain']:.3f}x | "
+            f"{la['plain']} | {la['fused']} | {work['plain']:.2f} | {work['fused']:.2f} | {ratio:.3f}x | "
+            f"<= {target} | {'yes' if ratio <= target else 'NO'} | {calls['plain']} | {calls['fused']} | "
+            f"{calls['fused'] / calls['plain']:.3f}x |"
         )
     return "\n".join(lines) + "\n"
 
@@ -233,7 +259,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--launch-us", type=float, default=4.0, help="modelled cost of one kernel launch")
+    parser.add_argument(
+        "--launch-us", type=float, default=None, help="host cost of one launch (default: H200's)"
+    )
     parser.add_argument("--layers", type=int, default=LAYERS)
     parser.add_argument("--label", default=None, help="a note recorded with the run")
     add_out_argument(parser)
@@ -241,16 +269,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     torch.set_num_threads(1)
     rows = []
     for name in args.models:
-        rows.append(measure(name, args.reps, args.warmup, args.rounds, args.launch_us, args.layers))
+        rows.append(measure(name, args.reps, args.warmup, args.rounds, args.layers))
         r = rows[-1]
         print(name, {k: round(v, 2) for k, v in r["cpu_ms"].items()}, r["python_calls"], r["launches"],
               file=sys.stderr, flush=True)  # fmt: skip
     machine = machine_info("cpu")
-    text = to_markdown(rows, machine, args.reps, args.rounds, args.layers)
+    if args.launch_us is None:
+        launch_us, how = modelled_launch_us()
+    else:
+        launch_us, how = args.launch_us, "given"
+    text = to_markdown(rows, machine, args.reps, args.rounds, launch_us, how)
     if args.label:
         text += f"\n{args.label}\n"
     print(text)
-    write_results(args.out, "step_host_cpu", text, {"machine": machine, "results": rows, "label": args.label})
+    payload = {
+        "machine": machine,
+        "results": rows,
+        "launch_us": launch_us,
+        "launch_how": how,
+        "label": args.label,
+    }
+    write_results(args.out, "step_host_cpu", text, payload)
     return rows
 
 

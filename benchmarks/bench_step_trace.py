@@ -125,7 +125,7 @@ def run_all(runs: list[str], device: str, steps: int, warmup: int) -> tuple[list
     for run in runs:
         for variant in VARIANTS[run]:
             fused_faked = device == "cpu" and variant == "fused"
-            ctx = faked_launches(0.0) if fused_faked else contextlib.nullcontext()
+            ctx = faked_launches() if fused_faked else contextlib.nullcontext()
             with ctx, policy.fusion("always" if variant == "fused" else "measured"):
                 t0 = time.monotonic()
                 step, tokens = build_step(run, variant, device)

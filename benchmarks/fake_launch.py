@@ -1,15 +1,15 @@
 """The GPU path's launches on a machine without a GPU: Triton's driver faked, its compiler replaced by a
-kernel whose launch does no work (or spins for a modelled launch cost), and addnorm's op told that the
+kernel whose launch does no work (it counts), and addnorm's op told that the
 Triton backend may run on CPU tensors. What remains is the Python and the autograd of the GPU path
 exactly as it runs on CUDA: the real ``JITFunction`` kernels, their binder and kernel cache on a first
 call, then :mod:`addnorm.ops.triton_direct`'s direct launch of the "compiled" kernel.
 
 The benchmarks use it to count and time host work (``bench_host_overhead.py --jit-launch``,
-``bench_step_host.py``); nothing in the library knows it. It needs the real kernels, so Triton must not
-run in its interpreter: ``TRITON_INTERPRET`` unset or ``0`` before triton is imported
-(:func:`require_jit`).
+``bench_step_host.py``, ``bench_step_trace.py`` on the CPU); nothing in the library knows it. It needs
+the real kernels, so Triton must not run in its interpreter: ``TRITON_INTERPRET`` unset or ``0`` before
+triton is imported (:func:`require_jit`).
 
-    with faked_launches(launch_us=4.0) as launches:
+    with faked_launches() as launches:
         step()
     launches.count   # kernels launched in the block
 """
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 from collections.abc import Iterator
 
 __all__ = ["Launches", "faked_launches", "require_jit"]
@@ -37,22 +36,20 @@ def require_jit() -> None:
 
 
 class Launches:
-    """What the faked kernels were asked to do: ``count`` launches; each spins ``launch_us``
-    microseconds of this process's time (the modelled cost of the driver's launch)."""
+    """What the faked kernels were asked to do: ``count`` launches."""
 
-    __slots__ = ("count", "launch_s")
+    __slots__ = ("count",)
 
-    def __init__(self, launch_us: float) -> None:
+    def __init__(self) -> None:
         self.count = 0
-        self.launch_s = launch_us * 1e-6
 
 
 _active: list[Launches] = []  # the innermost faked_launches block's counter
 
 
 class _NoOpCompiled:
-    """A compiled kernel whose launch does nothing but count (and spin for the modelled cost) in the
-    active block's :class:`Launches` (Triton keeps compiled kernels across blocks)."""
+    """A compiled kernel whose launch does nothing but count in the active block's :class:`Launches`
+    (Triton keeps compiled kernels across blocks)."""
 
     function, packed_metadata = 0, ()
 
@@ -60,16 +57,11 @@ class _NoOpCompiled:
         return None
 
     def run(self, *args):
-        launches = _active[-1]
-        launches.count += 1
-        if launches.launch_s:
-            end = time.perf_counter() + launches.launch_s
-            while time.perf_counter() < end:
-                pass
+        _active[-1].count += 1
 
 
 @contextlib.contextmanager
-def faked_launches(launch_us: float = 0.0) -> Iterator[Launches]:
+def faked_launches() -> Iterator[Launches]:
     """Inside the block: Triton's active driver is a fake one (device 0, stream 0, an sm_90 target),
     every JIT kernel "compiles" to :class:`_NoOpCompiled`, and ``addnorm.ops`` takes the Triton backend
     for CPU tensors as its ``auto`` backend does for CUDA ones (``ADDNORM_BACKEND=triton``, and the
@@ -84,7 +76,7 @@ def faked_launches(launch_us: float = 0.0) -> Iterator[Launches]:
     from addnorm.ops import triton_kernels as tk
     from addnorm.ops import triton_launch as tl
 
-    launches = Launches(launch_us)
+    launches = Launches()
 
     class FakeDriver:
         def get_current_device(self):

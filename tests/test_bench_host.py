@@ -67,8 +67,8 @@ def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedPro
 @pytest.mark.skipif(not HAS_TRITON, reason="the faked launches need triton")
 def test_step_trace_runs_on_the_cpu_and_writes_its_table_and_trace(tmp_path):
     """Plain and fused HF Llama and LM steps traced on the CPU (the fused ones on the op's CUDA path,
-    launches faked): a row per run and variant, addnorm's own Python found in the fused runs' stacks,
-    and one trace file holding every run side by side."""
+    launches faked): a row per run and variant, addnorm's own Python found in the fused runs' stacks
+    (far more than in the plain ones), and one trace file holding every run side by side."""
     out = _run("bench_step_trace.py", "--cpu", "--runs", "hf", "lm", "--steps", "1", "--warmup", "1",
                "--out", str(tmp_path))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
@@ -80,7 +80,8 @@ def test_step_trace_runs_on_the_cpu_and_writes_its_table_and_trace(tmp_path):
         ("lm", "fused"),
     ]
     by = {(r["run"], r["variant"]): r for r in rows}
-    assert by["hf", "plain"]["addnorm_ms"] == 0 and by["hf", "fused"]["addnorm_ms"] > 0
+    # the plain step's addnorm frames are the benchmark's fusion switch only
+    assert by["hf", "fused"]["addnorm_ms"] > 10 * by["hf", "plain"]["addnorm_ms"]
     assert all(r["wall_ms"] > 0 and r["gpu_busy_ms"] is None for r in rows)
     trace = json.loads(gzip.decompress((tmp_path / "step_trace_cpu.json.gz").read_bytes()))
     labels = {str(e.get("pid")).split(":")[0] for e in trace["traceEvents"]}

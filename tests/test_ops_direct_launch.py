@@ -26,6 +26,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
+from triton import knobs
 
 from addnorm.ops import triton_direct, triton_launch as L  # before run() is counted: read from its source
 
@@ -70,14 +71,27 @@ def same(a, b):  # two launches' arguments: equal, tensors alike (outputs are ne
         else:
             assert u == v, (u, v)
 
+def same_launch(via_run, direct):
+    # run() hands every launch the metadata and the hook knobs (an empty chain when no profiler adds to
+    # it); the direct launch hands none where no hook would run (the launch then calls nothing more),
+    # and otherwise the same arguments
+    assert list(direct[6:9]) == [None, None, None] and via_run[6] is not None
+    same(via_run[:6] + via_run[9:], direct[:6] + direct[9:])
+
 out = {}
 y, s, _, _ = fwd(None, x, r, w, b)  # through run(): Triton compiles (records) and launches
 fwd(None, x, r, w, b)  # direct: no run()
 (ck,) = compiled
 assert runs == ["_add_norm_fwd_kernel"] and len(ck.launches) == 2
-same(ck.launches[0], ck.launches[1])
+same_launch(ck.launches[0], ck.launches[1])
 assert ck.launches[1][0] == 1 and ck.launches[1][3] == 1234  # one program; the current stream
 assert ck.launches[1][9] is x and ck.launches[1][10] is r  # the inputs, the kernel's first arguments
+seen = []
+knobs.runtime.launch_enter_hook.add(hook := seen.append)  # a profiler's hook: metadata and hooks passed
+fwd(None, x, r, w, b)
+assert ck.launches[2][6] == ("metadata of", (1,), 1234, len(ck.launches[2]) - 9)
+assert ck.launches[2][7] is knobs.runtime.launch_enter_hook
+knobs.runtime.launch_enter_hook.remove(hook)
 fwd(None, x[:1], r[:1], w, b)  # one row: another specialisation (an integer 1), through run() again
 x_off = torch.randn(8 * 64 + 1, generator=g)[1:].view(8, 64)  # 4 bytes off 16-byte alignment
 fwd(None, x_off, r, w, b)  # unaligned: run() every time
@@ -89,7 +103,7 @@ out["fwd compiled"] = len(compiled)
 dy = torch.randn(8, 64, generator=g)
 bwd(dy, None, s, None, None, w, b, None, None, None, torch.empty(8))
 bwd(dy, None, s, None, None, w, b, None, None, None, torch.empty(8))
-same(compiled[-1].launches[0], compiled[-1].launches[1])
+same_launch(compiled[-1].launches[0], compiled[-1].launches[1])
 out["bwd runs"] = len(runs) - out["fwd runs"]
 out["bwd launches"] = len(compiled[-1].launches)
 print(out)

@@ -9,8 +9,9 @@ launcher. On a CPU with the driver faked (``benchmarks/bench_host_overhead.py --
 knows which of them can change the specialisation from call to call (the dtypes and 16-byte alignment
 of the tensors it is given, the class of its varying integers: 1, a multiple of 16, 64-bit), keys the
 compiled kernels on those, and launches the one ``run`` returned for the first such call with the
-arguments ``run`` would pass it (all of the kernel's parameters, its defaults included, the launch
-metadata and the launch hooks).
+arguments ``run`` would pass it (all of the kernel's parameters, its defaults included), and the launch
+hooks and their metadata only where a hook would run (:data:`SKIP_IDLE_HOOKS`: Triton 3.5+ hands every
+launch an empty hook chain and builds metadata for it, two Python calls and a dictionary per launch).
 
 Engaged only where this Triton's ``run`` launches that way (:data:`SUPPORTED`, read once from its
 source), for ``JITFunction`` kernels (never the interpreter's, never a benchmark's stub) without
@@ -46,6 +47,24 @@ def _run_launches_directly() -> bool:
 
 
 SUPPORTED = _run_launches_directly()
+
+
+try:  # Triton 3.5+: the launch-hook knobs hold a chain of hooks, empty until a profiler (Proton) adds one
+    from triton.knobs import HookChain
+except ImportError:  # an older Triton: a hook or None
+    HookChain = None
+
+
+# hand the launch no hook (and so no metadata) where the knob's hook would do nothing; False: pass the
+# knobs and the metadata as JITFunction.run does (the previous launch, which the GPU suite's host-time
+# step times beside this one: bench_host_overhead.py)
+SKIP_IDLE_HOOKS = True
+
+
+def _active_hook(hook):
+    """A launch hook as the launch needs it: None for none and for an empty chain, which the launch
+    would call to do nothing."""
+    return None if hook is None or (type(hook) is HookChain and not hook.calls) else hook
 
 
 def defaults_of(kernel) -> tuple:
@@ -94,8 +113,12 @@ class DirectLaunch:
         stream = active.get_current_stream(device)
         full = (*args, *self.defaults)
         runtime = knobs.runtime
+        enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+        if SKIP_IDLE_HOOKS:
+            enter, exit_ = _active_hook(enter), _active_hook(exit_)
+        # the metadata is only ever handed to the hooks: made only where one runs
+        meta = None if enter is None and exit_ is None else ck.launch_metadata(grid, stream, *full)
         ck.run(
-            grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, ck.function, ck.packed_metadata,
-            ck.launch_metadata(grid, stream, *full), runtime.launch_enter_hook, runtime.launch_exit_hook,
-            *full,
+            grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, ck.function, ck.packed_metadata, meta, enter,
+            exit_, *full,
         )  # fmt: skip
