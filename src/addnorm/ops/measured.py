@@ -114,16 +114,10 @@ MEASURED = (
 )
 # fmt: on
 
+# the rows by (device name, scope)
 _BY_DEVICE: dict[tuple[str, str], tuple[Measured, ...]] = {}
-
-
-def _index() -> None:
-    _BY_DEVICE.clear()
-    for m in MEASURED:
-        _BY_DEVICE[m.device, m.scope] = (*_BY_DEVICE.get((m.device, m.scope), ()), m)
-
-
-_index()
+for _m in MEASURED:
+    _BY_DEVICE[_m.device, _m.scope] = (*_BY_DEVICE.get((_m.device, _m.scope), ()), _m)
 
 
 def rows_for(name: str, scope: str) -> tuple[Measured, ...]:
@@ -132,8 +126,13 @@ def rows_for(name: str, scope: str) -> tuple[Measured, ...]:
 
 
 @functools.lru_cache(maxsize=64)
+def _name_of(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
 def _cuda_name(index: int | None) -> str:
-    return torch.cuda.get_device_name(torch.cuda.current_device() if index is None else index)
+    """The name of CUDA device ``index`` (None: the current device), looked up once per device."""
+    return _name_of(torch.cuda.current_device() if index is None else index)
 
 
 @torch.compiler.assume_constant_result
