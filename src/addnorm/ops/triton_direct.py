@@ -24,21 +24,26 @@ from __future__ import annotations
 
 import inspect
 
+from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
+
+try:  # Triton 3.4+ (an older one launches through kernel[grid](...): SUPPORTED is False)
+    from triton import knobs
+except ImportError:
+    knobs = None
 
 __all__ = ["SUPPORTED", "DirectLaunch", "defaults_of", "int_kind"]
 
 
 def _run_launches_directly() -> bool:
-    """Whether ``JITFunction.run`` launches a compiled kernel as :meth:`DirectLaunch.__call__` does."""
+    """Whether ``JITFunction.run`` launches a compiled kernel as :meth:`DirectLaunch.launch` does."""
     try:
         src = inspect.getsource(JITFunction.run)
-        from triton import knobs
-        from triton.runtime.driver import driver
-    except (ImportError, OSError, TypeError):
+    except (OSError, TypeError):
         return False
     return (
-        "kernel.launch_metadata(grid, stream, *bound_args.values())" in src
+        knobs is not None
+        and "kernel.launch_metadata(grid, stream, *bound_args.values())" in src
         and "kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata," in src
         and "knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, *bound_args.values())" in src
         and hasattr(knobs, "runtime")
@@ -93,9 +98,6 @@ class DirectLaunch:
         self.defaults = defaults  # the kernel's trailing parameters' defaults, which run() passes too
 
     def launch(self, kernel, key, grid: tuple, args: tuple, options: dict) -> None:
-        from triton import knobs
-        from triton.runtime.driver import driver
-
         active = driver.active
         device = active.get_current_device()
         ck = self.compiled.get((device, key))

@@ -207,10 +207,6 @@ def _ptr_bits(*tensors) -> int:
     return bits & 15
 
 
-def _dtype(t: Tensor | None) -> torch.dtype | None:
-    return None if t is None else t.dtype
-
-
 def param_grads(
     dw: Tensor | None, db: Tensor | None, dg: Tensor | None, summed: bool, weight, bias, gate
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
@@ -318,7 +314,11 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
                 and stride_x == stride_r == n
                 and not _ptr_bits(x, residual, weight, bias, gate, seed)
             ):
-                key = (x_dtype, residual.dtype, _dtype(weight), _dtype(bias), _dtype(gate), int_kind(rows))
+                key = (  # dtypes inline: a helper call each would cost more than the test
+                    x_dtype, residual.dtype, None if weight is None else weight.dtype,
+                    None if bias is None else bias.dtype, None if gate is None else gate.dtype,
+                    int_kind(rows),
+                )  # fmt: skip
                 args = (
                     x,
                     residual,
@@ -428,9 +428,11 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
                 and stride_r in (0, n)
                 and not _ptr_bits(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd)
             ):
-                key = (
-                    dy_dtype, _dtype(ds), _dtype(saved), _dtype(x), _dtype(residual), _dtype(weight),
-                    _dtype(bias), _dtype(gate), int_kind(rows), int_kind(per_program),
+                key = (  # dtypes inline: a helper call each would cost more than the test
+                    dy_dtype, None if ds is None else ds.dtype, None if saved is None else saved.dtype,
+                    None if x is None else x.dtype, None if residual is None else residual.dtype,
+                    None if weight is None else weight.dtype, None if bias is None else bias.dtype,
+                    None if gate is None else gate.dtype, int_kind(rows), int_kind(per_program),
                 )  # fmt: skip
                 args = (
                     dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part,
