@@ -21,7 +21,9 @@ Per step (one torch thread, AdamW fused as on a GPU, steps interleaved, medians,
   work that does not depend on the machine at all;
 - ``launches``: kernels a GPU would launch: the aten ops that run a kernel (the torch profiler's
   top-level ops, views and allocations left out) plus the fused op's Triton launches;
-- ``host work``: CPU ms + launches x L.
+- ``host work``: CPU ms + launches x L;
+- with ``--instructions``, instructions per step as valgrind's callgrind counts them (each variant in
+  a process of its own, only the steps counted): the same number whatever else the machine runs.
 
 Targets (issue 38): fused / plain host work <= 0.9 for the HF family, <= 1.0 for addnorm's LM.
 
@@ -201,6 +203,74 @@ def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS
     }
 
 
+def instructions(name: str, layers: int, steps: int = 5) -> dict[str, float]:
+    """Instructions per step (plain, fused) as valgrind's callgrind counts them: each variant in a
+    process of its own under callgrind, its counters zeroed after the warmup steps and dumped after
+    ``steps`` more (``callgrind_control``), so imports and building are not counted. The same count for
+    the same code and inputs whatever else the machine is doing: the host work that CPU time measures
+    only as well as the machine is quiet."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
+        raise SystemExit("--instructions: needs valgrind (callgrind and callgrind_control)")
+    out = {}
+    for variant in ("plain", "fused"):
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+            argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.%p", sys.executable,
+                    __file__, "--child", name, variant, str(layers), str(steps), tmp]  # fmt: skip
+            proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+            _reached(proc, f"{tmp}/warm", variant)
+            subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
+            open(f"{tmp}/go", "w").close()
+            _reached(proc, f"{tmp}/done", variant)
+            subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+            open(f"{tmp}/exit", "w").close()
+            proc.wait()
+            (dump,) = [f for f in os.listdir(tmp) if f.startswith("cg.") and f.endswith(".1")]
+            with open(f"{tmp}/{dump}") as f:
+                summary = next(line for line in f if line.startswith("summary:"))
+            out[variant] = int(summary.split()[1]) / steps
+    return out
+
+
+def _reached(proc, mark: str, variant: str) -> None:
+    """Wait until the child under callgrind writes ``mark`` (a clear error if it died first)."""
+    import time
+
+    while not os.path.exists(mark):
+        if proc.poll() is not None:
+            raise RuntimeError(f"--instructions: the {variant} child exited ({proc.returncode})")
+        time.sleep(0.5)
+
+
+def _child(name: str, variant: str, layers: int, steps: int, folder: str) -> None:
+    """``--instructions``' child: build, warm up, then ``steps`` steps between the files that tell the
+    controller to zero and to dump callgrind's counters."""
+    import time
+
+    def wait(mark: str) -> None:
+        while not os.path.exists(f"{folder}/{mark}"):
+            time.sleep(0.2)
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    with policy.fusion("always"), faked_launches():
+        step = make_step(name, build(name, variant == "fused", layers), tokens)
+        for _ in range(3):
+            step()
+        open(f"{folder}/warm", "w").close()
+        wait("go")
+        for _ in range(steps):
+            step()
+        open(f"{folder}/done", "w").close()
+        wait("exit")
+
+
 def host_work(row: dict, launch_us: float) -> dict[str, float]:
     """Modelled host work per step (ms): CPU time + launches x ``launch_us``."""
     return {k: row["cpu_ms"][k] + row["launches"][k] * launch_us / 1e3 for k in ("plain", "fused")}
@@ -250,6 +320,30 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
             f"<= {target} | {'yes' if ratio <= target else 'NO'} | {calls['plain']} | {calls['fused']} | "
             f"{calls['fused'] / calls['plain']:.3f}x |"
         )
+    counted = [r for r in rows if r.get("instructions")]
+    if counted:
+        lines += [
+            "",
+            "## Instructions per step (valgrind's callgrind; the same count whatever the machine's load)",
+            "",
+            "Each variant in its own process under callgrind, counters zeroed after 3 warmup steps, 5 steps "
+            "counted. Host work in instructions: instructions + launches x L x r, r = the plain step's "
+            "instructions per us of its CPU time above.",
+            "",
+            "| model | plain M instr/step | fused M instr/step | fused / plain | host work fused / plain | "
+            "target | met |",
+            "| --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in counted:
+            ins, la = r["instructions"], r["launches"]
+            rate = ins["plain"] / (r["cpu_ms"]["plain"] * 1e3)
+            work = {k: ins[k] + la[k] * launch_us * rate for k in ins}
+            ratio, target = work["fused"] / work["plain"], TARGETS[r["model"]]
+            lines.append(
+                f"| {MODELS[r['model']]} | {ins['plain'] / 1e6:.1f} | {ins['fused'] / 1e6:.1f} | "
+                f"{ins['fused'] / ins['plain']:.3f}x | {ratio:.3f}x | <= {target} | "
+                f"{'yes' if ratio <= target else 'NO'} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -263,13 +357,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "--launch-us", type=float, default=None, help="host cost of one launch (default: H200's)"
     )
     parser.add_argument("--layers", type=int, default=LAYERS)
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="also count instructions per step under valgrind (minutes)",
+    )
+    parser.add_argument("--child", nargs=5, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--label", default=None, help="a note recorded with the run")
     add_out_argument(parser)
     args = parser.parse_args(argv)
+    if args.child:
+        name, variant, layers, steps, folder = args.child
+        _child(name, variant, int(layers), int(steps), folder)
+        return []
     torch.set_num_threads(1)
     rows = []
     for name in args.models:
         rows.append(measure(name, args.reps, args.warmup, args.rounds, args.layers))
+        if args.instructions:
+            rows[-1]["instructions"] = instructions(name, args.layers)
         r = rows[-1]
         print(name, {k: round(v, 2) for k, v in r["cpu_ms"].items()}, r["python_calls"], r["launches"],
               file=sys.stderr, flush=True)  # fmt: skip
