@@ -519,10 +519,10 @@ def test_gpu_suite_writes_to_out_env_and_names_tables_by_device(bench_module, mo
 def test_commit_is_the_given_one_then_the_file_then_git(bench_module, monkeypatch, tmp_path):
     rp = bench_module("results_path")
     monkeypatch.setattr(rp, "COMMIT_FILE", tmp_path / ".commit")
-    monkeypatch.setenv("ADDNORM_BENCH_COMMIT", "abc1234")
-    monkeypatch.setenv("ADDNORM_BENCH_COMMIT_SOURCE", "--commit")
+    monkeypatch.setenv("ADDNORM_COMMIT", "abc1234")
+    monkeypatch.setenv("ADDNORM_COMMIT_SOURCE", "--commit")
     assert rp.commit_info() == ("abc1234", "--commit")
-    monkeypatch.delenv("ADDNORM_BENCH_COMMIT")
+    monkeypatch.delenv("ADDNORM_COMMIT")
     (tmp_path / ".commit").write_text("def5678\n")
     assert rp.commit_info() == ("def5678", "benchmarks/.commit")
     (tmp_path / ".commit").unlink()
