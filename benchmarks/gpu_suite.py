@@ -376,14 +376,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print("dry run: nothing run")
         return 0
+    sys.path.insert(0, str(ROOT / "src"))  # addnorm's commit and provenance; PYTHONPATH=src or not
     commit, source = (args.commit, "--commit") if args.commit else commit_info()
-    sys.path.insert(0, str(ROOT / "src"))  # machine reads addnorm's provenance; PYTHONPATH=src or not
     import torch
     from machine import device_slug, package_version
 
     if not torch.cuda.is_available():
         raise SystemExit("gpu_suite: no CUDA device (--dry-run shows the plan)")
-    env = dict(os.environ, ADDNORM_BENCH_COMMIT=commit, ADDNORM_BENCH_COMMIT_SOURCE=source)
+    env = dict(os.environ, ADDNORM_COMMIT=commit, ADDNORM_COMMIT_SOURCE=source)
     paths = [str(ROOT / "src")]
     wheels = "none"
     if args.wheels.is_dir():

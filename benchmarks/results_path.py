@@ -7,19 +7,17 @@ overwrite them. Every benchmark that writes results takes its output folder from
   ``--record`` (write ``benchmarks/results/`` when no ``--out`` is given);
 - ``add_record_argument(parser)`` and ``out_dir(args)`` for scripts with no ``--out``.
 
-Each result names the commit of the code that ran: the tree's HEAD at run time (``commit_info``), found
-in this order: the environment variable ``ADDNORM_BENCH_COMMIT`` (``gpu_suite.py`` sets it for its
-steps, with ``ADDNORM_BENCH_COMMIT_SOURCE``), the file ``benchmarks/.commit`` (written before a device
-call, whose copy of the tree may have no ``.git``: ``git rev-parse HEAD > benchmarks/.commit``), then
-``git rev-parse HEAD`` (``+dirty`` when tracked files differ from it). No torch import here: the GPU
-suite's dry run reads it.
+Each result names the commit of the code that ran (``commit_info``): ``addnorm.commit.commit_of`` for
+this tree, the one source of truth the study's provenance reads too: the environment variable
+``ADDNORM_COMMIT`` (``gpu_suite.py`` sets it for its steps, with ``ADDNORM_COMMIT_SOURCE``), the file
+``benchmarks/.commit`` (written before a device call, whose copy of the tree may have no ``.git``: ``git
+rev-parse HEAD > benchmarks/.commit``), then ``git rev-parse HEAD`` (``+dirty`` when tracked files differ
+from it). No torch import here: the GPU suite's dry run reads it.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
 from pathlib import Path
 
 __all__ = ["RESULTS", "SCRATCH", "add_out_argument", "add_record_argument", "commit_info", "out_dir"]
@@ -28,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SCRATCH = RESULTS / "scratch"
 COMMIT_FILE = ROOT / "benchmarks" / ".commit"
-COMMIT_ENV = "ADDNORM_BENCH_COMMIT"
 
 
 class _Record(argparse.Action):
@@ -65,24 +62,13 @@ def out_dir(args: argparse.Namespace) -> Path:
 
 
 def commit_info() -> tuple[str, str]:
-    """(commit, where it came from) of the code this process runs: ``$ADDNORM_BENCH_COMMIT``, then
-    ``benchmarks/.commit``, then ``git rev-parse HEAD`` (``+dirty`` with uncommitted tracked changes);
-    ("unknown", why) when none answers."""
-    env = os.environ.get(COMMIT_ENV, "").strip()
-    if env:
-        return env, os.environ.get(COMMIT_ENV + "_SOURCE", "").strip() or f"${COMMIT_ENV}"
-    if COMMIT_FILE.is_file():
-        text = COMMIT_FILE.read_text().strip()
-        if text:
-            return text.split()[0], "benchmarks/.commit"
-    why = "no --commit, no benchmarks/.commit, and"
-    try:
-        git = {"cwd": ROOT, "capture_output": True, "text": True, "timeout": 10}
-        head = subprocess.run(["git", "rev-parse", "HEAD"], **git)
-        if head.returncode != 0 or not head.stdout.strip():
-            return "unknown", f"{why} no git history in this copy of the tree"
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], **git)
-        dirty = "+dirty" if status.stdout.strip() else ""
-        return head.stdout.strip()[:12] + dirty, "git rev-parse HEAD"
-    except (OSError, subprocess.TimeoutExpired):
-        return "unknown", f"{why} no git"
+    """(commit, where it came from) of the code this process runs (see the module docstring): the
+    commit's first 12 digits (``+dirty`` with uncommitted tracked changes), or ("unknown", why)."""
+    from addnorm.commit import commit_of
+
+    found = commit_of(ROOT, COMMIT_FILE)
+    if found.sha is None:
+        return "unknown", found.source
+    if found.source == "git rev-parse HEAD":
+        return found.sha[:12] + ("+dirty" if found.dirty else ""), found.source
+    return found.sha, found.source

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from addnorm.study import Store, load_spec, parse_spec
 from addnorm.study.cli import register
-from addnorm.study.runner import StudyProgress
+from addnorm.study.progress import StudyProgress
 from addnorm.study.spec import spec_keys_markdown
 from addnorm.train import RunConfig, RunResult
 
@@ -41,9 +41,9 @@ def write_spec(tmp_path, **sweep):
     return path
 
 
-def test_register_adds_study_report_export():
+def test_register_adds_study_report_export_compare():
     names = {c.name for c in make_app().registered_commands}
-    assert names == {"study", "report", "export"}
+    assert names == {"study", "report", "export", "compare"}
 
 
 def test_study_runs_resumes_reports_exports_and_prints_findings(tmp_path):

@@ -224,7 +224,7 @@ def test_a_dead_pool_worker_fails_no_other_run(tmp_path, monkeypatch):
     second)."""
     import io
 
-    from addnorm.study.runner import StudyProgress
+    from addnorm.study.progress import StudyProgress
     from addnorm.train.loop import eval_batches_total
 
     events: dict[str, list] = {}

@@ -165,7 +165,7 @@ def test_export_writes_the_profiles_the_report_reads(tmp_path):
 # training code or the spec (which builds run configs) at module level.
 ANALYSIS_MODULES = (
     "store", "profiles", "rule", "claims", "findings", "ranking", "records", "analysis", "figures", "report",
-    "export",
+    "export", "compare",
 )  # fmt: skip
 FORBIDDEN = ("torch", "triton", "addnorm.ops", "addnorm.model", "addnorm.train", "addnorm.study.spec")
 

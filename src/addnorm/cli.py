@@ -388,8 +388,8 @@ def main() -> None:
         sys.exit(2)
 
 
-# The study commands (``study``, ``report``, ``export``, in addnorm.study.cli) are added by LazyGroup
-# when one of them runs.
+# The study commands (``study``, ``report``, ``export``, ``compare``, in addnorm.study.cli) are added by
+# LazyGroup when one of them runs.
 
 if __name__ == "__main__":
     main()

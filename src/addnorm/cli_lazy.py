@@ -2,9 +2,9 @@
 ``study --list``, ``study --show PRESET`` and ``study --keys [--markdown]`` answer without importing
 torch (``benchmarks/cli_startup.py`` times them against ``import torch``).
 
-- The study commands (``study``, ``report``, ``export``: :mod:`addnorm.study.cli`, which imports torch)
-  are registered when one of them runs; until then the group holds placeholders whose help is the
-  commands' docstrings, read from that module's source without importing it.
+- The study commands (``study``, ``report``, ``export``, ``compare``: :mod:`addnorm.study.cli`, which
+  imports torch) are registered when one of them runs; until then the group holds placeholders whose
+  help is the commands' docstrings, read from that module's source without importing it.
 - ``study`` given only ``--list``, ``--show PRESET`` (a shipped preset) or ``--keys [--markdown]`` is
   answered here: the presets are read from their files, the spec keys from :mod:`addnorm.study.keys`
   (which the study command prints too, and which imports no torch). Any other arguments go to the
@@ -24,7 +24,12 @@ from importlib import resources
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-STUDY_COMMANDS = ("study", "report", "export")  # what addnorm.study.cli.register adds (its function names)
+STUDY_COMMANDS = (
+    "study",
+    "report",
+    "export",
+    "compare",
+)  # what addnorm.study.cli.register adds (its function names)
 _PACKAGE = resources.files("addnorm")
 _PRESETS = _PACKAGE / "study" / "presets"
 

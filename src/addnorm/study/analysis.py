@@ -52,6 +52,7 @@ PROVENANCE_FIELDS = (
     ("addnorm", "addnorm"),
     ("git_commit", "git commit"),
     ("git_dirty", "uncommitted changes"),
+    ("commit_source", "commit from"),
     ("torch", "torch"),
     ("transformers", "transformers"),
     ("python", "Python"),
@@ -61,7 +62,10 @@ PROVENANCE_FIELDS = (
     ("compile", "compiled"),
     ("distributed", "distributed"),
     ("platform", "platform"),
+    ("packed", "runs sharing the device (mean over a run)"),
+    ("peak_memory", "peak GPU memory per run (bytes reserved)"),
 )
+RANGE_FIELDS = ("packed", "peak_memory")  # one number per run: shown as the range of the runs' values
 
 
 # --- runs, labels and variants -------------------------------------------------------------------------
@@ -336,17 +340,20 @@ def ranking(
 def rank_setting(title: str, group: list[dict]) -> RankingTable | None:
     """One table: the placements of ``group`` ranked (None with fewer than three placements)."""
     samples: dict[str, list[float]] = defaultdict(list)
+    seeds: dict[str, list[tuple[int, float]]] = defaultdict(list)
     failed: dict[str, int] = defaultdict(int)
     for r in group:
+        placement = str(r["config"]["placement"])
         if r["status"] in FINISHED:
-            samples[str(r["config"]["placement"])].append(outcome(r))
+            samples[placement].append(outcome(r))
+            seeds[placement].append((r["config"]["seed"], outcome(r)))
         else:  # missing data, not an outcome: counted beside the ranking
-            failed[str(r["config"]["placement"])] += 1
+            failed[placement] += 1
     if len(samples) < 3:
         return None
     rows = rank(samples, splits=True)
     devices = sorted({device_of(r) for r in group if r["status"] in FINISHED})
-    return RankingTable(title, rows, dict(failed), sensitivity(samples, rows), devices)
+    return RankingTable(title, rows, dict(failed), sensitivity(samples, rows), devices, dict(seeds))
 
 
 # --- what was run ---------------------------------------------------------------------------------
@@ -364,10 +371,19 @@ def provenance(runs: list[dict]) -> list[tuple[str, str]]:
     titles = dict(PROVENANCE_FIELDS)
     keys = [k for k, _ in PROVENANCE_FIELDS] + sorted(k for k in prov if k not in titles and k != "date")
     rows = []
+    numbers: dict[str, list[float]] = defaultdict(list)
+    for r in runs:
+        for k in RANGE_FIELDS:
+            v = (r.get("provenance") or {}).get(k)
+            if isinstance(v, (int, float)) and not isinstance(v, bool):
+                numbers[k].append(v)
     for key in keys:
         if prov.get(key):
             some = f" ({count[key]} of {with_provenance} runs)" if count[key] < with_provenance else ""
-            rows.append((titles.get(key, key), ", ".join(sorted(prov[key])) + some))
+            shown = sorted(prov[key])
+            if numbers.get(key) and len(shown) > 1:
+                shown = [f"{value(min(numbers[key]))} to {value(max(numbers[key]))}"]
+            rows.append((titles.get(key, key), ", ".join(shown) + some))
     if prov.get("date"):
         dates = sorted(prov["date"])
         rows.append(("run dates (UTC)", dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}"))
@@ -420,6 +436,13 @@ def rule_as_test(findings) -> RuleAsTest | None:
     return RuleAsTest(seeds, *as_t_test(seeds))
 
 
+def ranked_of(experiments: dict, runs: list[dict]) -> tuple[list[dict], set[str]]:
+    """(the runs of the experiments marked ``rank: true``, those of them that sweep ``lr``)."""
+    ranked = {n for n, e in experiments.items() if (e or {}).get("rank")}
+    lr_experiments = {n for n in ranked if "lr" in ((experiments[n] or {}).get("sweep") or {})}
+    return [r for r in runs if any(e in ranked for e, _ in r["experiments"])], lr_experiments
+
+
 def analyse(store: Store, mix_devices: bool = False) -> StudyRecords:
     """Every record of the report from ``store``'s current plan (``mix_devices``: see :func:`ranking`)."""
     name, spec = store.study_spec() or ("study", {"experiments": {}})
@@ -430,9 +453,7 @@ def analyse(store: Store, mix_devices: bool = False) -> StudyRecords:
         exp_runs = [r for r in runs if any(e == exp_name for e, _ in r["experiments"])]
         if exp_runs:
             sections.append(experiment(store, exp_name, exp or {}, exp_runs))
-    ranked = {n for n, e in experiments.items() if (e or {}).get("rank")}
-    lr_experiments = {n for n in ranked if "lr" in ((experiments[n] or {}).get("sweep") or {})}
-    ranked_runs = [r for r in runs if any(e in ranked for e, _ in r["experiments"])]
+    ranked_runs, lr_experiments = ranked_of(experiments, runs)
     counts: dict[str, int] = defaultdict(int)
     for r in runs:
         counts[r["status"]] += 1

@@ -11,13 +11,26 @@ of the H100's dense bf16 peak measured eager (``benchmarks/results/``): 25% for 
 Models of d_model 512 at 8k tokens a step are host-bound there or nearly.
 
 **What was measured wins** (:class:`Estimator`): the runs already stored for *this device* (the run's
-``provenance.device``, a CPU model or a GPU name) are the estimate for the runs still to train: a stored
-run of the same cost (:func:`cost_key`: every setting but the seed, learning rate, schedule, warmup,
-initialisation) gives its measured time (the longest of them, times :data:`MEASURED_MARGIN`); otherwise
-the cost model is scaled by the median measured / modelled ratio of this device's runs (times
-:data:`SCALED_MARGIN`); with no run of this device stored, the cost model alone. Runs finished during an
-invocation join the history at once, so the first run on a new GPU calibrates the rest of its window. Only
-runs that trained every step count (a diverged run stopped early; a failed one is no measurement).
+``provenance.device``, a CPU model or a GPU name) are the estimate for the runs still to train, at the
+packing they will train at (``packed``: how many runs share the device, :mod:`.packing`):
+
+- a stored run of the same cost (:func:`cost_key`: every setting but the seed, learning rate, schedule,
+  warmup, initialisation) gives its measured time: the median of those measured at the same packing as
+  the estimate, the longest of them times :data:`MEASURED_MARGIN` as what a window must hold;
+- otherwise the cost model *fitted to this device* (:func:`fit_rates`): the host's and the device's time
+  per step scaled to what its runs measured (tokens per second: the time of a training step, evaluation
+  left out), plus the seconds a run measured besides its steps; so the first runs on a new GPU set the
+  host and device rates of the rest (an H200 measured 41-55 s a run where the H100's constants gave 27 s),
+  times :data:`SCALED_MARGIN` for what a window must hold; with no run of this device stored, the cost
+  model alone;
+- runs packed k at once take the measured slowdown of that packing on this device (interpolated between
+  measured packings); beyond the largest packing measured, no gain is assumed on a GPU (k runs at once
+  each take k times as long) until one is measured, and on the CPU none is lost up to the cores (each
+  run has its own).
+
+Runs finished during an invocation join the history at once, so the first run on a new GPU calibrates the
+rest of its window. Only runs that trained every step count (a diverged run stopped early; a failed one
+is no measurement).
 
 **The window** (:class:`Budget`): ``--budget SECONDS`` is the wall-clock of the whole invocation (from the
 process's start, the imports included, :func:`invocation_start`; with ``--workers``, all workers
@@ -74,19 +87,27 @@ def run_work(config: RunConfig) -> float:
     return config.steps + EVAL_BATCH_COST * eval_batches_total(config)
 
 
-def estimate_seconds(config: RunConfig, gpu: bool = False) -> float:
-    """The cost model's wall time of one run on one core (see :data:`FLOPS_PER_S`) or on one GPU
-    (``gpu``: the longer of host and device time per step, see :data:`GPU_FLOPS_PER_S`)."""
-    layers = (
-        config.model.n_layers
-        if config.task == "lm"
-        else config.model.encoder_layers + config.model.decoder_layers
-    )
+def _layers(config: RunConfig) -> int:
+    m = config.model
+    return m.n_layers if config.task == "lm" else m.encoder_layers + m.decoder_layers
+
+
+def step_sides(config: RunConfig, gpu: bool = False) -> tuple[float, float]:
+    """The cost model's seconds of one training step on the host (per-layer host time) and on the device
+    (its FLOPs at the device's rate): on one core (:data:`FLOPS_PER_S`), where the two add up, or on a
+    GPU (:data:`GPU_FLOPS_PER_S`; a Hugging Face family at :data:`GPU_EFFICIENCY_HF`), where they
+    overlap and the longer one is the step."""
     if gpu:
         rate = GPU_FLOPS_PER_S if config.arch == "addnorm" else H100_BF16_PEAK * GPU_EFFICIENCY_HF
-        per_step = max(GPU_HOST_S_PER_LAYER_STEP * layers, run_flops(config) / rate)
-    else:
-        per_step = HOST_S_PER_LAYER_STEP * layers + run_flops(config) / FLOPS_PER_S
+        return GPU_HOST_S_PER_LAYER_STEP * _layers(config), run_flops(config) / rate
+    return HOST_S_PER_LAYER_STEP * _layers(config), run_flops(config) / FLOPS_PER_S
+
+
+def estimate_seconds(config: RunConfig, gpu: bool = False) -> float:
+    """The cost model's wall time of one run on one core or on one GPU (:func:`step_sides`), its work
+    (:func:`run_work`) included, and a GPU's start."""
+    host, device = step_sides(config, gpu)
+    per_step = max(host, device) if gpu else host + device
     return per_step * run_work(config) + (GPU_START_S if gpu else 0.0)
 
 
@@ -99,7 +120,7 @@ def fmt_time(seconds: float) -> str:
 # Settings that change what a run learns but not what it costs.
 COST_FREE = ("seed", "lr", "warmup", "schedule", "init", "hf_init", "weight_decay", "grad_clip")
 MEASURED_MARGIN = 1.1  # on the longest stored run of the same cost
-SCALED_MARGIN = 1.25  # on the cost model scaled by this device's median measured / modelled ratio
+SCALED_MARGIN = 1.25  # on the cost model fitted to this device's runs
 
 
 def cost_key(config: dict) -> str:
@@ -109,23 +130,111 @@ def cost_key(config: dict) -> str:
 
 @dataclass
 class Timing:
-    """A stored run as a measurement: its config, the device it trained on, its wall time, and whether it
-    trained every step (``complete``: done, not diverged or failed)."""
+    """A stored run as a measurement: its config, the device it trained on, its wall time, whether it
+    trained every step (``complete``: done, not diverged or failed), how many runs shared the device
+    while it ran (``packed``: the mean number in flight, itself included; 1 alone), its training tokens
+    per second (after the first step, evaluation left out) and a GPU's peak memory (bytes reserved)."""
 
     config: dict
     device: str
     seconds: float
     complete: bool
+    packed: float = 1.0
+    tokens_per_s: float | None = None
+    peak_memory: int | None = None
+
+    @property
+    def level(self) -> int:
+        """The packing this run measured: ``packed`` to the nearest whole number of runs."""
+        return max(1, round(self.packed))
+
+
+@dataclass
+class Rates:
+    """A device's cost model fitted to its runs (:func:`fit_rates`): the measured over the modelled time
+    per step on the host (``host``) and on the device (``device``), and the seconds a run takes besides
+    its steps (``start``: building the model, the first step, evaluation beyond its modelled share)."""
+
+    gpu: bool
+    host: float = 1.0
+    device: float = 1.0
+    start: float = 0.0
+    host_runs: int = 0  # runs whose step the cost model finds host-bound (on a GPU), that fitted ``host``
+    device_runs: int = 0
+
+    def step(self, config: RunConfig) -> float:
+        host, device = step_sides(config, self.gpu)
+        return (
+            max(host * self.host, device * self.device)
+            if self.gpu
+            else host * self.host + device * self.device
+        )
+
+    def seconds(self, config: RunConfig) -> float:
+        """A run's wall time when it has the device to itself."""
+        return self.step(config) * run_work(config) + self.start
+
+    def describe(self) -> str:
+        if not self.host_runs + self.device_runs:
+            return "the cost model"
+        if not self.gpu:
+            return f"the cost model x {self.host:.2f} per step, {self.start:.1f} s a run besides its steps"
+        host = f"host {GPU_HOST_S_PER_LAYER_STEP * self.host * 1e3:.2f} ms per layer and step"
+        host += (
+            f" (x {self.host:.2f}, {self.host_runs} runs)" if self.host_runs else " (scaled as the device)"
+        )
+        device = f"device time x {self.device:.2f} the cost model's"
+        device += (
+            f" ({self.device_runs} runs)"
+            if self.device_runs
+            else " (no run device-bound: scaled as the host)"
+        )
+        return f"{host}, {device}, {self.start:.1f} s a run besides its steps"
+
+
+def fit_rates(timings: Iterable[Timing], gpu: bool) -> Rates:
+    """The cost model of :func:`step_sides` fitted to ``timings`` (complete runs of one device, at one
+    packing): each run's time per step is its tokens per step over its measured tokens per second (or,
+    for a run without, its wall time less the model's start over its work); on a GPU a run whose modelled
+    step is host-bound fits the host's scale and one that is device-bound the device's (the median of
+    measured over modelled; a side no run measured takes the other's); on the CPU one scale fits both.
+    The start is the median of what the runs took beyond their steps (at least 0)."""
+    prior_start = GPU_START_S if gpu else 0.0
+    host, device, starts = [], [], []
+    for timing in timings:
+        config = RunConfig(**timing.config)
+        work = run_work(config)
+        if timing.tokens_per_s:
+            step = config.batch_size * config.seq_len / timing.tokens_per_s
+        else:
+            step = max(timing.seconds - prior_start, 0.0) / work
+        h, d = step_sides(config, gpu)
+        modelled = max(h, d) if gpu else h + d
+        (host if not gpu or h >= d else device).append(step / modelled)
+        starts.append(timing.seconds - step * work)
+    if not starts:
+        return Rates(gpu, start=prior_start)
+    h_scale = statistics.median(host) if host else statistics.median(device)
+    d_scale = statistics.median(device) if device else h_scale
+    start = max(0.0, statistics.median(starts))
+    return Rates(gpu, h_scale, d_scale, start, len(host), len(device))
 
 
 class Estimator:
-    """Seconds a run will take on ``device`` (see the module docstring): from the complete runs of
-    ``history`` measured on ``device``, else the cost model (``gpu``: its GPU side)."""
+    """Seconds a run will take on ``device`` (see the module docstring) when ``packed`` runs share it:
+    from the complete runs of ``history`` measured on ``device``, else the cost model (``gpu``: its GPU
+    side). ``slots``: how many runs the device holds side by side without slowing each other (the cores
+    for one-thread CPU runs; 1 for a GPU, which runs one context at a time) beyond which, until measured,
+    packing is assumed to gain nothing."""
 
-    def __init__(self, device: str, gpu: bool, history: Iterable[Timing] = ()) -> None:
-        self.device, self.gpu = device, gpu
-        self.same: dict[str, list[float]] = {}
-        self.ratios: list[float] = []
+    def __init__(
+        self, device: str, gpu: bool, history: Iterable[Timing] = (), packed: int = 1, slots: int = 1
+    ) -> None:
+        self.device, self.gpu, self.packed, self.slots = device, gpu, max(1, int(packed)), max(1, slots)
+        self.timings: list[Timing] = []
+        self._by_cost: dict[str, list[Timing]] = {}
+        self._rates: Rates | None = None
+        self._levels: dict[int, float] | None = None
         for timing in history:
             self.add(timing)
 
@@ -134,34 +243,112 @@ class Estimator:
         if not timing.complete or timing.device != self.device or not timing.seconds > 0:
             return
         try:
-            modelled = estimate_seconds(RunConfig(**timing.config), self.gpu)
+            RunConfig(**timing.config)
         except (TypeError, ValueError):  # a config of another version of the settings
             return
-        self.same.setdefault(cost_key(timing.config), []).append(timing.seconds)
-        self.ratios.append(timing.seconds / modelled)
+        self.timings.append(timing)
+        self._by_cost.setdefault(cost_key(timing.config), []).append(timing)
+        self._rates = self._levels = None
 
     @property
     def measured(self) -> int:
         """How many runs of this device the estimates rest on."""
-        return len(self.ratios)
+        return len(self.timings)
 
-    def seconds(self, config: RunConfig) -> float:
-        same = self.same.get(cost_key(config.to_dict()))
-        if same:
-            return max(same) * MEASURED_MARGIN
-        modelled = estimate_seconds(config, self.gpu)
-        if self.ratios:
-            return modelled * statistics.median(self.ratios) * SCALED_MARGIN
-        return modelled
+    @property
+    def base(self) -> int:
+        """The fewest runs at once measured on this device (1 once a run trained alone)."""
+        return min((t.level for t in self.timings), default=1)
+
+    def rates(self) -> Rates:
+        """This device's cost model, fitted to its runs at :attr:`base` packing (:func:`fit_rates`)."""
+        if self._rates is None:
+            self._rates = fit_rates([t for t in self.timings if t.level == self.base], self.gpu)
+        return self._rates
+
+    def levels(self) -> dict[int, float]:
+        """Packing -> the measured slowdown of a run at it: the median over its runs of wall time over
+        :meth:`rates`' time alone (1 at :attr:`base`, by construction)."""
+        if self._levels is None:
+            rates, found = self.rates(), {}
+            for timing in self.timings:
+                if timing.level != self.base:
+                    alone = rates.seconds(RunConfig(**timing.config))
+                    found.setdefault(timing.level, []).append(timing.seconds / alone)
+            self._levels = {self.base: 1.0, **{k: statistics.median(v) for k, v in sorted(found.items())}}
+        return self._levels
+
+    def slowdown(self, packed: int) -> float:
+        """How much longer a run takes when ``packed`` runs share the device than at :attr:`base`:
+        measured where that packing was, interpolated between measured packings, and beyond the largest
+        measured one scaled by the gain it assumes (none beyond :attr:`slots`: ``packed / slots``)."""
+        levels = self.levels()
+        if packed in levels:
+            return levels[packed]
+        below = max((k for k in levels if k < packed), default=None)
+        above = min((k for k in levels if k > packed), default=None)
+        if below is None:
+            return levels[above]  # fewer runs at once are not slower
+        if above is None:
+            share = lambda k: max(1.0, k / self.slots)  # noqa: E731
+            return levels[below] * share(packed) / share(below)
+        w = (packed - below) / (above - below)
+        return levels[below] * (1 - w) + levels[above] * w
+
+    def gains(self) -> dict[int, float]:
+        """Packing -> its measured gain in throughput over :attr:`base`: runs at once over the slowdown."""
+        return {k: k / self.base / s for k, s in self.levels().items() if k != self.base}
+
+    def same_cost(self, config: RunConfig) -> list[Timing]:
+        """The runs of this device measured at ``config``'s cost (:func:`cost_key`)."""
+        return self._by_cost.get(cost_key(config.to_dict()), [])
+
+    def _times(self, config: RunConfig, packed: int) -> tuple[list[float], bool]:
+        """The measured times of ``config``'s cost at ``packed`` (those at other packings converted by
+        :meth:`slowdown`), and whether any exist."""
+        same = self.same_cost(config)
+        at = [t.seconds for t in same if t.level == packed]
+        if at or not same:
+            return at, bool(at)
+        factor = self.slowdown(packed)
+        return [t.seconds / self.slowdown(t.level) * factor for t in same], True
+
+    def seconds(self, config: RunConfig, packed: int | None = None) -> float:
+        """The expected wall time: the median of the same cost's measured times, else the fitted cost
+        model, at ``packed`` runs at once (default: this estimator's)."""
+        packed = packed or self.packed
+        times, measured = self._times(config, packed)
+        if measured:
+            return statistics.median(times)
+        return self.rates().seconds(config) * self.slowdown(packed)
+
+    def needs(self, config: RunConfig, packed: int | None = None) -> float:
+        """What a window must hold for the run to start: the longest measured time of its cost x
+        :data:`MEASURED_MARGIN`, else the fitted model x :data:`SCALED_MARGIN` (the model alone while
+        nothing is measured on this device)."""
+        packed = packed or self.packed
+        times, measured = self._times(config, packed)
+        if measured:
+            return max(times) * MEASURED_MARGIN
+        return self.seconds(config, packed) * (SCALED_MARGIN if self.timings else 1.0)
 
     def source(self, config: RunConfig | None = None) -> str:
         """Where an estimate comes from, in words (of ``config``'s, or of this estimator's in general)."""
-        if config is not None and self.same.get(cost_key(config.to_dict())):
+        if config is not None and self.same_cost(config):
             return f"measured: stored runs of the same size on {self.device}"
-        if self.ratios:
-            return f"the cost model scaled by {self.measured} run(s) stored for {self.device}"
+        if self.timings:
+            return f"the cost model fitted to {self.measured} run(s) stored for {self.device}"
         side = "GPU" if self.gpu else "single-core"
         return f"the cost model ({side}; no run stored for {self.device} yet)"
+
+    def describe(self) -> str:
+        """This device's fitted rates and measured packings, in words."""
+        if not self.timings:
+            return self.source()
+        gains = ", ".join(f"x {g:.1f} at {k}" for k, g in self.gains().items())
+        packing = f"packing gains {gains}" if gains else "packing not measured (no gain assumed)"
+        at = f" at {self.base} at once" if self.base > 1 else ""
+        return f"{self.device}, {self.measured} run(s){at}: {self.rates().describe()}; {packing}"
 
 
 # --- the window ------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""The study commands of the ``addnorm`` CLI: ``study``, ``report`` and ``export``.
+"""The study commands of the ``addnorm`` CLI: ``study``, ``report``, ``export`` and ``compare``.
 
 The main Typer app (``addnorm.cli``) calls :func:`register`; a library error in any of these commands
 becomes one ``error: ...`` line on stderr and exit code 2, never a traceback. ``addnorm study`` exits
@@ -7,39 +7,38 @@ with code 1 when a run of the spec failed (after storing and reporting everythin
 
 from __future__ import annotations
 
-import json
+import os
+import re
 import signal
 import threading
 from pathlib import Path
 
-import torch
 import typer
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
 from ..cli_errors import handle_errors
-from .budget import POOL_START_S, Budget, Estimator, fmt_time, report_reserve, window
-from .executors import Executor, max_nproc, plan_workers
+from ..commit import COMMIT_ENV
+from .budget import Budget, fmt_time
+from .dry_run import print_plan
+from .executors import Executor
 from .export import write_csv
 from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
 from .keys import markdown as keys_markdown
 from .keys import text as keys_text
-from .limits import check_eval, check_plan, estimate_memory, fmt_bytes
 from .lock import folder_lock
 from .report import build_report
-from .resume import check_resumable
-from .runner import estimator_for, prepare, run_study
+from .runner import prepare, run_study
 from .spec import (
     OVERRIDE_HELP,
     SMOKE_HELP,
-    StudySpec,
     distributed_override,
     load_spec,
     preset_names,
     preset_text,
 )
-from .store import FINISHED, Store, stored_runs
+from .store import Store, write_atomic
 from .trackers import TRACKERS, make_trackers
 
 DEFAULT_OUT = Path("addnorm-out")
@@ -70,6 +69,24 @@ WAIT_HELP = (
     "if another study holds the output folder: wait up to SECONDS (inf: until it is free) for it, "
     "saying once whom for, instead of exiting 3 at once"
 )
+
+
+FOR_DEVICE_HELP = (
+    "with --dry-run: plan for that GPU (its name as its stored runs give it, e.g. 'NVIDIA H200') instead of "
+    "this machine: the times and packings measured there, no check of this machine's memory"
+)
+COMMIT_HELP = (
+    "the commit of the code that runs, stored in every run's provenance (where the tree has no .git and "
+    "no benchmarks/.commit); sets $ADDNORM_COMMIT for the workers"
+)
+
+
+def _set_commit(sha: str) -> None:
+    """``--commit SHA``: the commit every run of this invocation records (its workers inherit it)."""
+    if not re.fullmatch(r"[0-9a-fA-F]{4,40}", sha.strip()):
+        raise ValueError(f"--commit: expected a git commit (4 to 40 hex digits), got {sha!r}")
+    os.environ[COMMIT_ENV] = sha.strip()
+    os.environ[COMMIT_ENV + "_SOURCE"] = "--commit"
 
 
 def _lock(folder: Path, wait: float | None):
@@ -103,81 +120,6 @@ def findings_table(findings: list[Finding]) -> Table:
     return table
 
 
-def _dry_run(
-    plan: StudySpec, folder: Path, where: str | None, console: Console, budget: Budget | None = None, **local
-) -> None:
-    """What ``addnorm study`` would run: each run's resolved settings that differ from the base, whether
-    it is already stored, an estimated wall time (from the runs stored for this machine's device, else
-    the cost model: :mod:`.budget`) and peak memory, and with a ``budget`` which runs would start in it;
-    refuses what this machine cannot run (:mod:`.limits`) and a database it cannot resume
-    (:mod:`.resume`). ``where``: the Ray cluster's description (its size is unknown until connected),
-    or None for the local executor (``local``: workers, threads, memory limit)."""
-    resolved = plan.resolved()
-    runs = list(resolved.runs)
-    db = folder / "study.sqlite"
-    measured = stored_runs(db)
-    check_resumable(measured, resolved, db)
-    stored = {row["id"] for row in measured if row["status"] in FINISHED}
-    todo = [r for r in runs if r.run_id not in stored]
-    gpu = "GPU" in (where or "") or (where is None and torch.cuda.is_available())
-    estimator = estimator_for(measured, gpu) if where is None else Estimator("", gpu)
-    seconds = {r.run_id: estimator.seconds(r.config) for r in runs}
-    total = sum(seconds[r.run_id] for r in todo)
-    unit = f"{'one GPU' if gpu else 'one core'}'s time, from {estimator.source()}"
-    fits: set[str] | None = None
-    if where is None:
-        n_workers, n_threads = plan_workers(
-            local["workers"], local["threads"], runs=len(todo), nproc=max_nproc(todo)
-        )
-        check_plan(todo, n_workers, gpu, local["memory"])
-        where = f"on {n_workers} worker(s) x {n_threads} torch thread(s)"
-        estimate = f"estimated {fmt_time(total / n_workers)} ({fmt_time(total)} of {unit})"
-        if budget is not None:
-            start = POOL_START_S if n_workers > 1 else 0.0
-            room = budget.left() - report_reserve(len(runs))
-            chosen, end = window(todo, lambda r: seconds[r.run_id], room, n_workers, start)
-            fits = {r.run_id for r in chosen}
-            estimate += (
-                f"; --budget {fmt_time(budget.seconds)}: {len(chosen)} of the {len(todo)} runs left would "
-                f"start (done by about {fmt_time(end)}, then the report), the others in the next invocation"
-            )
-    else:
-        check_eval(todo)
-        estimate = f"estimated {fmt_time(total)} of {unit}, shared over the cluster"
-    base = resolved.base
-    console.print(
-        f"study {plan.name!r} ({plan.source}): {len(runs)} runs, {len(runs) - len(todo)} already stored in "
-        f"{db}, {len(todo)} to run {where}; {estimate}",
-        markup=False,
-        highlight=False,
-        soft_wrap=True,
-    )
-    console.print("base: " + json.dumps(base), markup=False, highlight=False, soft_wrap=True)
-    table = Table(show_lines=False)
-    columns = ["experiment", "label", "run id", "stored", "est.", "memory", "settings different from base"]
-    if fits is not None:
-        columns.insert(5, "in budget")
-    for column in columns:
-        table.add_column(column, overflow="fold", no_wrap=column in ("run id", "est.", "memory"))
-    members = resolved.memberships
-    for run in runs:
-        diff = {k: v for k, v in run.config.to_dict().items() if base.get(k) != v}
-        also = [f"{e}: {lab}" for e, lab in members[run.run_id][1:]]
-        cells = [
-            escape(run.experiment),
-            escape(run.label + (f" (also {'; '.join(also)})" if also else "")),
-            run.run_id,
-            "yes" if run.run_id in stored else "",
-            fmt_time(seconds[run.run_id]),
-            fmt_bytes(estimate_memory(run.config, gpu).total),
-            escape(", ".join(f"{k}={json.dumps(v)}" for k, v in diff.items())),
-        ]
-        if fits is not None:
-            cells.insert(5, "starts" if run.run_id in fits else "")
-        table.add_row(*cells)
-    console.print(table)
-
-
 def _interrupt_on_sigterm() -> None:
     """SIGTERM stops a study as Ctrl-C does (runs in flight cancelled, exit 130 with a message)."""
     if threading.current_thread() is threading.main_thread():
@@ -195,8 +137,9 @@ def study(
     workers: str = typer.Option(
         None,
         "--workers",
-        help="processes running at once; auto (the default): one per usable core, one where CUDA is "
-        "available (1: in this process)",
+        help="processes running at once; auto (the default): one per usable core; on a CUDA machine as "
+        "many runs at once as the GPU's memory, the cores and the measured gain allow, said in one line "
+        "(1: in this process)",
     ),
     threads: int = typer.Option(
         None,
@@ -260,12 +203,18 @@ def study(
     ),
     budget: float = typer.Option(None, "--budget", metavar="SECONDS", help=BUDGET_HELP),
     mix_devices: bool = typer.Option(False, "--mix-devices", help=MIX_HELP),
+    for_device: str = typer.Option(None, "--for-device", metavar="NAME", help=FOR_DEVICE_HELP),
+    commit: str = typer.Option(None, "--commit", metavar="SHA", help=COMMIT_HELP),
 ) -> None:
     """Run a study (resuming one already started in the same folder: finished runs are kept, failed
     runs tried again), write its report and print its findings. Exit code 1 if a run failed; with
     --budget, 0 when runs are left for the next invocation (it says how many are stored)."""
     window_ = Budget(budget) if budget is not None else None  # the invocation's clock: from its start
     _interrupt_on_sigterm()
+    if commit is not None:
+        _set_commit(commit)
+    if for_device is not None and not dry_run:
+        raise ValueError("--for-device: only with --dry-run (runs train on the device they run on)")
     console = Console()
     if list_presets:
         for name in preset_names():
@@ -316,8 +265,16 @@ def study(
             cluster = f"the Ray cluster at {address}" if address else "a local Ray cluster"
             gpus = f" and {runner.gpus_per_run:g} GPU" if runner.gpu else ""
             where = f"on {cluster} with {runner.cpus_per_run} CPU(s){gpus} per run"
-        _dry_run(
-            plan, folder, where, console, window_, workers=n_workers, threads=threads, memory=memory_limit
+        print_plan(
+            plan,
+            folder,
+            where,
+            console,
+            window_,
+            for_device,
+            workers=n_workers,
+            threads=threads,
+            memory=memory_limit,
         )
         return
     runner = prepare(
@@ -392,8 +349,28 @@ def export(
             typer.echo(str(path))
 
 
+def compare(
+    folders: list[Path] = typer.Argument(..., help="study folders, each holding study.sqlite"),
+    to: Path = typer.Option(None, "--to", help="write the Markdown to this file (default: print it)"),
+    mix_devices: bool = typer.Option(False, "--mix-devices", help=MIX_HELP),
+) -> None:
+    """Compare studies as Markdown: each ranked setting's table (letter groups, splits and their seeds),
+    each study's verdicts, every placement's rank in every setting side by side, and Spearman's rank
+    correlation between every pair of settings (nothing is retrained or written to the studies)."""
+    from .compare import read, render
+
+    text = render([read(folder, mix_devices) for folder in folders])
+    if to is None:
+        typer.echo(text, nl=False)
+        return
+    Path(to).parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(to, text)
+    typer.echo(f"comparison: {to}")
+
+
 def register(app: typer.Typer) -> None:
-    """Add the ``study``, ``report`` and ``export`` commands to ``app``."""
+    """Add the ``study``, ``report``, ``export`` and ``compare`` commands to ``app``."""
     app.command("study")(handle_errors(study))
     app.command("report")(handle_errors(report))
     app.command("export")(handle_errors(export))
+    app.command("compare")(handle_errors(compare))

@@ -48,6 +48,11 @@ StepCallback = Callable[[PlannedRun, int, float], None]
 ProgressCallback = Callable[[PlannedRun, str, int, int], None]  # (run, phase, done, total)
 
 
+def cuda_available() -> bool:
+    """Whether runs started here train on a GPU (``device: auto`` picks CUDA where this process sees one)."""
+    return torch.cuda.is_available()
+
+
 def usable_cores() -> int:
     """CPU cores this process may run on (its affinity mask where the OS has one)."""
     try:
@@ -64,15 +69,16 @@ def plan_workers(
     intra-op threads, and multi-threaded processes stall each other as soon as anything else runs on
     the machine (a quick study took 6x longer beside one busy process). So by default
     workers x threads <= usable cores; ``threads`` raises it for large models on an idle machine.
-    Where CUDA is available, ``"auto"`` is one worker: the runs train on the GPU one at a time.
+    Where CUDA is available, ``"auto"`` is one worker here; ``addnorm study`` packs several runs on the
+    GPU instead, as many as its memory, the cores and the measured gain allow (:mod:`.packing`).
 
     ``nproc``: the most processes one run trains on (its ``distributed`` setting). On a GPU machine a
     run takes one GPU per process, so ``nproc`` may not exceed the GPUs; on the CPU each process
     takes ``threads`` cores, and ``workers x nproc x threads`` above the usable cores is refused."""
     cores = usable_cores()
-    cuda = torch.cuda.is_available()
+    cuda = cuda_available()
     if workers == "auto":
-        # on a GPU machine the runs share the GPU: one at a time (several GPUs: the Ray executor)
+        # on a GPU machine one (the study packs several: packing.choose; several GPUs: the Ray executor)
         cores = 1 if cuda else max(1, cores // nproc)
         workers = max(1, min(cores, runs if runs else cores))
     elif isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
@@ -212,10 +218,15 @@ class Executor:
     """Base of every executor: ``submit`` runs, iterate ``results``; ``map`` is both at once.
     ``workers`` says how many runs are in flight at once and ``gpu`` whether they train on GPUs (the
     progress display's ETA uses both); ``cancel`` drops every run not yet yielded (an interrupt
-    between ``submit`` and ``results``)."""
+    between ``submit`` and ``results``). ``on_this_machine``: the study hands it a run when a worker is
+    free and counts how many runs share the device (not for a cluster's executor, which gets them all)."""
 
     workers: int = 1
     gpu: bool = False
+    packing = None  # the Packing that chose how many runs at once (``--workers auto`` on a GPU), else None
+    on_this_machine = (
+        True  # a submitted run starts at once on a free worker here (the driver's count is true)
+    )
 
     def submit(self, run: PlannedRun) -> None:
         raise NotImplementedError
@@ -246,7 +257,7 @@ class LocalExecutor(Executor):
 
     def __init__(self, threads: int | None = None) -> None:
         self.threads = plan_workers(1, threads)[1]
-        self.gpu = torch.cuda.is_available()
+        self.gpu = cuda_available()
         self._queue: list[PlannedRun] = []
 
     def submit(self, run: PlannedRun) -> None:
@@ -320,7 +331,7 @@ class ProcessExecutor(Executor):
 
     def __init__(self, workers: int, threads: int | None = None) -> None:
         self.workers, self.threads = plan_workers(workers, threads)
-        self.gpu = torch.cuda.is_available()
+        self.gpu = cuda_available()
         self._pool: cf.ProcessPoolExecutor | None = None
         self._queue: mp.Queue | None = None
         self._futures: dict[cf.Future, PlannedRun] = {}

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -221,10 +221,17 @@ def memory_limit(workers: int, cuda: bool, override: str | None = None) -> tuple
     return total, f"the {fmt_bytes(total)} {where}"
 
 
-def check_memory(runs: Iterable[PlannedRun], workers: int, cuda: bool = False, override: str | None = None):
+def check_memory(
+    runs: Iterable[PlannedRun],
+    workers: int,
+    cuda: bool = False,
+    override: str | None = None,
+    need: Callable[[RunConfig], tuple[int, str]] | None = None,
+):
     """Refuse (:class:`SpecError`, one line) when a run's estimated peak memory is above
     :func:`memory_limit`; the line names the largest such run, its size settings, the estimate and the
-    limit, and how many more runs are over it."""
+    limit, and how many more runs are over it. ``need(config)``: (bytes, how they were found) instead of
+    :func:`estimate_memory` (on a GPU, what runs of this GPU measured: :func:`~.packing.memory_need`)."""
     runs = list(runs)
     if not runs:
         return
@@ -234,21 +241,30 @@ def check_memory(runs: Iterable[PlannedRun], workers: int, cuda: bool = False, o
     # a run on N processes (distributed): on the CPU N copies share the worker's memory; on CUDA
     # each process has a GPU of its own
     copies = lambda run: 1 if cuda or not run.config.distributed else run.config.distributed["nproc"]  # noqa: E731
-    need = [(estimate_memory(r.config, cuda), r) for r in runs]
+
+    def bytes_of(run: PlannedRun) -> tuple[int, str]:
+        if need is not None:
+            return need(run.config)
+        estimate = estimate_memory(run.config, cuda)
+        return estimate.total, estimate.describe()
+
+    sizes = [(bytes_of(r), r) for r in runs]
     over = sorted(
-        ((e, r) for e, r in need if e.total * copies(r) > limit), key=lambda x: -x[0].total * copies(x[1])
+        ((b, r) for b, r in sizes if b[0] * copies(r) > limit), key=lambda x: -x[0][0] * copies(x[1])
     )
     if not over:
         return
-    estimate, run = over[0]
+    (total, described), run = over[0]
+    if need is not None:
+        described = f"{fmt_bytes(total)} ({described})"
     m = run.config.model
-    sizes = f"d_model={m.d_model}, d_ff={m.d_ff}, n_layers={m.n_layers}, batch_size={run.config.batch_size}, "
-    sizes += f"seq_len={run.config.seq_len}"
+    settings = f"d_model={m.d_model}, d_ff={m.d_ff}, n_layers={m.n_layers}, "
+    settings += f"batch_size={run.config.batch_size}, seq_len={run.config.seq_len}"
     each = f" in each of its {copies(run)} processes" if copies(run) > 1 else ""
     more = f"; {len(over) - 1} more run(s) too" if len(over) > 1 else ""
     fewer = "use fewer --workers, " if workers > 1 else ""
     raise SpecError(
-        f"memory: experiments.{run.experiment} ({run.label}; {sizes}) needs about {estimate.describe()}"
+        f"memory: experiments.{run.experiment} ({run.label}; {settings}) needs about {described}"
         f"{each}, more than {words}{more}. Make it smaller, {fewer}or pass --memory-limit SIZE|off if "
         "you know better"
     )
@@ -274,12 +290,16 @@ def check_eval(runs: Iterable[PlannedRun]) -> None:
 
 
 def check_plan(
-    runs: Iterable[PlannedRun], workers: int, cuda: bool = False, memory: str | None = None
+    runs: Iterable[PlannedRun],
+    workers: int,
+    cuda: bool = False,
+    memory: str | None = None,
+    need: Callable[[RunConfig], tuple[int, str]] | None = None,
 ) -> None:
     """Every plan-time check of this module (evaluation, then memory) on the runs still to train."""
     runs = list(runs)
     check_eval(runs)
-    check_memory(runs, workers, cuda, memory)
+    check_memory(runs, workers, cuda, memory, need)
 
 
 def _vocab(cfg: RunConfig) -> int:

@@ -167,6 +167,8 @@ class RayExecutor(Executor):
     Connects when the first run is submitted; ``workers`` is then how many runs the cluster holds at
     once."""
 
+    on_this_machine = False  # the cluster decides where and when each run starts
+
     def __init__(
         self,
         address: str | None = None,

@@ -123,6 +123,16 @@ class RankingTable:
     failed: dict[str, int] = field(default_factory=dict)
     sensitivity: Sensitivity | None = None  # what the ranking could detect, and the seeds it would need
     devices: list[str] = field(default_factory=list)  # where its runs trained (one unless mixed on purpose)
+    outcomes: dict[str, list[tuple[int, float]]] = field(default_factory=dict)  # placement -> (seed, loss)
+
+    def split_seeds(self, row: Ranked) -> tuple[list[int], list[int]]:
+        """(the seeds that trained, those that did not) of a placement whose seeds split (the lower
+        outcomes trained); ([], []) for one whose seeds did not split."""
+        if row.split is None:
+            return [], []
+        ordered = [seed for seed, _ in sorted(self.outcomes.get(row.name, []), key=lambda x: x[1])]
+        cut = len(row.split.trained)
+        return sorted(ordered[:cut]), sorted(ordered[cut:])
 
 
 @dataclass

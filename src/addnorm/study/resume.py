@@ -69,11 +69,23 @@ def check_resumable(stored: list[dict], plan: ResolvedPlan, db: str | Path) -> N
 
 
 def timings(stored: list[dict]) -> list[Timing]:
-    """The stored runs as measurements: complete when the run is done and trained every step."""
+    """The stored runs as measurements: complete when the run is done and trained every step; with how
+    many runs shared the device (``provenance.packed``; 1 for a run stored before it was recorded, when
+    a GPU ran one run at a time), tokens/s and a GPU's peak memory where stored."""
     out = []
     for row in stored:
         steps = row["config"].get("steps")
         complete = row["status"] == "done" and row["steps_done"] is not None and row["steps_done"] == steps
-        device = str((row.get("provenance") or {}).get("device") or "")
-        out.append(Timing(row["config"], device, float(row["wall_s"] or 0.0), complete))
+        prov = row.get("provenance") or {}
+        out.append(
+            Timing(
+                row["config"],
+                str(prov.get("device") or ""),
+                float(row["wall_s"] or 0.0),
+                complete,
+                packed=float(prov.get("packed") or 1.0),
+                tokens_per_s=row.get("tokens_per_s"),
+                peak_memory=prov.get("peak_memory"),
+            )
+        )
     return out

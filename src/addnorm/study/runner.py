@@ -7,246 +7,40 @@ import contextlib
 import pickle
 import sqlite3
 import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from rich.console import Console
-from rich.progress import BarColumn, Progress, TaskID, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Column
-from rich.text import Text
-
 from ..train import FAILED, RunResult
 from .budget import (
-    EVAL_BATCH_COST,
     POOL_START_S,
     Budget,
     BudgetTooSmall,
     Estimator,
     Timing,
-    estimate_seconds,
     fmt_time,
     report_reserve,
-    run_work,
     window,
 )
-from .executors import Executor, LocalExecutor, ProcessExecutor, make_executor, max_nproc
+from .executors import (
+    Executor,
+    LocalExecutor,
+    ProcessExecutor,
+    cuda_available,
+    make_executor,
+    max_nproc,
+    usable_cores,
+)
 from .limits import check_eval, check_plan
 from .lock import folder_lock
+from .packing import Packing, Sharing, choose, memory_need
+from .progress import StudyProgress
 from .report import build_report
 from .resume import check_resumable, timings
 from .spec import PlannedRun, StudySpec
 from .store import FINISHED, Store, stored_runs, write_atomic
 from .trackers import Tracker, TrackerGroup
-
-
-def fmt_rate(tokens_per_s: float | None) -> str:
-    if not tokens_per_s:
-        return ""
-    for scale, unit in ((1e6, "M"), (1e3, "k")):
-        if tokens_per_s >= scale:
-            return f"{tokens_per_s / scale:.1f}{unit} tokens/s"
-    return f"{tokens_per_s:.0f} tokens/s"
-
-
-def describe(result: RunResult) -> str:
-    """One line for a finished run: its held-out loss (and throughput), where it diverged, or its error."""
-    final = result.final.get("val_loss")
-    if final is not None:
-        rate = fmt_rate(result.tokens_per_s)
-        return f"val loss {final:.3f}" + (f", {rate}" if rate else "")
-    if result.diverged_step is not None:
-        return f"diverged at step {result.diverged_step}"
-    return result.error or ""
-
-
-@dataclass
-class _InFlight:
-    """What the display knows of a run in flight (its progress events so far)."""
-
-    started: float
-    steps: int = 0  # completed training steps
-    evaluated: int = 0  # held-out batches done, over the whole run
-    eval_total: int = 0  # held-out batches the run makes in all
-    phase: str = "build"  # build, train or eval
-    loss: float | None = None
-
-    def work(self) -> float:
-        return self.steps + EVAL_BATCH_COST * self.evaluated
-
-
-class StudyProgress:
-    """What is running, how far, and an ETA. On a terminal: a ``rich`` display (width-aware, redrawn in
-    place) with one bar for the study and one per run in flight (from the moment its model is being
-    built; evaluation batches move it too), and a printed line per finished run. Elsewhere (logs, CI):
-    a line per finished run, and every ``PLAIN_EVERY`` seconds while runs are in flight a line saying
-    what each does (building its model, its step, or its evaluation batch) from a timer thread, so a
-    run whose one step or evaluation takes minutes is visible too.
-
-    The ETA counts a run's work as its steps and its held-out batches (:func:`run_work`), from the cost
-    model until a run has finished (or ``MEASURED_AFTER`` seconds have passed), then from the measured
-    rate. It only observes: the executor's callbacks (``step``, ``progress``) feed it, in the driver."""
-
-    PLAIN_EVERY = 5.0  # seconds between the plain display's lines on the runs in flight
-    MEASURED_AFTER = 30.0  # seconds of a study before the ETA trusts its in-flight runs' pace
-
-    def __init__(
-        self,
-        total: int,
-        done: int,
-        todo: list[PlannedRun],
-        stream: TextIO | None = None,
-        enabled: bool = True,
-        workers: int = 1,
-        gpu: bool = False,
-    ) -> None:
-        self.stream = stream or sys.stderr
-        self.enabled = enabled
-        self.tty = enabled and self.stream.isatty()
-        self.total, self.done, self.workers = total, done, max(1, workers)
-        self.cost = {run.run_id: estimate_seconds(run.config, gpu) for run in todo}
-        self.remaining = sum(self.cost.values())
-        self.spent = 0.0
-        self.flight: dict[str, tuple[PlannedRun, _InFlight]] = {}
-        self.start = time.perf_counter()
-        self._lock = threading.RLock()
-        self._last = time.perf_counter()
-        self._stop = threading.Event()
-        self._ticker: threading.Thread | None = None
-        self._bars: dict[str, TaskID] = {}
-        self._live: Progress | None = None
-        if self.tty:
-            self.console = Console(file=self.stream)
-            self._live = Progress(
-                TextColumn(
-                    "{task.description}", table_column=Column(ratio=3, no_wrap=True, overflow="ellipsis")
-                ),
-                BarColumn(table_column=Column(ratio=1)),
-                TextColumn("{task.fields[note]}", table_column=Column(no_wrap=True)),
-                TimeElapsedColumn(),
-                TimeRemainingColumn(),
-                console=self.console,
-                expand=True,
-            )
-            self._study = self._live.add_task(self._title(), total=self.remaining or 1.0, note="")
-            self._live.start()
-        elif enabled:
-            self._ticker = threading.Thread(target=self._tick, name="addnorm-progress", daemon=True)
-            self._ticker.start()
-
-    def _title(self) -> str:
-        return f"[{self.done}/{self.total}] runs"
-
-    def _partial(self) -> float:
-        """Estimated seconds of work done in the runs in flight."""
-        return sum(
-            self.cost.get(run.run_id, 0.0) * min(state.work() / run_work(run.config), 1.0)
-            for run, state in self.flight.values()
-        )
-
-    def eta(self) -> str:
-        """Time left: the cost model's estimate shared over the workers until a run has finished (or
-        :data:`MEASURED_AFTER` seconds have passed with work done), then the measured rate of work so
-        far (steps and held-out batches, finished runs and those in flight) applied to the work left."""
-        with self._lock:
-            elapsed = time.perf_counter() - self.start
-            partial = self._partial()
-            left = max(self.remaining - partial, 0.0)
-            measured = self.spent > 0 or (partial > 0 and elapsed >= self.MEASURED_AFTER)
-            if not measured:  # the model's guess
-                return "~" + fmt_time(left / self.workers)
-            return fmt_time(elapsed / (self.spent + partial) * left)
-
-    def _state(self, run: PlannedRun) -> _InFlight:
-        if run.run_id not in self.flight:
-            self.flight[run.run_id] = (run, _InFlight(time.perf_counter()))
-        return self.flight[run.run_id][1]
-
-    def step(self, run: PlannedRun, step: int, loss: float) -> None:
-        with self._lock:
-            state = self._state(run)
-            state.steps, state.loss, state.phase = step + 1, loss, "train"
-            self._show(run, state)
-
-    def progress(self, run: PlannedRun, phase: str, done: int, total: int) -> None:
-        """A run's progress between steps: building its model, or held-out batch ``done`` of ``total``."""
-        with self._lock:
-            state = self._state(run)
-            state.phase = phase
-            if phase == "eval":
-                state.evaluated, state.eval_total = done, total
-            self._show(run, state)
-
-    def _note(self, run: PlannedRun, state: _InFlight) -> str:
-        if state.phase == "build":
-            return "building the model"
-        if state.phase == "eval":
-            return f"evaluating {state.evaluated:,}/{state.eval_total:,}"
-        return f"step {state.steps}/{run.config.steps} loss {state.loss:.3f}"
-
-    def _show(self, run: PlannedRun, state: _InFlight) -> None:
-        if self._live is None:
-            return
-        if run.run_id not in self._bars:
-            label = f"  {run.experiment}: {run.label}"
-            self._bars[run.run_id] = self._live.add_task(label, total=run_work(run.config), note="")
-        self._live.update(self._bars[run.run_id], completed=state.work(), note=self._note(run, state))
-        self._live.update(self._study, completed=self.spent + self._partial())
-
-    def _tick(self) -> None:
-        """The plain display's timer: a line on what the runs in flight do, every PLAIN_EVERY seconds
-        without other output."""
-        while not self._stop.wait(min(self.PLAIN_EVERY, 1.0)):
-            with self._lock:
-                if not self.flight or time.perf_counter() - self._last < self.PLAIN_EVERY:
-                    continue
-                now = time.perf_counter()
-                doing = "; ".join(
-                    f"{run.experiment}: {run.label} | {self._note(run, state)}, "
-                    + fmt_time(now - state.started)
-                    for run, state in self.flight.values()
-                )
-                self._line(f"[{self.done}/{self.total}] {doing} | ETA {self.eta()}")
-
-    def finished(self, run: PlannedRun, result: RunResult) -> None:
-        with self._lock:
-            self.done += 1
-            self.flight.pop(run.run_id, None)
-            cost = self.cost.get(run.run_id, 0.0)
-            self.spent += cost
-            self.remaining -= cost
-            if not self.enabled:
-                return
-            head = f"[{self.done}/{self.total}] {run.experiment}: {run.label}"
-            tail = f" -> {result.status} {describe(result)} ({fmt_time(result.wall_s)})"
-            if self._live is not None:
-                if run.run_id in self._bars:
-                    self._live.remove_task(self._bars.pop(run.run_id))
-                self._live.update(self._study, completed=self.spent, description=self._title())
-                room = self.console.width - len(tail)  # the label gives way, the outcome stays readable
-                if len(head) > room:
-                    head = head[: max(room - 1, 8)] + "…"
-                line = Text(head + tail)
-                line.truncate(self.console.width, overflow="ellipsis")
-                self.console.print(line, highlight=False, no_wrap=True)
-            else:
-                self._line(f"{head}{tail} | ETA {self.eta()}")
-
-    def _line(self, text: str) -> None:
-        self._last = time.perf_counter()
-        self.stream.write(text + "\n")
-        self.stream.flush()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._ticker is not None:
-            self._ticker.join()
-            self._ticker = None
-        if self._live is not None:
-            self._live.stop()
-            self._live = None
 
 
 @dataclass
@@ -294,12 +88,30 @@ def _store_unsaved(store: Store, out: Path, stream: TextIO) -> None:
         path.unlink()
 
 
-def estimator_for(stored: list[dict], gpu: bool) -> Estimator:
+def estimator_for(stored: list[dict], gpu: bool, packed: int = 1) -> Estimator:
     """The run-time estimates of this machine (its device: the GPU's name where runs train on one, else
-    the CPU model) from the runs ``stored`` (``Store.measurements``) measured on it."""
+    the CPU model) from the runs ``stored`` (``Store.measurements``) measured on it, for ``packed`` runs
+    at once (a GPU is one device they share; on the CPU each has a core of its own)."""
     from ..train.device import device_name
 
-    return Estimator(device_name(), gpu, timings(stored))
+    return Estimator(device_name(), gpu, timings(stored), packed, slots=1 if gpu else usable_cores())
+
+
+def pack_this_gpu(todo: list[PlannedRun], stored: list[dict], budget: Budget | None, planned: int) -> Packing:
+    """``--workers auto`` on a CUDA machine: how many of the runs ``todo`` train at once on its GPU
+    (:func:`~.packing.choose`: its free memory, this host's cores less one, the budget, the gain measured
+    in ``stored``)."""
+    import torch
+
+    room = budget.left() - report_reserve(planned) if budget is not None else None
+    return choose(
+        todo,
+        estimator_for(stored, gpu=True),
+        free_bytes=torch.cuda.mem_get_info()[0],
+        cores=max(1, usable_cores() - 1),
+        room=room,
+        start_s=POOL_START_S,
+    )
 
 
 def _first_cost(executor: Executor, started: int) -> float:
@@ -315,8 +127,8 @@ def check_budget(
     if not todo:
         return
     room = budget.left() - report_reserve(planned)
-    cheapest = min(todo, key=lambda r: estimator.seconds(r.config))
-    need = estimator.seconds(cheapest.config) + _first_cost(executor, 0)
+    cheapest = min(todo, key=lambda r: estimator.needs(r.config))
+    need = estimator.needs(cheapest.config) + _first_cost(executor, 0)
     if need > room:
         raise BudgetTooSmall(
             f"--budget: {fmt_time(budget.seconds)} leaves {fmt_time(max(room, 0))} for runs after the "
@@ -355,44 +167,80 @@ def prepare(
         raise ValueError(
             "--budget: only with the local executor (it starts each run when the last one's time is known)"
         )
-    executor = executor or make_executor(workers, threads, runs=len(todo), nproc=max_nproc(todo))
+    if executor is None:
+        packing = None
+        if workers == "auto" and todo and max_nproc(todo) == 1 and cuda_available():
+            packing = pack_this_gpu(todo, stored, budget, len(plan.runs))
+            workers = packing.most  # a pool that may grow to this; packing.k runs at once to start with
+        executor = make_executor(workers, threads, runs=len(todo), nproc=max_nproc(todo))
+        executor.packing = packing
+    at_once = executor.packing.k if executor.packing is not None else executor.workers
     if isinstance(executor, (LocalExecutor, ProcessExecutor)):
-        check_plan(todo, executor.workers, executor.gpu, memory_limit)
+        need = None
+        if executor.gpu:
+            measured = estimator_for(stored, gpu=True)
+            need = lambda config: memory_need(config, measured)  # noqa: E731
+        check_plan(todo, at_once, executor.gpu, memory_limit, need)
     else:
         check_eval(todo)
     if budget is not None:
-        check_budget(todo, estimator_for(stored, executor.gpu), budget, len(plan.runs), executor)
+        estimator = estimator_for(stored, executor.gpu, at_once)
+        check_budget(todo, estimator, budget, len(plan.runs), executor)
     return executor
 
 
 class _Window:
-    """Starts the runs of a study on ``executor``: all at once without a budget; with one, each when a
-    worker is free and its estimate (plus a new worker's start-up) ends inside what is left of the budget
-    after the report's reserve, the first such run in the spec's order (the others wait for the next
-    invocation). Finished runs refine the estimates (:meth:`finished`)."""
+    """Starts the runs of a study on ``executor``, in the spec's order. On this machine's executors
+    (in-process, a pool) a run starts when one of ``target`` slots is free (the executor's workers, or
+    the packing's runs at once on a GPU), so the runs in flight are the runs training and
+    :class:`~.packing.Sharing` counts how many shared the device while each ran (``packed`` in its
+    provenance, :meth:`finished`); a cluster's executor gets them all at once. With a budget a run starts
+    only if what its estimate needs at ``target`` at once (plus a new worker's start-up) ends inside what
+    is left of the budget after the report's reserve: the first such run (the others wait for the next
+    invocation). Finished runs refine the estimates; with a packing, each chooses the runs at once again
+    (:meth:`~.packing.Packing.again`: the peaks and the gain measured since), up to the pool's size,
+    and ``say`` gets its line when it changes."""
 
     def __init__(
-        self, executor: Executor, todo: list[PlannedRun], budget: Budget | None, estimator, planned: int
+        self,
+        executor: Executor,
+        todo: list[PlannedRun],
+        budget: Budget | None,
+        estimator,
+        planned: int,
+        say=lambda line: None,
     ):
         self.executor, self.queue, self.budget, self.estimator = executor, list(todo), budget, estimator
         self.todo = list(todo)
         self.reserve = report_reserve(planned)
         self.started = self.in_flight = 0
+        self.local = executor.on_this_machine
+        self.sharing = Sharing(budget.clock if budget is not None else time.monotonic) if self.local else None
+        self.packing: Packing | None = getattr(executor, "packing", None)
+        self.target = self.packing.k if self.packing is not None else executor.workers  # runs at once
+        self.say = say
 
     def fill(self) -> None:
         """Start what may start now."""
-        if self.budget is None:
+        if self.budget is None and not self.local:
             for run in self.queue:
                 self.executor.submit(run)
             self.started += len(self.queue)
             self.queue.clear()
             return
-        while self.in_flight < self.executor.workers:
-            room = self.budget.left() - self.reserve - _first_cost(self.executor, self.started)
-            run = next((r for r in self.queue if self.estimator.seconds(r.config) <= room), None)
-            if run is None:
-                return
+        while self.queue and self.in_flight < self.target:
+            if self.budget is None:
+                run = self.queue[0]
+            else:
+                room = self.budget.left() - self.reserve - _first_cost(self.executor, self.started)
+                run = next(
+                    (r for r in self.queue if self.estimator.needs(r.config, self.target) <= room), None
+                )
+                if run is None:
+                    return
             self.queue.remove(run)
+            if self.sharing is not None:
+                self.sharing.start(run.run_id)
             self.executor.submit(run)
             self.started += 1
             self.in_flight += 1
@@ -404,16 +252,38 @@ class _Window:
             return list(self.todo)
         room = self.budget.left() - self.reserve
         start = POOL_START_S if isinstance(self.executor, ProcessExecutor) else 0.0
-        free = max(self.executor.workers - self.in_flight, 1)
-        later, _ = window(self.queue, lambda r: self.estimator.seconds(r.config), room, free, start)
+        free = max(self.target - self.in_flight, 1)
+        later, _ = window(
+            self.queue, lambda r: self.estimator.needs(r.config, self.target), room, free, start
+        )
         return [r for r in self.todo if r not in self.queue or r in later]
 
-    def finished(self, run: PlannedRun, result: RunResult, provenance: dict) -> None:
+    def finished(self, run: PlannedRun, result: RunResult) -> None:
+        """A run came back: how many runs shared the device while it ran goes into its provenance
+        (``packed``), and its time into the estimates."""
         self.in_flight -= 1
+        if self.sharing is not None:
+            result.provenance["packed"] = self.sharing.finish(run.run_id)
         if self.estimator is not None:
             done = result.status == "done" and result.steps_done == run.config.steps
-            device = str((provenance or {}).get("device") or "")
-            self.estimator.add(Timing(run.config.to_dict(), device, result.wall_s, done))
+            prov = result.provenance or {}
+            self.estimator.add(
+                Timing(
+                    run.config.to_dict(),
+                    str(prov.get("device") or ""),
+                    result.wall_s,
+                    done,
+                    packed=float(prov.get("packed") or 1.0),
+                    tokens_per_s=result.tokens_per_s,
+                    peak_memory=prov.get("peak_memory"),
+                )
+            )
+        if self.packing is not None and self.estimator is not None and self.queue:
+            room = self.budget.left() - self.reserve if self.budget is not None else None
+            again = self.packing.again(self.queue, self.estimator, room, self.in_flight)
+            if min(again.k, self.executor.workers) != self.target:
+                self.target = min(again.k, self.executor.workers)
+                self.say(again.line())
 
 
 def run_study(
@@ -458,7 +328,12 @@ def run_study(
         pruned = store.prune() if prune else 0
         stale = len(store.stale_ids())
         retried = sum(1 for r in store.runs() if r["status"] == FAILED)
-        estimator = estimator_for(store.measurements(), executor.gpu) if budget is not None else None
+        estimator = None
+        if budget is not None or executor.packing is not None:
+            at_once = executor.packing.k if executor.packing is not None else executor.workers
+            estimator = estimator_for(store.measurements(), executor.gpu, at_once)
+        if executor.packing is not None:  # what --workers auto chose on a GPU: said even with --quiet
+            stream.write(executor.packing.line() + "\n")
         if progress:
             notes = [f"{len(planned) - len(todo)} already stored", f"{len(todo)} to run"]
             if retried:
@@ -468,16 +343,17 @@ def run_study(
             if pruned:
                 notes.append(f"{pruned} stale runs pruned")
             stream.write(f"study {spec.name!r}: {len(planned)} runs ({', '.join(notes)}) in {out}\n")
-            if estimator is not None:
+            if budget is not None:
                 stream.write(
                     f"budget {fmt_time(budget.seconds)} ({fmt_time(budget.left())} left): a run starts when "
-                    f"its estimate fits ({estimator.source()})\n"
+                    f"its estimate fits ({estimator.describe()})\n"
                 )
         tracking = TrackerGroup(trackers or [], stream)
         tracking.open(out, spec.name, store)
         bar = None
         failed = []
-        starter = _Window(executor, todo, budget, estimator, len(planned))
+        say = lambda line: (stream.write(line + "\n"), stream.flush())  # noqa: E731
+        starter = _Window(executor, todo, budget, estimator, len(planned), say)
         try:
             try:
                 starter.fill()  # an executor on a cluster connects here, and then knows its size
@@ -490,7 +366,7 @@ def run_study(
                 starter.expected(),
                 stream=stream,
                 enabled=progress,
-                workers=executor.workers,
+                workers=starter.target,
                 gpu=executor.gpu,
             )
 
@@ -505,6 +381,7 @@ def run_study(
                     executor.results(steps, bar.progress if progress else None)
                 ) as results:
                     for run, result in results:
+                        starter.finished(run, result)
                         row = (spec.name, run.run_id, members[run.run_id], run.config.to_dict(), result)
                         _save(store, out, *row, time.time() - result.wall_s)
                         bar.finished(run, result)
@@ -512,7 +389,6 @@ def run_study(
                             tracking.log_run(store.run_record(run.run_id))
                         if result.status == FAILED:
                             failed.append(f"{run.experiment}: {run.label} ({result.error})")
-                        starter.finished(run, result, result.provenance)
                         starter.fill()
         finally:
             if bar is not None:

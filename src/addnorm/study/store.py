@@ -219,10 +219,11 @@ class Store:
 
     def measurements(self) -> list[dict]:
         """Every stored run, of the plan or not, as what it measured: ``id``, ``config`` and
-        ``provenance`` (decoded), ``status``, ``steps_done`` and ``wall_s``; for the time estimates of
-        runs still to train and the checks before a study resumes."""
+        ``provenance`` (decoded), ``status``, ``steps_done``, ``wall_s`` and ``tokens_per_s``; for the
+        time and memory estimates of runs still to train and the checks before a study resumes."""
         out = []
-        for row in self.db.execute("SELECT id, config, provenance, status, steps_done, wall_s FROM runs"):
+        query = "SELECT id, config, provenance, status, steps_done, wall_s, tokens_per_s FROM runs"
+        for row in self.db.execute(query):
             d = dict(row)
             d["config"] = json.loads(d["config"])
             d["provenance"] = json.loads(d["provenance"]) if d.get("provenance") else {}

@@ -1,4 +1,5 @@
-"""Where and how a run computes: the device, the autocast precision, ``torch.compile``, and tokens/s.
+"""Where and how a run computes: the device, the autocast precision, ``torch.compile``, tokens/s and a
+GPU's peak memory.
 
 - The device: ``"auto"`` is CUDA when this process sees a GPU (a Ray task started without GPUs sees
   none), else the CPU.
@@ -110,3 +111,21 @@ class Throughput:
     @property
     def rate(self) -> float | None:
         return self.tokens / self.seconds if self.tokens and self.seconds > 0 else None
+
+
+class PeakMemory:
+    """A run's peak memory on a GPU: the bytes torch's caching allocator reserved at most (``torch.cuda.
+    max_memory_reserved``), counted from this object's creation (the peak statistics are reset then, so a
+    pool worker's earlier runs do not count). The CUDA context itself is not included. On the CPU it
+    records nothing (a process's peak resident memory cannot be reset per run)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+
+    def record(self) -> dict:
+        """``{"peak_memory": bytes}`` on a GPU (for the run's provenance), else ``{}``."""
+        if self.device.type != "cuda":
+            return {}
+        return {"peak_memory": int(torch.cuda.max_memory_reserved(self.device))}

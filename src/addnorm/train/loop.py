@@ -16,7 +16,15 @@ from ..placement_spec import Lifecycle
 from ..probe import Probe
 from ..tasks import build_task
 from .config import RunConfig
-from .device import Throughput, autocast, autocast_dtype, device_name, precision_name, select_device
+from .device import (
+    PeakMemory,
+    Throughput,
+    autocast,
+    autocast_dtype,
+    device_name,
+    precision_name,
+    select_device,
+)
 from .hf_model import ADDNORM_MODEL, build_hf_model, transformers_version
 from .optim import build_optimizer
 from .ranks import Ranks, full
@@ -250,6 +258,7 @@ def train(
     progress = on_progress or (lambda phase, done, total: None)
     progress("build", 0, 1)
     device = select_device(device)
+    peak = PeakMemory(device)
     dtype = autocast_dtype(device, cfg.precision)
     sync_every = sync_every or (1 if device.type == "cpu" else SYNC_EVERY)
     torch.manual_seed(cfg.seed)
@@ -364,5 +373,6 @@ def train(
             "metric": task.metric,
         }
         result.metrics += _residual_picture(model, task, fixed_batch, result.steps_done)
+    result.provenance.update(peak.record())
     result.wall_s = time.perf_counter() - start
     return result
