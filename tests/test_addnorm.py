@@ -160,3 +160,28 @@ def test_boolean_options_reject_non_booleans(value):
     assert conn.fused is True and conn.pre_norm is False  # a rejected value changes nothing
     conn.pre_norm, conn.fused = True, False
     assert conn.placement.name == "pre" and conn.fused is False
+
+
+def test_an_observation_point_runs_its_module_call_only_where_a_hook_could_see_it(monkeypatch):
+    """Unobserved, a point's call is the tensor itself without nn.Module's call (no forward runs);
+    a hook of its own or one of torch's global module hooks makes it observed, and then the hook sees
+    the call and its keywords (what Probe reads)."""
+    from torch.nn.modules.module import register_module_forward_hook
+
+    from addnorm.addnorm import ObservationPoint
+
+    point, x, r = ObservationPoint(), torch.randn(2, 3), torch.randn(2, 3)
+    ran = []
+    monkeypatch.setattr(ObservationPoint, "forward", lambda self, t, **kw: ran.append(t) or t)
+    assert not point.observed and point(x, grad_from=r, grad_scale=2.0) is x and ran == []
+    seen = []
+    handle = point.register_forward_hook(lambda m, args, kwargs, out: seen.append(kwargs), with_kwargs=True)
+    assert point.observed and point(x, grad_from=r, grad_scale=2.0) is x
+    assert seen == [{"grad_from": r, "grad_scale": 2.0}] and ran == [x]
+    handle.remove()
+    global_handle = register_module_forward_hook(lambda m, args, out: seen.append(type(m).__name__))
+    try:
+        assert point.observed and point(x) is x and seen[-1] == "ObservationPoint"
+    finally:
+        global_handle.remove()
+    assert not point.observed

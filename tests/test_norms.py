@@ -110,3 +110,30 @@ def test_norm_options_are_checked():
         an.build_norm("layernorm", 4, zero_centered=True)
     with pytest.raises(ValueError, match="its options are: zero_centered"):
         an.TransformerConfig(d_model=8, n_heads=2, norm="rmsnorm", norm_options={"alpha0": 1.0})
+
+
+@pytest.mark.parametrize("name, source_cls", [("layernorm", nn.LayerNorm), ("rmsnorm", nn.RMSNorm)])
+def test_a_reading_norm_computes_with_its_source_s_parameters_as_they_are_at_each_call(name, source_cls):
+    """norms.reading: the norm owns no parameter (its state dict is empty), computes what the source
+    module computes with the source's weight (and bias) as they are when called, a replaced Parameter
+    included (what load_state_dict(assign=True) or FSDP2's unshard do), and is still the norm the fused
+    op computes (op_norm); a source with no bias computes without one."""
+    from addnorm.addnorm import op_norm
+    from addnorm.norms import reading
+
+    torch.manual_seed(0)
+    source = source_cls(8, eps=1e-6, dtype=torch.float64)
+    with torch.no_grad():
+        source.weight.uniform_(0.5, 1.5)
+        if getattr(source, "bias", None) is not None:
+            source.bias.uniform_(-0.5, 0.5)
+    norm = reading(an.build_norm(name, 8), source, eps=1e-6)
+    assert dict(norm.state_dict()) == {} and not list(norm.parameters())
+    assert op_norm(norm) == name and norm.weight is source.weight
+    x = torch.randn(3, 8, dtype=torch.float64)
+    torch.testing.assert_close(norm(x), source(x), rtol=0, atol=1e-12)
+    source.weight = nn.Parameter(torch.full((8,), 2.0, dtype=torch.float64))  # replaced, not edited
+    torch.testing.assert_close(norm(x), source(x), rtol=0, atol=1e-12)
+    assert norm.weight is source.weight
+    with pytest.raises(TypeError, match="norm: expected an addnorm LayerNorm or RMSNorm, got ScaleNorm"):
+        reading(an.build_norm("scalenorm", 8), source, eps=1e-6)
