@@ -175,7 +175,8 @@ def use_bwd_variant(variant: str) -> str:
     previous one. Cached call plans hold launch specs, so a change makes every plan anew on its next call
     (:func:`addnorm.ops.policy.invalidate`); the launch specs of both variants stay cached side by side
     (``triton_launch.bwd_spec`` keys them on the variant), so flipping back and forth between calls
-    (``benchmarks/bench_add_norm.py``) compiles and builds nothing twice."""
+    (``benchmarks/bench_add_norm.py``) compiles and builds nothing twice. A graph torch.compile traced
+    through the registered op (compile path "kernel") keeps the variant it was traced with."""
     global BWD_VARIANT
     if variant not in BWD_VARIANTS:
         raise ValueError(f"variant: expected one of {BWD_VARIANTS}, got {variant!r}")

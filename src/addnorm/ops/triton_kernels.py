@@ -194,14 +194,15 @@ def _add_norm_bwd_kernel(
             rstd = rstd[:, None]
         else:
             mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
-            if SPLIT and SUMS is not None:  # the pre-pass's row sums: only this slice is read
-                c1, c2 = load_row_sums(SUMS, rows64, row_ok, IS_RMS)
-            elif SPLIT:  # the row's sums first, over every slice (this one last: in L1 for what follows)
-                c1, c2 = row_slices_sums(
-                    j, n_slices, SAVED, X, R, W, B, G, SEED, DY, ids, row_ok, rows64, lane, N, mean, rstd,
-                    stride_dy, stride_x, stride_r, alpha, drop_thr, drop_scale, IS_RMS, HAS_W, HAS_B, GATE,
-                    DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
+            if SPLIT:  # the row's sums first, over every slice (this one last: in L1 for what follows)
+                if SUMS is None:
+                    c1, c2 = row_slices_sums(
+                        j, n_slices, SAVED, X, R, W, B, G, SEED, DY, ids, row_ok, rows64, lane, N, mean,
+                        rstd, stride_dy, stride_x, stride_r, alpha, drop_thr, drop_scale, IS_RMS, HAS_W,
+                        HAS_B, GATE, DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE, BLOCK_M, BLOCK_N,
+                    )  # fmt: skip
+                else:  # or the pre-pass's (variant "row_sums"): only this slice is read
+                    c1, c2 = load_row_sums(SUMS, rows64, row_ok, IS_RMS)
             xhat = xhat_tile(
                 SAVED, X, R, G, keep, rows64, cols, col_ok, m, N, w, b, mean, rstd, stride_x, stride_r,
                 alpha, drop_scale, IS_RMS, HAS_W, HAS_B, GATE, DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE,
