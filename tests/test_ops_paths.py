@@ -525,15 +525,16 @@ def test_policy_prefers_unfused_modules_only_on_the_cpu_with_dropout():
 @pytest.mark.slow
 def test_triton_op_registration_finds_the_kernels_and_traces_on_the_cpu():
     """Where CUDA is present the ops are torch.library.triton_ops (forced here with ADDNORM_TRITON_OP=1):
-    their schemas come from FwdArgs/BwdArgs, triton_op finds both kernels in their bodies, opcheck
-    passes, and torch.compile(fullgraph=True) traces through them (on the CPU into the torch path)."""
+    their schemas come from FwdArgs/BwdArgs, triton_op finds the kernels in their bodies (the backward's
+    two: the row-sums pre-pass of the variant "row_sums" too), opcheck passes, and
+    torch.compile(fullgraph=True) traces through them (on the CPU into the torch path)."""
     code = """
 import torch
 from torch._library.triton import get_triton_kernels_for_op
 from addnorm.ops import library as lib, add_norm, set_compile_path
 assert lib.TRITON_OP
 names = [k.fn.__name__ for op in ('fwd', 'bwd') for k in get_triton_kernels_for_op(f'addnorm::add_norm_{op}')]
-assert names == ['_add_norm_fwd_kernel', '_add_norm_bwd_kernel'], names
+assert names == ['_add_norm_fwd_kernel', '_add_norm_bwd_kernel', '_add_norm_bwd_sums_kernel'], names
 x, r, w = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16), torch.ones(16, requires_grad=True)
 args = (x, r, w, None, None, torch.tensor(3), None, 0, 'layernorm', 1e-5, 1.0, 0.1)
 args += (torch.float32, torch.float32, True, 'torch')
