@@ -21,8 +21,14 @@ backward, median time per call (CUDA events) of
 - ``liger``: Liger-Kernel's LayerNorm after the add, its fused add + RMSNorm (dropout before, eager),
   where ``liger_kernel`` imports; ``flash_attn``: flash-attn's Triton ``layer_norm_fn`` (add, dropout,
   norm in one kernel) where it imports;
-- ``addnorm``: the fused op (Triton); ``--impls ... addnorm_compiled``: the op under torch.compile
-  with its Triton kernels (compile path "kernel").
+- ``addnorm``: the fused op's Triton kernels (``backend="triton"``: the table times the kernels, not
+  the policy's choice, which for some shapes is the torch path), its default backward variant;
+  ``addnorm_row_sums``: the same with the backward variant "row_sums" (``launch_config.BWD_VARIANTS``:
+  a row-sums pre-pass, then column slices reading only their own columns), selected around its calls
+  only (the plans made again outside the timed call), so both variants are timed in one run and the
+  targets judged for each; ``--impls ... addnorm_compiled``: the op under torch.compile with its
+  Triton kernels (compile path "kernel"). On the CPU ``addnorm`` is the torch path, or with
+  ``TRITON_INTERPRET=1`` the interpreted kernels, as ``addnorm_row_sums`` (which needs them) is.
 
 A missing extra is one line under the table ("liger: not installed"), never a lost table.
 
@@ -66,10 +72,13 @@ from itertools import product
 import torch
 import torch.nn.functional as F
 from machine import machine_info, machine_line, record_rows
+from other_add_norms import flash_attn_add_norm, liger_add_norm
 from results_path import add_out_argument
 from timing import interleaved
 
 from addnorm.ops import add_norm
+from addnorm.ops import launch_config as lc
+from addnorm.ops.args import interpreting
 from addnorm.ops.policy import using_compile_path
 
 GPU_HIDDEN = (256, 512, 1024, 2048, 4096, 8192, 16384)
@@ -83,8 +92,10 @@ DTYPES = {
     "float16": (torch.float16, torch.float16),
     "float32": (torch.float32, torch.float32),
 }
-IMPLS = ("addnorm", "eager", "compiled", "liger", "flash_attn", "addnorm_compiled")
-GPU_IMPLS = ("addnorm", "eager", "compiled", "liger", "flash_attn")
+IMPLS = ("addnorm", "addnorm_row_sums", "eager", "compiled", "liger", "flash_attn", "addnorm_compiled")
+GPU_IMPLS = ("addnorm", "addnorm_row_sums", "eager", "compiled", "liger", "flash_attn")
+# the op's eager columns: the backward variant each times (launch_config.BWD_VARIANTS)
+OPS = {"addnorm": lc.BWD_VARIANT, "addnorm_row_sums": "row_sums"}
 PHASES = ("fwd", "fwd_bwd")
 
 
@@ -98,12 +109,33 @@ def eager_add_norm(x, r, w, b, norm: str, prenorm: bool, p: float = 0.0, eps: fl
     return (y, s) if prenorm else y
 
 
-def fused_add_norm(x, r, w, b, norm: str, prenorm: bool, p: float = 0.0, eps: float = 1e-5):
+def fused_add_norm(x, r, w, b, norm: str, prenorm: bool, p: float = 0.0, eps=1e-5, backend="auto"):
     bias = b if norm == "layernorm" else None
     out = torch.promote_types(x.dtype, r.dtype)  # y in the stream's dtype, as the unfused add gives it
     return add_norm(
-        x, r, w, bias, norm=norm, eps=eps, prenorm=prenorm, dropout_p=p, training=True, out_dtype=out
-    )
+        x, r, w, bias, norm=norm, eps=eps, prenorm=prenorm, dropout_p=p, training=True, out_dtype=out,
+        backend=backend,
+    )  # fmt: skip
+
+
+def op_column(variant: str, backend: str) -> Callable:
+    """The fused op on ``backend`` with the backward variant ``variant``. Another variant than the
+    default gets ``select(inputs, norm, prenorm, p, on)``: the variant selected (``on``) or the default
+    again, each followed by a one-row call that makes the call's plan (selecting one makes every plan
+    anew), so that a timed call only runs the plan made for its variant."""
+
+    def fn(x, r, w, b, norm: str, prenorm: bool, p: float = 0.0):
+        return fused_add_norm(x, r, w, b, norm, prenorm, p, backend=backend)
+
+    def select(inputs: dict, norm: str, prenorm: bool, p: float, on: bool) -> None:
+        lc.use_bwd_variant(variant if on else OPS["addnorm"])
+        x, r, w, b = inputs["args"]
+        with torch.no_grad():
+            fn(x[:1], r[:1], w, b, norm, prenorm, p)
+
+    if variant != OPS["addnorm"]:
+        fn.select = select
+    return fn
 
 
 def compiled(impl: Callable, path: str | None = None) -> Callable:
@@ -124,50 +156,6 @@ def compiled(impl: Callable, path: str | None = None) -> Callable:
     return fn
 
 
-def flash_attn_add_norm() -> Callable | None:
-    """flash-attn's Triton layer norm (``layer_norm_fn``: dropout, the add, LayerNorm or RMSNorm and,
-    for prenorm, s in one kernel; returns (y, s) for prenorm), or None when flash-attn does not import."""
-    try:
-        from flash_attn.ops.triton.layer_norm import layer_norm_fn
-    except Exception:  # not installed, or built for another torch / CUDA
-        return None
-
-    def fn(x, r, w, b, norm: str, prenorm: bool, p: float = 0.0, eps: float = 1e-5):
-        rms = norm == "rmsnorm"
-        return layer_norm_fn(
-            x, w, None if rms else b, residual=r, eps=eps, dropout_p=p, prenorm=prenorm, is_rms_norm=rms
-        )
-
-    return fn
-
-
-def liger_add_norm() -> Callable | None:
-    """Liger-Kernel's LayerNorm after the add, and its fused add + RMSNorm (returns (y, s)); dropout,
-    which Liger does not fuse, before them; or None when liger-kernel does not import."""
-    try:
-        from liger_kernel.transformers.fused_add_rms_norm import LigerFusedAddRMSNorm
-        from liger_kernel.transformers.layer_norm import LigerLayerNorm
-    except Exception:  # not installed, or built for another torch / Triton
-        return None
-    modules: dict = {}
-
-    def fn(x, r, w, b, norm: str, prenorm: bool, p: float = 0.0, eps: float = 1e-5):
-        key = (norm, x.shape[-1], x.device)
-        if key not in modules:
-            cls = LigerLayerNorm if norm == "layernorm" else LigerFusedAddRMSNorm
-            modules[key] = cls(x.shape[-1], eps=eps).to(x.device)
-        mod = modules[key]
-        d = F.dropout(x, p, True) if p else x
-        if norm == "layernorm":
-            s = d + r
-            y = torch.func.functional_call(mod, {"weight": w, "bias": b}, (s,))
-        else:
-            y, s = torch.func.functional_call(mod, {"weight": w}, (d, r))
-        return (y, s) if prenorm else y
-
-    return fn
-
-
 def implementations(names, device: str) -> tuple[dict[str, Callable], dict[str, str]]:
     """The implementations to time, and one line for each asked for that cannot run here."""
     import importlib.util
@@ -175,11 +163,16 @@ def implementations(names, device: str) -> tuple[dict[str, Callable], dict[str, 
     impls: dict[str, Callable] = {}
     missing: dict[str, str] = {}
     has_triton = importlib.util.find_spec("triton") is not None
+    kernels = has_triton and (device == "cuda" or interpreting())  # where the Triton kernels run
     for name in names:
-        if name == "addnorm":
-            impls[name] = fused_add_norm
+        if name in OPS and (name == "addnorm" or kernels):
+            impls[name] = op_column(OPS[name], "triton" if kernels else "auto")
             if device == "cuda" and not has_triton:
                 missing["addnorm (Triton)"] = "not installed: triton; the addnorm column is the torch path"
+        elif name in OPS:
+            missing[name] = "the Triton kernels need CUDA or TRITON_INTERPRET=1" + (
+                "" if has_triton else " (not installed: triton)"
+            )
         elif name == "eager":
             impls[name] = eager_add_norm
         elif name in ("compiled", "addnorm_compiled"):
@@ -251,6 +244,23 @@ def make_calls(fn, inputs: dict, norm: str, prenorm: bool, p: float) -> dict:
     return {"fwd": fwd, "fwd_bwd": fwd_bwd}
 
 
+def selected(fn, inputs: dict, norm: str, prenorm: bool, p: float, call: Callable) -> Callable:
+    """``call`` as it is, or for an op column of another backward variant (``op_column``) that variant
+    selected before the call and the default after it, outside ``call`` (and so outside its timing)."""
+    select = getattr(fn, "select", None)
+    if select is None:
+        return call
+
+    def run():
+        select(inputs, norm, prenorm, p, True)
+        try:
+            return call()
+        finally:
+            select(inputs, norm, prenorm, p, False)
+
+    return run
+
+
 def shapes(args, device: str) -> list[dict]:
     """The grid, in order: norm, placement, dropout, dtype, hidden."""
     prenorms = {"both": (True, False), "on": (True,), "off": (False,)}[args.prenorm]
@@ -269,13 +279,13 @@ def measure_shape(shape: dict, impls: dict, device: str, args, allowance: float 
     inputs = make_inputs(rows, hidden, shape["dtype"], norm, prenorm, device)
     src = inputs["args"][0].detach()
     dst = torch.empty_like(src)
-    fns: dict[str, Callable[[], object]] = {"copy": lambda: dst.copy_(src)}
     # Liger's fused add + RMSNorm and flash-attn's s take one dtype: no cell for the autocast mix
     mixed = x_dtype != s_dtype
     used = {k: f for k, f in impls.items() if not (k in ("liger", "flash_attn") and mixed)}
+    timers = {"copy": lambda: time_once(lambda: dst.copy_(src), device)}
     for name, fn in used.items():
-        fns |= {f"{name}_{ph}": c for ph, c in make_calls(fn, inputs, norm, prenorm, p).items()}
-    timers = {k: (lambda fn=fn: time_once(fn, device)) for k, fn in fns.items()}
+        for ph, c in make_calls(fn, inputs, norm, prenorm, p).items():
+            timers[f"{name}_{ph}"] = selected(fn, inputs, norm, prenorm, p, lambda c=c: time_once(c, device))
     interleaved(timers, 0, args.warmup)  # compiles (or loads) and JITs here
     t_round = time.monotonic()
     interleaved(timers, 1)
@@ -293,9 +303,9 @@ def measure_shape(shape: dict, impls: dict, device: str, args, allowance: float 
     for name in used:
         for ph, n in (("fwd", nbytes), ("fwd_bwd", 2 * nbytes)):
             row["GBps"][f"{name}_{ph}"] = n / med[f"{name}_{ph}"] / 1e9
-    for other in used:
-        if other != "addnorm":
-            row[f"speedup_fwd_bwd_vs_{other}"] = row["ms"][f"{other}_fwd_bwd"] / row["ms"]["addnorm_fwd_bwd"]
+    for ours in (k for k in OPS if k in used):
+        for other in (k for k in used if k != ours and (ours == "addnorm" or k not in OPS)):
+            row[speed_key(ours, other)] = row["ms"][f"{other}_fwd_bwd"] / row["ms"][f"{ours}_fwd_bwd"]
     row["seconds"] = time.monotonic() - t0
     return row
 
@@ -341,8 +351,8 @@ def warm_only(args, grid: list[dict], impls: dict, device: str, part: str) -> No
         for name, fn in impls.items():
             if mixed and name in ("liger", "flash_attn"):
                 continue
-            calls = make_calls(fn, inputs, shape["norm"], shape["prenorm"], shape["dropout"])
-            calls["fwd_bwd"]()
+            how = (inputs, shape["norm"], shape["prenorm"], shape["dropout"])
+            selected(fn, *how, make_calls(fn, *how)["fwd_bwd"])()
         del inputs
         if device == "cuda":
             torch.cuda.synchronize()
@@ -394,47 +404,35 @@ def run(args, on_row: Callable[[dict], None] | None = None) -> dict:
     return report
 
 
+def speed_key(ours: str, other: str) -> str:
+    """A row's key of ``other``'s fwd+bwd time over the op column ``ours``'s (>= 1: ours no slower)."""
+    return f"speedup_fwd_bwd_vs_{other}" if ours == "addnorm" else f"speedup_{ours}_fwd_bwd_vs_{other}"
+
+
 def check_targets(report: dict) -> list[dict]:
     """The targets, each with the rows it covers, the worst value and whether it holds: on CUDA, in bf16
     fwd+bwd no slower than torch.compile (issue 30) and than Liger-Kernel where it ran (bf16 and the
-    autocast mix), forward >= 95% of the copy bandwidth (issue 10); on the CPU, RMSNorm fwd+bwd >=
-    eager."""
+    autocast mix), each for every backward variant timed (``addnorm_row_sums``: "(row_sums)" after the
+    name), forward >= 95% of the copy bandwidth (issue 10); on the CPU, RMSNorm fwd+bwd >= eager."""
     rows = report["results"]
-
-    def pct(r, phase):
-        return r["GBps"][f"addnorm_{phase}"] / r["GBps"]["copy"]
-
+    specs = []
     if report["device"] == "cuda":
         bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
         lowp = [r for r in rows if r["dtype"] in ("bfloat16", "mixed")]
-        specs = [
-            (
-                "bf16 fwd+bwd >= torch.compile on every shape",
-                [r for r in bf16 if "speedup_fwd_bwd_vs_compiled" in r],
-                lambda r: r["speedup_fwd_bwd_vs_compiled"],
-                1.0,
-                "{:.2f}x",
-            ),
-            (
-                "fwd+bwd >= Liger where it ran (bf16 and the autocast mix)",
-                [r for r in lowp if "speedup_fwd_bwd_vs_liger" in r],
-                lambda r: r["speedup_fwd_bwd_vs_liger"],
-                1.0,
-                "{:.2f}x",
-            ),
-            ("bf16 forward >= 95% of copy bandwidth", bf16, lambda r: pct(r, "fwd"), 0.95, "{:.0%}"),
-        ]
+        for ours in (k for k in OPS if k == "addnorm" or any(speed_key(k, "compiled") in r for r in rows)):
+            tag = "" if ours == "addnorm" else f" ({OPS[ours]})"
+            for name, covered, other in (
+                (f"bf16 fwd+bwd >= torch.compile on every shape{tag}", bf16, "compiled"),
+                (f"fwd+bwd >= Liger where it ran (bf16 and the autocast mix){tag}", lowp, "liger"),
+            ):
+                key = speed_key(ours, other)
+                specs.append((name, [r for r in covered if key in r], lambda r, k=key: r[k], 1.0, "{:.2f}x"))
+        pct = lambda r: r["GBps"]["addnorm_fwd"] / r["GBps"]["copy"]  # noqa: E731
+        specs.append(("bf16 forward >= 95% of copy bandwidth", bf16, pct, 0.95, "{:.0%}"))
     else:
-        rms = [r for r in rows if r["norm"] == "rmsnorm"]
-        specs = [
-            (
-                "CPU add + RMSNorm forward+backward no slower than eager",
-                rms,
-                lambda r: r["speedup_fwd_bwd_vs_eager"],
-                1.0,
-                "{:.2f}x",
-            ),
-        ]
+        rms = [r for r in rows if r["norm"] == "rmsnorm" and "speedup_fwd_bwd_vs_eager" in r]
+        name = "CPU add + RMSNorm forward+backward no slower than eager"
+        specs.append((name, rms, lambda r: r["speedup_fwd_bwd_vs_eager"], 1.0, "{:.2f}x"))
     out = []
     for name, covered, value, bound, fmt in specs:
         if not covered:
@@ -455,7 +453,11 @@ def _line(row: dict, impls) -> str:
     parts = [_label(row)]
     for name in impls:
         parts.append(f"{name}: fwd {ms[name + '_fwd']:.3f}ms fwd+bwd {ms[name + '_fwd_bwd']:.3f}ms")
-    speeds = ", ".join(f"{k.split('_vs_')[1]} {v:.2f}x" for k, v in row.items() if k.startswith("speedup"))
+    speeds = ", ".join(
+        f"{k[8:].replace('_fwd_bwd_vs_', ' vs ').replace('fwd_bwd_vs_', '')} {v:.2f}x"
+        for k, v in row.items()
+        if k.startswith("speedup")
+    )
     parts.append(f"copy {bw['copy']:.0f}GB/s; reps {row['reps']}; fwd+bwd speed vs {speeds}")
     return " | ".join(parts)
 
@@ -477,7 +479,8 @@ def to_markdown(report: dict) -> str:
         "fwd+bwd = forward and backward. GB/s counts the minimum bytes (fwd prenorm: x, r, y, s; fwd "
         "post: x, r, y; bwd prenorm: dy, ds, s, dx; bwd post: dy, y, dx; fwd+bwd: both; mixed = bf16 x, "
         "fp32 r / s / y). % copy = our bandwidth / a device-to-device copy of x in the same row. speed vs "
-        "X = X's fwd+bwd time / ours (>= 1: ours no slower). p = dropout on x.",
+        "X = X's fwd+bwd time / ours (>= 1: ours no slower; addnorm_row_sums: the backward variant "
+        '"row_sums", its own speeds beside). p = dropout on x.',
         "",
     ]
     if report.get("warm"):
@@ -490,8 +493,9 @@ def to_markdown(report: dict) -> str:
     head = ["norm", "placement", "p", "dtype", "hidden", "rows"]
     for i in impls:
         head += [f"{i} fwd ms", f"{i} fwd+bwd ms"]
-    others = [i for i in impls if i != "addnorm"]
-    head += ["copy GB/s", "ours fwd % copy", "ours fwd+bwd % copy"] + [f"speed vs {i}" for i in others]
+    speeds = [(o, i) for o in OPS if o in impls for i in impls if i != o and (o == "addnorm" or i not in OPS)]
+    head += ["copy GB/s", "ours fwd % copy", "ours fwd+bwd % copy"]
+    head += [f"{'' if o == 'addnorm' else o + ' '}speed vs {i}" for o, i in speeds]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in report["results"]:
         ms, bw = r["ms"], r["GBps"]
@@ -503,9 +507,7 @@ def to_markdown(report: dict) -> str:
         cells += [
             f"{bw['addnorm_' + ph] / bw['copy']:.0%}" if "addnorm_" + ph in bw else "-" for ph in PHASES
         ]
-        cells += [
-            f"{r['speedup_fwd_bwd_vs_' + i]:.2f}x" if "speedup_fwd_bwd_vs_" + i in r else "-" for i in others
-        ]
+        cells += [f"{r[speed_key(o, i)]:.2f}x" if speed_key(o, i) in r else "-" for o, i in speeds]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for name, why in report.get("missing", {}).items():

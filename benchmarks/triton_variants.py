@@ -18,7 +18,11 @@ and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and witho
 registered op's statistics (mean and rstd apart, where the eager path packs them in one buffer, or for a
 one-pass backward from s keeps none and recomputes them) and hidden sizes that are not multiples of 16
 (no aligned-vector specialisation). The widest configuration also compiles with dropout on given row
-indices (a DTensor's row shard), and the tensor-parallel kernels (``ops/triton_tp_kernels.py``:
+indices (a DTensor's row shard). The backward's variant "row_sums" (``launch_config.BWD_VARIANTS``,
+selectable beside the default) joins with its slices (kernel ``bwd`` given the pre-pass's sums) and its
+pre-pass (kernel ``bwd_sums``, the forward's tiles) at every configuration the heavy variants launch it
+with, every path with every option (``full``: the same additions as the others). The tensor-parallel
+kernels (``ops/triton_tp_kernels.py``:
 statistics, normalise, row sums, gradients of a column shard) join with every option and row indices, at
 the widest tile and the column-chunk configuration (``full``: every configuration).
 
@@ -46,7 +50,7 @@ HIDDEN_SIZES += (5000, 6144, 8192, 10000, 12288, 16384, 24576, 32768, 50000, 655
 class Variant(NamedTuple):
     """One compiled specialisation of a kernel: its launch configuration, options and dtypes."""
 
-    kernel: str  # "fwd" | "bwd" | one of TP_KERNELS
+    kernel: str  # "fwd" | "bwd" | "bwd_sums" (the row-sums pre-pass) | one of TP_KERNELS
     block_m: int
     block_n: int
     chunked: bool
@@ -65,6 +69,7 @@ class Variant(NamedTuple):
     # does (forward: one buffer, LayerNorm's means after the rstds, MEAN None; backward from s in one
     # pass: none, recomputed from s, RSTD None too)
     op_stats: bool = False
+    row_sums: bool = False  # the backward's slices given the pre-pass's row sums (variant "row_sums")
 
     @property
     def recomputes_stats(self) -> bool:
@@ -90,6 +95,7 @@ class Variant(NamedTuple):
         ]
         parts += [("", "scalar gate", "vector gate")[self.gate]] if self.gate else []
         parts += ["op statistics"] if self.op_stats else []
+        parts += ["pre-pass row sums"] if self.row_sums and self.kernel == "bwd" else []
         parts += ["statistics recomputed"] if self.recomputes_stats else []
         parts += ["row ids"] if self.row_ids else []
         return ", ".join(parts + ([] if self.aligned else ["unaligned"]))
@@ -117,6 +123,17 @@ def _takes_unaligned(kind: str, cfg) -> bool:
     return any(bwd_config(h, heavy) == cfg for h in widths for heavy in (False, True))
 
 
+def _other_options(base: Variant) -> list[Variant]:
+    """``full``'s other options of a variant with every one: RMSNorm, the autocast mix, bf16, fp16 (with
+    a scalar gate), no dropout nor gate, no affine, the registered op's statistics."""
+    return [
+        base._replace(norm="rmsnorm", bias=False), base._replace(dtypes="mixed"),
+        base._replace(dtypes="bf16"), base._replace(dtypes="fp16", gate=1),
+        base._replace(dropout=False, gate=0), base._replace(weight=False, bias=False),
+        base._replace(op_stats=True),
+    ]  # fmt: skip
+
+
 def _light(base: Variant) -> list[Variant]:
     """The heaviest backward variant that is not register-heavy (no dropout, no gate): it runs the
     one-pass configurations the heavy ones do not."""
@@ -140,10 +157,7 @@ def variants(full: bool = False) -> list[Variant]:
                     if _takes_unaligned(kind, cfg):
                         out.append(base._replace(aligned=False))
                 if full:
-                    out += [base._replace(norm="rmsnorm", bias=False), base._replace(dtypes="mixed")]
-                    out += [base._replace(dtypes="bf16"), base._replace(dtypes="fp16", gate=1)]
-                    out += [base._replace(dropout=False, gate=0), base._replace(weight=False, bias=False)]
-                    out += [base._replace(op_stats=True)]
+                    out += _other_options(base)
         if kind == "bwd":  # the configurations only the lighter variants launch
             light = {c: h for c, h in _configs(kind, heavy=False).items() if c not in configs}
             widest = max(light, key=lambda c: (c.chunked, c.block_n), default=None)
@@ -155,7 +169,38 @@ def variants(full: bool = False) -> list[Variant]:
                         kind, *cfg, "layernorm", path, "fp32", True, True, 2, True, True, tuple(hidden)
                     )
                     out += [v._replace(aligned=a) for v in _light(base) for a in aligned]
+    out += _row_sums_variants(full)
     out += _tensor_parallel_variants(full)
+    return out
+
+
+def _row_sums_variants(full: bool) -> list[Variant]:
+    """The backward's variant "row_sums": its slices (``bwd``, the sums given) and its pre-pass
+    (``bwd_sums``) at each configuration the widths from which the heavy variants take it launch, each
+    path with every option; the widest configuration (``full``: every one) also on row ids and, where
+    such widths reach it, unaligned; ``full`` adds the other options as :func:`variants` does."""
+    from addnorm.ops.launch_config import bwd_config, bwd_sums_config
+
+    out = []
+    for kernel, rule in (("bwd", lambda h: bwd_config(h, True, "row_sums")), ("bwd_sums", bwd_sums_config)):
+        configs: dict = {}
+        for h in HIDDEN_SIZES:
+            if bwd_config(h, True, "row_sums").chunked:  # the widths that take the row-sums path
+                configs.setdefault(rule(h), []).append(h)
+        widest = max(configs, key=lambda c: (c.chunked, c.block_n * c.block_m, c.block_n))
+        for cfg, hidden in configs.items():
+            unaligned = kernel == "bwd" or _takes_unaligned("fwd", cfg)
+            for path in ("from_s", "from_y", "from_xr"):
+                base = Variant(
+                    kernel, *cfg, "layernorm", path, "fp32", True, True, 2, True, True, tuple(hidden),
+                    row_sums=True,
+                )  # fmt: skip
+                out.append(base)
+                if full or cfg == widest:
+                    out.append(base._replace(row_ids=True))
+                    out += [base._replace(aligned=False)] if unaligned else []
+                if full:
+                    out += _other_options(base)
     return out
 
 
@@ -214,7 +259,7 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "DG_PART": "fp32" if v.gate else None,
         "ROWS": "i64" if v.row_ids and v.dropout else None,  # the rows' global indices (dropout on a shard)
         "STATS": "fp32",
-        "SUMS": "fp32",
+        "SUMS": "fp32" if v.kernel != "bwd" or v.row_sums else None,  # the row sums (TP, row-sums pre-pass)
     }
     if not fwd and not (recompute or v.gate):
         ptr["X"] = None
@@ -313,8 +358,9 @@ def compile_variant(v: Variant, arch: int) -> dict:
     from addnorm.ops import triton_tp_kernels as ts
 
     fn = {
-        "fwd": k.fwd_kernel, "bwd": k.bwd_kernel, "tp_stats": ts.tp_stats_kernel,
-        "tp_norm": ts.tp_norm_kernel, "tp_sums": ts.tp_sums_kernel, "tp_bwd": ts.tp_bwd_kernel,
+        "fwd": k.fwd_kernel, "bwd": k.bwd_kernel, "bwd_sums": k.bwd_sums_kernel,
+        "tp_stats": ts.tp_stats_kernel, "tp_norm": ts.tp_norm_kernel, "tp_sums": ts.tp_sums_kernel,
+        "tp_bwd": ts.tp_bwd_kernel,
     }[v.kernel]  # fmt: skip
     if not hasattr(fn, "arg_names"):
         raise RuntimeError("compile_variant: the kernels were built for the interpreter (TRITON_INTERPRET=1)")

@@ -60,6 +60,34 @@ def backend_env(monkeypatch):
     policy.read_backend_env()
 
 
+@pytest.fixture(params=["slices", "row_sums"])
+def small_chunks(request, monkeypatch):
+    """Launch configurations that chunk rows wider than 32 columns (fwd) / 16 (bwd, the register-heavy
+    variants too), so the chunked kernels run on small shapes in the interpreter; once per backward
+    variant (``launch_config.BWD_VARIANTS``: the slices reading each other for the row sums, or the
+    row-sums pre-pass, in tiles of two rows, then slices of two rows). Yields ``launch_config``."""
+    from addnorm.ops import launch_config as k
+    from addnorm.ops import policy, triton_launch
+
+    monkeypatch.setattr(k, "FWD_MAX_ONE_PASS", 32)
+    monkeypatch.setattr(k, "BWD_MAX_ONE_PASS", 16)
+    monkeypatch.setattr(k, "BWD_MAX_ONE_PASS_HEAVY", 16)
+    monkeypatch.setattr(k, "FWD_CHUNK", k.Launch(2, 32, True, 4))
+    monkeypatch.setattr(k, "BWD_SLICE", k.Launch(2, 16, True, 4))
+    monkeypatch.setattr(k, "BWD_SLICE_NARROW", k.Launch(2, 16, True, 4))
+    monkeypatch.setattr(k, "BWD_ROW_SUMS_MIN", 16)
+    monkeypatch.setattr(k, "BWD_ROW_SUMS_MIN_HEAVY", 16)
+    monkeypatch.setattr(k, "BWD_ROW_SUMS_SLICE", k.Launch(2, 16, True, 4))
+    monkeypatch.setattr(k, "BWD_ONE_PROGRAM_TILES", 0)  # several programs and their partial sums
+    previous = k.use_bwd_variant(request.param)  # invalidates the cached call plans: they hold specs
+    triton_launch.clear_caches()
+    yield k
+    monkeypatch.undo()
+    k.use_bwd_variant(previous)
+    triton_launch.clear_caches()
+    policy.invalidate()
+
+
 @pytest.fixture
 def triton_backend(backend_env):
     """``ADDNORM_BACKEND=triton`` (what ``auto`` means on a GPU) for the test, the kernels run by

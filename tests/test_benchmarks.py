@@ -114,6 +114,64 @@ def test_gpu_targets_are_checked_on_the_rows_they_cover(bench):
     assert met["bf16 fwd+bwd >= torch.compile on every shape"] is False
 
 
+def test_the_op_columns_time_the_kernels_on_a_gpu(bench, monkeypatch):
+    """On CUDA both op columns call the Triton backend, not the policy's choice: with "auto" the H200
+    table's Post-LN LayerNorm rows at hidden 16384 timed the torch path (a policy row keyed on "cuda"
+    sends them there), fp32 casts and a hashed mask in torch ops, as the op's kernels."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("needs triton")
+    import torch
+
+    backends = []
+    monkeypatch.setattr(bench, "add_norm", lambda *args, **kw: backends.append(kw["backend"]))
+    impls, missing = bench.implementations(["addnorm", "addnorm_row_sums"], "cuda")
+    x = torch.zeros(2, 8)
+    for fn in impls.values():
+        fn(x, x, x[0], x[0], "layernorm", False)
+    assert backends == ["triton", "triton"] and not missing
+
+
+def test_gpu_targets_are_judged_for_each_backward_variant_timed(bench):
+    """With the op's "row_sums" column in the rows, its own torch.compile and Liger targets join the
+    default's, each judged on its own speeds."""
+    rows = [_row("bfloat16", True, 0.97, 1.05, 1.2), _row("mixed", False, 0.6, 0.9, 1.01)]
+    for r, (vs_compiled, vs_liger) in zip(rows, ((0.97, 1.3), (1.5, 1.02)), strict=True):
+        r[bench.speed_key("addnorm_row_sums", "compiled")] = vs_compiled
+        r[bench.speed_key("addnorm_row_sums", "liger")] = vs_liger
+    targets = {t["target"]: t for t in bench.check_targets({"device": "cuda", "results": rows})}
+    new = targets["bf16 fwd+bwd >= torch.compile on every shape (row_sums)"]
+    assert new["rows"] == 1 and new["worst"] == "0.97x" and new["met"] is False
+    assert targets["fwd+bwd >= Liger where it ran (bf16 and the autocast mix) (row_sums)"]["met"] is True
+    assert targets["bf16 fwd+bwd >= torch.compile on every shape"]["met"] is True and len(targets) == 5
+
+
+def test_add_norm_times_each_backward_variant_in_one_run(bench, tmp_path, monkeypatch):
+    """The op's default backward and its variant "row_sums" in one run, in columns of their own: the
+    variant is selected around its own calls only (its row-sums pre-pass runs there and nowhere else)
+    and the default again after each."""
+    if importlib.util.find_spec("triton") is None or not interpreting():
+        pytest.skip("needs triton and TRITON_INTERPRET=1")
+    from addnorm.ops import launch_config as lc
+    from addnorm.ops import triton_launch
+
+    kernel, selected_at_launch = triton_launch.bwd_sums_kernel, []
+
+    class Spy:
+        def __getitem__(self, grid):
+            selected_at_launch.append(lc.BWD_VARIANT)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_launch, "bwd_sums_kernel", Spy())
+    argv = ["--cpu", "--impls", "addnorm", "addnorm_row_sums", "--hidden", "2048", "--elements", "4096"]
+    argv += ["--norms", "rmsnorm", "--prenorm", "on", "--dropout", "0.1", "--reps", "2", "--warmup", "1"]
+    report = bench.main([*argv, "--out", str(tmp_path)])
+    (row,) = report["results"]
+    assert {"addnorm_fwd_bwd", "addnorm_row_sums_fwd_bwd"} <= set(row["ms"])
+    assert row[bench.speed_key("addnorm", "addnorm_row_sums")] > 0
+    assert selected_at_launch and set(selected_at_launch) == {"row_sums"} and lc.BWD_VARIANT == "slices"
+    assert "addnorm_row_sums fwd+bwd ms" in (tmp_path / "add_norm_cpu.md").read_text()
+
+
 def test_host_overhead_benchmark_runs_and_files_runs_by_label(bench_module, tmp_path):
     hb = bench_module("bench_host_overhead")
     argv = ["--cpu", "--calls", "2", "--samples", "1", "--steps", "1", "--out", str(tmp_path)]

@@ -685,6 +685,19 @@ def test_triton_matches_float64_oracle(case):
 
 @pytest.mark.triton
 @needs_triton
+@pytest.mark.parametrize("case", [c for c in CASES if c.get("hidden", 123) <= 200], ids=_case_id)
+def test_triton_backward_in_column_slices_matches_float64_oracle(small_chunks, case):
+    """Every case up to 200 columns (wider rows in the stand-ins' 16-column slices take the interpreter
+    minutes: each slice's program reads every other) with rows from 16 columns in column slices (the
+    launch tables' small stand-ins), in each backward variant: the slices reading each other's columns
+    for the row sums, and the row-sums pre-pass before the slices."""
+    if not _triton_ready():
+        pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1")
+    check_against_oracle("triton", device=DEVICE, **case)
+
+
+@pytest.mark.triton
+@needs_triton
 def test_triton_and_torch_masks_are_identical():
     if not _triton_ready():
         pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1")
@@ -736,6 +749,24 @@ def test_gpu_triton_matches_oracle_on_large_shapes(dtype, hidden):
             dropout_p=0.1,
             device="cuda",
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.triton
+@needs_gpu
+@pytest.mark.parametrize("variant", ["slices", "row_sums"])
+def test_gpu_backward_variants_match_oracle_on_wide_rows(variant):
+    """Each backward variant (launch_config.BWD_VARIANTS) as compiled for the GPU, on rows in column
+    slices: Pre-LN and Post-LN (s recomputed from x and residual in bf16), dropout and a gate."""
+    from addnorm.ops import launch_config as lc
+
+    previous = lc.use_bwd_variant(variant)
+    try:
+        for dtype, norm, prenorm in ((torch.bfloat16, "layernorm", False), (torch.float32, "rmsnorm", True)):
+            kw = {"rows": 64, "hidden": 8192, "dropout_p": 0.1, "gate": "vector", "device": "cuda"}
+            check_against_oracle("triton", dtype=dtype, norm=norm, prenorm=prenorm, **kw)
+    finally:
+        lc.use_bwd_variant(previous)
 
 
 @pytest.mark.gpu

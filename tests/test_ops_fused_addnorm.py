@@ -439,6 +439,18 @@ def test_a_model_on_the_triton_backend_equals_the_torch_backend(placement, compi
     """What a GPU runs, through the Triton interpreter: a LanguageModel whose every Add & Norm (the
     held-back adds, gates, alpha) takes the Triton kernels gives the torch backend's logits and
     gradients, eagerly and under torch.compile(fullgraph=True)."""
+    _triton_model_equals_torch(placement, compiled, request)
+
+
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_a_model_with_rows_in_column_slices_on_the_triton_backend_equals_the_torch_backend(
+    placement, small_chunks, request
+):
+    """The same with the backward's rows of 32 columns in slices of 16, in each backward variant."""
+    _triton_model_equals_torch(placement, False, request)
+
+
+def _triton_model_equals_torch(placement, compiled, request):
     from addnorm.ops import functional as fn
 
     cfg = an.TransformerConfig(d_model=32, n_heads=2, d_ff=64, n_layers=3, placement=placement, dropout=0.0)

@@ -33,9 +33,20 @@ def test_launch_configurations_cover_the_hidden_sizes_with_few_variants(bench_mo
     for h in HIDDEN_SIZES:
         assert ("fwd", *fwd_config(h)) in launched and ("bwd", *bwd_config(h)) in launched
         assert ("bwd", *bwd_config(h, heavy=True)) in launched
+    # the backward's variant "row_sums" (launch_config.BWD_VARIANTS): its slices given the pre-pass's
+    # sums and its pre-pass, at every configuration they launch with, on every path
+    from addnorm.ops.launch_config import bwd_sums_config
+
+    sliced = {(v.kernel, v.block_m, v.block_n, v.chunked, v.num_warps, v.path) for v in vs if v.row_sums}
+    for h in HIDDEN_SIZES:
+        for heavy in (False, True):
+            cfg = bwd_config(h, heavy, "row_sums")
+            assert cfg.chunked == (h >= (2048 if heavy else 4096))
+            for path in ("from_s", "from_y", "from_xr") if cfg.chunked else ():
+                assert ("bwd", *cfg, path) in sliced and ("bwd_sums", *bwd_sums_config(h), path) in sliced
     # every forward and backward path at every configuration
     assert {v.path for v in vs} == {"store_s", "no_s", "from_s", "from_y", "from_xr"}
-    assert len(vs) == len(set(vs)) < 80
+    assert len(vs) == len(set(vs)) < 100
 
 
 @pytest.mark.triton

@@ -96,28 +96,6 @@ def test_eager_cpu_dropout_uses_the_hashed_mask_and_keeps_it_for_backward():
 # --- kernels: several rows per program, column chunks --------------------------------------------
 
 
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Launch configurations that chunk rows wider than 32 columns (fwd) / 16 (bwd, the register-heavy
-    variants too), so the chunked kernels run on small shapes in the interpreter."""
-    from addnorm.ops import launch_config as k
-    from addnorm.ops import policy, triton_launch
-
-    monkeypatch.setattr(k, "FWD_MAX_ONE_PASS", 32)
-    monkeypatch.setattr(k, "BWD_MAX_ONE_PASS", 16)
-    monkeypatch.setattr(k, "BWD_MAX_ONE_PASS_HEAVY", 16)
-    monkeypatch.setattr(k, "FWD_CHUNK", k.Launch(2, 32, True, 4))
-    monkeypatch.setattr(k, "BWD_SLICE", k.Launch(2, 16, True, 4))
-    monkeypatch.setattr(k, "BWD_SLICE_NARROW", k.Launch(2, 16, True, 4))
-    monkeypatch.setattr(k, "BWD_ONE_PROGRAM_TILES", 0)  # several programs and their partial sums
-    triton_launch.clear_caches()
-    policy.invalidate()  # cached call plans hold launch specs
-    yield k
-    monkeypatch.undo()
-    triton_launch.clear_caches()
-    policy.invalidate()
-
-
 def _check_triton_vs_oracle(rows, hidden, dtype, norm, prenorm, dropout, gate, xhat_from=None):
     x, r, w, b, g = _inputs(rows, hidden, dtype, gate=gate)
     weights = torch.linspace(-1, 1, rows * hidden, dtype=torch.float64, device=DEVICE).reshape(rows, hidden)
@@ -187,9 +165,20 @@ def test_several_rows_per_program_with_a_partial_last_tile():
     _check_triton_vs_oracle(77, 24, torch.bfloat16, "rmsnorm", False, False, False)
 
 
+@pytest.fixture(params=["slices", "row_sums"])
+def bwd_variant(request):
+    """Each backward variant (``launch_config.BWD_VARIANTS``) selected for the test, with the launch
+    tables as they are; the previous one restored afterwards."""
+    from addnorm.ops import launch_config as k
+
+    previous = k.use_bwd_variant(request.param)
+    yield request.param
+    k.use_bwd_variant(previous)
+
+
 @pytest.mark.triton
 @needs_triton
-@pytest.mark.parametrize("hidden", [2049, 4096, 4100, 4112, 8192, 16384])
+@pytest.mark.parametrize("hidden", [2048, 2049, 4096, 4100, 4112, 8192, 16384])
 @pytest.mark.parametrize(
     "norm, prenorm, dropout, gate, dtype",
     [
@@ -199,28 +188,82 @@ def test_several_rows_per_program_with_a_partial_last_tile():
     ],
 )
 def test_the_launch_tables_at_and_above_the_one_pass_widths_match_the_oracle(
-    hidden, norm, prenorm, dropout, gate, dtype
+    bwd_variant, hidden, norm, prenorm, dropout, gate, dtype
 ):
     """The launch configurations as they are (no small stand-ins) around and above the widths where the
-    backward stops going in one pass: one pass, slices of 2048 (the heavy variants, from 2049 columns,
-    and widths not a multiple of 16) or 4096 (each program reading the row's other slices for the row
-    sums), the forward's column chunks above 8192; 3 rows (one program per slice), float64 oracle."""
-    from addnorm.ops.launch_config import bwd_config, bwd_register_heavy
+    backward stops going in one pass, in each variant. "slices": one pass, slices of 2048 (the heavy
+    variants, from 2049 columns, and widths not a multiple of 16) or 4096 (each program reading the
+    row's other slices for the row sums); "row_sums": the pre-pass (the forward's tiles) and slices of
+    2048 from 2048 columns (heavy) or 4096; the forward's column chunks above 8192; 3 rows (one program
+    per slice), float64 oracle."""
+    from addnorm.ops import launch_config as k
 
-    cfg = bwd_config(hidden, bwd_register_heavy(dtype, dropout, 2 if gate else 0))
-    assert cfg.chunked == (hidden > (2048 if dropout or gate else 4096))
+    heavy = k.bwd_register_heavy(dtype, dropout, 2 if gate else 0)
+    cfg = k.bwd_config(hidden, heavy, bwd_variant)
+    if bwd_variant == "slices":
+        assert cfg.chunked == (hidden > (k.BWD_MAX_ONE_PASS_HEAVY if heavy else k.BWD_MAX_ONE_PASS))
+    else:
+        assert cfg.chunked == (hidden >= (k.BWD_ROW_SUMS_MIN_HEAVY if heavy else k.BWD_ROW_SUMS_MIN))
     _check_triton_vs_oracle(3, hidden, dtype, norm, prenorm, dropout, gate)
 
 
 @pytest.mark.triton
 @needs_triton
-def test_a_row_in_slices_over_several_programs_sums_their_partials():
-    """8192 columns in two slices, 20 rows: several programs per slice, each writing its slice's row of
+def test_a_row_in_slices_over_several_programs_sums_their_partials(bwd_variant):
+    """8192 columns in slices, 20 rows: several programs per slice, each writing its slice's row of
     the partial sums once."""
     from addnorm.ops.launch_config import BWD_ONE_PROGRAM_TILES, bwd_config
 
-    assert bwd_config(8192).chunked and 20 > BWD_ONE_PROGRAM_TILES
+    assert bwd_config(8192, True, bwd_variant).chunked and 20 > BWD_ONE_PROGRAM_TILES
     _check_triton_vs_oracle(20, 8192, torch.float32, "layernorm", True, True, True)
+
+
+class _Launches:
+    """A kernel stand-in that records each launch (grid, arguments) and runs the kernel it wraps."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **options):
+            self.calls.append((grid, args))
+            return self.kernel[grid](*args, **options)
+
+        return launch
+
+
+@pytest.mark.triton
+@needs_triton
+@pytest.mark.parametrize("norm, xhat_from", [("layernorm", XHAT_FROM_S), ("rmsnorm", XHAT_FROM_XR)])
+def test_the_row_sums_pre_pass_leaves_the_rows_sums_for_the_slices(monkeypatch, norm, xhat_from):
+    """Variant "row_sums": one pre-pass launch per backward (one program per row tile) before the
+    slices, its buffer each row's sum(x_hat * w dy) (and LayerNorm's sum(w dy)) as float64 gives
+    them; the default variant launches none."""
+    from addnorm.ops import triton_launch as tl_
+
+    f32, rows, n, rms = torch.float32, 5, 4100, norm == "rmsnorm"
+    x, r, w, b, _ = _inputs(rows, n)
+    b = None if rms else b
+    fwd = tl_.fwd_spec(n, norm, 1e-5, 1.0, 0.0, True, not rms, 0, True, f32, f32)
+    y, s, mean, rstd = tl_.launch_fwd(fwd, x, r, w, b, None, None)
+    dy = torch.randn(rows, n, dtype=torch.float64, generator=torch.Generator().manual_seed(3)).to(f32)
+    spy = _Launches(tl_.bwd_sums_kernel)
+    monkeypatch.setattr(tl_, "bwd_sums_kernel", spy)
+    for variant, launches in (("slices", 0), ("row_sums", 1)):
+        sp = tl_.bwd_spec(
+            n, norm, 1.0, 0.0, True, not rms, 0, False, xhat_from, f32, f32, f32, False, 1e-5, variant
+        )
+        assert (sp.sums is not None) == (variant == "row_sums")
+        saved = s if xhat_from == XHAT_FROM_S else None
+        tl_.launch_bwd(sp, dy, None, saved, x, r, w, b, None, None, mean, rstd)
+        assert len(spy.calls) == launches
+    grid, args = spy.calls[0]
+    assert grid == (-(-rows // sp.sums.block_m),)
+    s64 = x.double() + r.double()
+    xhat = (s64 if rms else s64 - s64.mean(1, keepdim=True)) * rstd.double()[:, None]
+    wdy = w.double() * dy.double()
+    want = torch.stack([(xhat * wdy).sum(1)] + ([] if rms else [wdy.sum(1)]), 1).reshape(-1)
+    torch.testing.assert_close(args[10].double(), want, rtol=1e-4, atol=1e-3)
 
 
 def test_a_small_backward_is_one_program_and_a_larger_one_sums_partials():
@@ -481,15 +524,16 @@ def test_policy_prefers_unfused_modules_on_the_cpu_only_with_dropout():
 @pytest.mark.slow
 def test_triton_op_registration_finds_the_kernels_and_traces_on_the_cpu():
     """Where CUDA is present the ops are torch.library.triton_ops (forced here with ADDNORM_TRITON_OP=1):
-    their schemas come from FwdArgs/BwdArgs, triton_op finds both kernels in their bodies, opcheck
-    passes, and torch.compile(fullgraph=True) traces through them (on the CPU into the torch path)."""
+    their schemas come from FwdArgs/BwdArgs, triton_op finds the kernels in their bodies (the backward's
+    two: the row-sums pre-pass of the variant "row_sums" too), opcheck passes, and
+    torch.compile(fullgraph=True) traces through them (on the CPU into the torch path)."""
     code = """
 import torch
 from torch._library.triton import get_triton_kernels_for_op
 from addnorm.ops import library as lib, add_norm, set_compile_path
 assert lib.TRITON_OP
 names = [k.fn.__name__ for op in ('fwd', 'bwd') for k in get_triton_kernels_for_op(f'addnorm::add_norm_{op}')]
-assert names == ['_add_norm_fwd_kernel', '_add_norm_bwd_kernel'], names
+assert names == ['_add_norm_fwd_kernel', '_add_norm_bwd_kernel', '_add_norm_bwd_sums_kernel'], names
 x, r, w = torch.randn(4, 16, requires_grad=True), torch.randn(4, 16), torch.ones(16, requires_grad=True)
 args = (x, r, w, None, None, torch.tensor(3), None, 0, 'layernorm', 1e-5, 1.0, 0.1)
 args += (torch.float32, torch.float32, True, 'torch')

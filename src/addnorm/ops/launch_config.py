@@ -1,6 +1,7 @@
 """The fused kernels' launch tables: which tile shape, column chunking and warp count each hidden size
-gets (:func:`fwd_config`, :func:`bwd_config`), and how many programs the backward runs
-(:func:`bwd_grid`). Plain Python, no Triton: the numbers a GPU session tunes
+gets (:func:`fwd_config`, :func:`bwd_config`, the row-sums pre-pass's :func:`bwd_sums_config`), how
+many programs the backward runs (:func:`bwd_grid`), and which of its variants wide rows take
+(``BWD_VARIANTS``, :func:`use_bwd_variant`). Plain Python, no Triton: the numbers a GPU session tunes
 (``benchmarks/sweep_launch_config.py``) and the compile-time check reads
 (``benchmarks/triton_variants.py``).
 
@@ -20,8 +21,13 @@ __all__ = [
     "BWD_MAX_ONE_PASS",
     "BWD_MAX_ONE_PASS_HEAVY",
     "BWD_ONE_PROGRAM_TILES",
+    "BWD_ROW_SUMS_MIN",
+    "BWD_ROW_SUMS_MIN_HEAVY",
+    "BWD_ROW_SUMS_SLICE",
     "BWD_SLICE",
     "BWD_SLICE_NARROW",
+    "BWD_VARIANT",
+    "BWD_VARIANTS",
     "FWD_CHUNK",
     "FWD_MAX_ONE_PASS",
     "MIN_BLOCK_N",
@@ -30,9 +36,11 @@ __all__ = [
     "bwd_config",
     "bwd_grid",
     "bwd_register_heavy",
+    "bwd_sums_config",
     "clear_caches",
     "fwd_config",
     "next_power_of_2",
+    "use_bwd_variant",
 ]
 
 
@@ -94,6 +102,33 @@ MIN_BLOCK_N = 16
 # another, ~1 us of GPU time each, hidden behind the host time of a call this small.
 BWD_ONE_PROGRAM_TILES = 16
 
+# The backward's variants for wide rows, both selectable (BWD_VARIANT, :func:`use_bwd_variant`); the
+# default stays the measured one until a GPU session times both side by side (``bench_add_norm.py``'s
+# "addnorm" and "addnorm_row_sums" columns, one run) and the numbers choose:
+# - "slices" (default): the rules above. Each slice's program reads the row's other slices for the row
+#   sums, so with n_slices slices a row is read n_slices times (once from DRAM if its siblings run in
+#   step, the rest from L2) and, where s is recomputed (Post-LN from x and residual), the dropout mask
+#   hashed n_slices + 1 times per element (8 + 1 at 16384 columns in 2048-wide slices). The H200
+#   (``results/add_norm_h200.md``) timed it at 0.15x-0.94x torch.compile's fwd+bwd from 4096 columns,
+#   about twice as slow with dropout.
+# - "row_sums": rows of at least BWD_ROW_SUMS_MIN columns (BWD_ROW_SUMS_MIN_HEAVY for dropout or a
+#   gate) go in two kernels. A pre-pass with the forward's tiles (:func:`bwd_sums_config`) reads dy and
+#   x_hat's source once and writes each row's sum(x_hat * w dy) and sum(w dy) (8 bytes a row); then
+#   the sliced kernel (BWD_ROW_SUMS_SLICE, its program's dweight / dbias / dgate sums in registers over
+#   its rows, written once: deterministic, no atomics) reads only its own slice. Per element from DRAM:
+#   dy and x_hat's source twice (pre-pass, then the gradients), ds and x once, dresidual and dx written
+#   once; no L2 re-reads; the mask hashed once per element (in the gradients' tile, shared by s and dx),
+#   twice where s is recomputed from x and residual (the pre-pass needs s too). Bytes per element,
+#   bf16, dx and dresidual both written: Pre-LN (dy, ds, s) 10 minimal, "slices" 10 from DRAM + 4 x
+#   (n_slices - 1) from L2, "row_sums" 14; Post-LN from x and residual (dy, x, r) 10 minimal, "slices"
+#   10 + 6 x (n_slices - 1) from L2, "row_sums" 16. Registers (sm_80 / sm_90, no spill):
+#   ``results/kernel_compile_full.md``.
+BWD_VARIANTS = ("slices", "row_sums")
+BWD_VARIANT = "slices"
+BWD_ROW_SUMS_MIN = 4096
+BWD_ROW_SUMS_MIN_HEAVY = 2048
+BWD_ROW_SUMS_SLICE = Launch(1, 2048, True, 8)
+
 
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= ``n`` (``triton.next_power_of_2`` without importing Triton)."""
@@ -114,14 +149,43 @@ def fwd_config(n: int) -> Launch:
 
 
 @functools.lru_cache(maxsize=256)
-def bwd_config(n: int, heavy: bool = False) -> Launch:
+def bwd_config(n: int, heavy: bool = False, variant: str = "slices") -> Launch:
     """The backward's launch configuration for rows of ``n`` columns: one row per step, in one pass or
     (``chunked``) in column slices of ``block_n``; ``heavy`` (:func:`bwd_register_heavy`) variants go
     in slices from narrower rows, and they and widths that are not a multiple of 16 (no vector loads:
-    more registers) in narrower slices."""
+    more registers) in narrower slices. ``variant`` "row_sums": from ``BWD_ROW_SUMS_MIN`` columns
+    (``BWD_ROW_SUMS_MIN_HEAVY`` for the heavy variants) the slices of ``BWD_ROW_SUMS_SLICE`` after the
+    row-sums pre-pass (see ``BWD_VARIANTS``)."""
+    if variant == "row_sums" and n >= (BWD_ROW_SUMS_MIN_HEAVY if heavy else BWD_ROW_SUMS_MIN):
+        return BWD_ROW_SUMS_SLICE
     if n <= (BWD_MAX_ONE_PASS_HEAVY if heavy else BWD_MAX_ONE_PASS):
         return _one_pass(n, 256, tile=1)
     return BWD_SLICE_NARROW if heavy or n % 16 else BWD_SLICE
+
+
+def bwd_sums_config(n: int) -> Launch:
+    """The row-sums pre-pass's configuration (variant "row_sums"): the forward's (:func:`fwd_config`),
+    whose first pass it resembles (two or three tensors read, a sum per row; ``chunked``: a loop over
+    column chunks in each program)."""
+    return fwd_config(n)
+
+
+def use_bwd_variant(variant: str) -> str:
+    """Select the backward variant (``BWD_VARIANTS``) for the launches made from now on and return the
+    previous one. Cached call plans hold launch specs, so a change makes every plan anew on its next call
+    (:func:`addnorm.ops.policy.invalidate`); the launch specs of both variants stay cached side by side
+    (``triton_launch.bwd_spec`` keys them on the variant), so flipping back and forth between calls
+    (``benchmarks/bench_add_norm.py``) compiles and builds nothing twice. A graph torch.compile traced
+    through the registered op (compile path "kernel") keeps the variant it was traced with."""
+    global BWD_VARIANT
+    if variant not in BWD_VARIANTS:
+        raise ValueError(f"variant: expected one of {BWD_VARIANTS}, got {variant!r}")
+    previous, BWD_VARIANT = BWD_VARIANT, variant
+    if variant != previous:
+        from .policy import invalidate  # launch_config imports nothing of the package at import time
+
+        invalidate()
+    return previous
 
 
 def bwd_register_heavy(s_dtype: torch.dtype, dropout: bool, gate_code: int) -> bool:

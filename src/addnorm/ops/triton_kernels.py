@@ -32,10 +32,19 @@ residual) and the gradient at s once, writes dresidual (and dx) once, and reads 
 The dropout mask is regenerated from the seed with the hash of
 :func:`addnorm.ops.reference.dropout_keep_mask`, bit for bit.
 
+The backward's variant "row_sums" (``launch_config.BWD_VARIANTS``, selectable beside that default)
+gives the row sums to the slices instead: a pre-pass (:data:`bwd_sums_kernel`, in the forward's tiles)
+reads dy and x_hat's source once and writes each row's sum(x_hat * w dy) and sum(w dy) to ``SUMS``,
+and the backward given them reads its own slice only. Per element from DRAM: dy and x_hat's source
+twice (pre-pass, gradients), ds and x once, no re-read from L2; the dropout mask hashed once (the
+gradients' tile: s and dx share it), twice where s is recomputed from x and residual (the pre-pass
+needs s too).
+
 Which configuration a launch uses is :mod:`addnorm.ops.launch_config`'s; the launches themselves are
 :mod:`addnorm.ops.triton_launch`'s. The kernels keep the names they have in profiler traces and in
-``torch.library.triton_op``'s kernel list (``_add_norm_fwd_kernel``, ``_add_norm_bwd_kernel``); the
-other modules use the public names :data:`fwd_kernel` and :data:`bwd_kernel`.
+``torch.library.triton_op``'s kernel list (``_add_norm_fwd_kernel``, ``_add_norm_bwd_kernel``,
+``_add_norm_bwd_sums_kernel``); the other modules use the public names :data:`fwd_kernel`,
+:data:`bwd_kernel` and :data:`bwd_sums_kernel`.
 
 This module imports triton at import time: import it lazily (only ``ops/triton*`` modules do).
 """
@@ -50,6 +59,7 @@ from .triton_tiles import (
     col_tile,
     hash_rows,
     input_grads,
+    load_row_sums,
     load_tile,
     load_vec,
     mean_at,
@@ -62,6 +72,7 @@ from .triton_tiles import (
     stats_pass,
     store_col_sums,
     store_per_row,
+    store_row_sums,
     store_tile,
     store_y,
     stream_tile,
@@ -70,7 +81,7 @@ from .triton_tiles import (
     zero_col_sums,
 )
 
-__all__ = ["bwd_kernel", "fwd_kernel", "kernels_are_interpreted"]
+__all__ = ["bwd_kernel", "bwd_sums_kernel", "fwd_kernel", "kernels_are_interpreted"]
 
 
 @triton.jit
@@ -135,7 +146,9 @@ def _add_norm_fwd_kernel(
 
 @triton.jit
 def _add_norm_bwd_kernel(
-    DY, DS, SAVED, X, R, W, B, G, SEED, MEAN, RSTD, DX, DRES, DW_PART, DB_PART, DG_PART,
+    DY, DS, SAVED, X, R, W, B, G, SEED, MEAN, RSTD,
+    SUMS,  # None, or the rows' sums from the row-sums pre-pass (variant "row_sums": no slice reads another)
+    DX, DRES, DW_PART, DB_PART, DG_PART,
     stride_dy, stride_ds, stride_x, stride_r, n_rows, N, n_slices, tiles_per_program,
     eps,  # read only where the statistics are recomputed (RSTD None)
     alpha, drop_thr, drop_scale,
@@ -182,11 +195,14 @@ def _add_norm_bwd_kernel(
         else:
             mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
             if SPLIT:  # the row's sums first, over every slice (this one last: in L1 for what follows)
-                c1, c2 = row_slices_sums(
-                    j, n_slices, SAVED, X, R, W, B, G, SEED, DY, ids, row_ok, rows64, lane, N, mean, rstd,
-                    stride_dy, stride_x, stride_r, alpha, drop_thr, drop_scale, IS_RMS, HAS_W, HAS_B, GATE,
-                    DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE, BLOCK_M, BLOCK_N,
-                )  # fmt: skip
+                if SUMS is None:
+                    c1, c2 = row_slices_sums(
+                        j, n_slices, SAVED, X, R, W, B, G, SEED, DY, ids, row_ok, rows64, lane, N, mean,
+                        rstd, stride_dy, stride_x, stride_r, alpha, drop_thr, drop_scale, IS_RMS, HAS_W,
+                        HAS_B, GATE, DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE, BLOCK_M, BLOCK_N,
+                    )  # fmt: skip
+                else:  # or the pre-pass's (variant "row_sums"): only this slice is read
+                    c1, c2 = load_row_sums(SUMS, rows64, row_ok, IS_RMS)
             xhat = xhat_tile(
                 SAVED, X, R, G, keep, rows64, cols, col_ok, m, N, w, b, mean, rstd, stride_x, stride_r,
                 alpha, drop_scale, IS_RMS, HAS_W, HAS_B, GATE, DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE,
@@ -204,8 +220,31 @@ def _add_norm_bwd_kernel(
     store_col_sums(DW_PART, DB_PART, DG_PART, pid, j, N, dw_acc, db_acc, dg_acc, HAS_W, HAS_B, GATE, BLOCK_N)
 
 
+@triton.jit
+def _add_norm_bwd_sums_kernel(
+    DY, SAVED, X, R, W, B, G, SEED, MEAN, RSTD, SUMS, stride_dy, stride_x, stride_r, n_rows, N, n_chunks,
+    alpha, drop_thr, drop_scale, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    GATE: tl.constexpr, DROPOUT: tl.constexpr, XHAT_FROM: tl.constexpr, RECOMPUTE: tl.constexpr,
+    S_CODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, ROWS=None,
+    ROW_IDS: tl.constexpr = False,
+):  # fmt: skip
+    # the row-sums pre-pass of the backward's variant "row_sums": per row tile, sum(x_hat * w dy) and
+    # sum(w dy) over the row's n_chunks column chunks (x_hat from s, y or s recomputed, as the backward's
+    # slices take it; the mask hashed only where s is recomputed), into SUMS
+    rows, row_ok, rows64 = row_tile(tl.program_id(0), n_rows, BLOCK_M)
+    ids = hash_rows(ROWS, rows, row_ok, rows64, ROW_IDS)
+    mean, rstd = row_stats(MEAN, RSTD, rows, row_ok, n_rows, IS_RMS)
+    c1, c2 = row_slices_sums(
+        n_chunks - 1, n_chunks, SAVED, X, R, W, B, G, SEED, DY, ids, row_ok, rows64,
+        tl.arange(0, BLOCK_N)[None, :], N, mean, rstd, stride_dy, stride_x, stride_r, alpha, drop_thr,
+        drop_scale, IS_RMS, HAS_W, HAS_B, GATE, DROPOUT, XHAT_FROM, RECOMPUTE, S_CODE, BLOCK_M, BLOCK_N,
+    )  # fmt: skip
+    store_row_sums(SUMS, rows64, row_ok, c1, c2, IS_RMS)
+
+
 fwd_kernel = _add_norm_fwd_kernel
 bwd_kernel = _add_norm_bwd_kernel
+bwd_sums_kernel = _add_norm_bwd_sums_kernel
 _INTERPRETED = type(_add_norm_fwd_kernel).__name__ == "InterpretedFunction"
 
 

@@ -30,12 +30,13 @@ from .args import XHAT_FROM_XR, XHAT_FROM_Y, BwdArgs, FwdArgs, bwd_plan, gate_co
 from .reference import dropout_threshold
 from .triton_direct import SUPPORTED as DIRECT
 from .triton_direct import DirectLaunch, defaults_of, int_kind
-from .triton_kernels import bwd_kernel, fwd_kernel, kernels_are_interpreted
+from .triton_kernels import bwd_kernel, bwd_sums_kernel, fwd_kernel, kernels_are_interpreted
 
 __all__ = [
     "S_CODES",
     "BwdSpec",
     "FwdSpec",
+    "SumsSpec",
     "add_norm_bwd_triton",
     "add_norm_fwd_triton",
     "as_rows",
@@ -61,7 +62,7 @@ def clear_caches() -> None:
     :mod:`addnorm.ops.launch_config`; cached plans hold specs too: clear them as well,
     ``addnorm.ops.policy.invalidate``)."""
     lc.clear_caches()
-    for cache in (fwd_spec, bwd_spec):
+    for cache in (fwd_spec, _bwd_spec):
         cache.cache_clear()
 
 
@@ -98,8 +99,20 @@ class FwdSpec(NamedTuple):
     launch: Callable | None = None  # the launcher for this spec (:func:`launch_fwd`'s body)
 
 
+class SumsSpec(NamedTuple):
+    """The row-sums pre-pass of the backward's variant "row_sums" (``launch_config.BWD_VARIANTS``): rows
+    per program, column chunks, the kernel's trailing arguments (alpha, dropout threshold and scale,
+    the constexprs) and launch options."""
+
+    block_m: int
+    n_chunks: int
+    tail: tuple
+    options: dict
+
+
 class BwdSpec(NamedTuple):
-    """The backward's launch for one set of options (see :class:`FwdSpec`)."""
+    """The backward's launch for one set of options (see :class:`FwdSpec`); ``sums``: its row-sums
+    pre-pass (variant "row_sums", rows in slices), else None."""
 
     n: int
     n_slices: int  # programs per row tile: column slices of ``block[1]`` (one: the row in one pass)
@@ -114,6 +127,7 @@ class BwdSpec(NamedTuple):
     block: tuple[int, int]  # a tile's rows and columns (the grid's unit)
     tail: tuple  # eps, alpha, dropout threshold, dropout scale, then the constexprs
     options: dict
+    sums: SumsSpec | None = None
     launch: Callable | None = None  # the launcher for this spec (:func:`launch_bwd`'s body)
 
 
@@ -132,8 +146,10 @@ def _required_params(kernel) -> tuple[str, ...]:
 
 _FWD_PARAMS = _required_params(fwd_kernel)
 _BWD_PARAMS = _required_params(bwd_kernel)
+_SUMS_PARAMS = _required_params(bwd_sums_kernel)
 _FWD_DEFAULTS = defaults_of(fwd_kernel)
 _BWD_DEFAULTS = defaults_of(bwd_kernel)
+_SUMS_DEFAULTS = defaults_of(bwd_sums_kernel)
 
 
 def _tail(params: tuple[str, ...], scalars: tuple, constexprs: dict) -> tuple:
@@ -170,15 +186,29 @@ def fwd_spec(
     return sp._replace(launch=fwd_launcher(sp))
 
 
-@functools.lru_cache(maxsize=1024)
 def bwd_spec(
     n: int, norm: str, alpha: float, p: float, has_w: bool, has_b: bool, gate_code: int, has_ds: bool,
     xhat_from: int, s_dtype: torch.dtype, x_dtype: torch.dtype, res_dtype: torch.dtype, need_dx: bool,
-    eps: float = 0.0,
+    eps: float = 0.0, variant: str | None = None,
 ) -> BwdSpec:  # fmt: skip
     """The backward's launch spec (``has_ds``: a gradient arrives at s; ``eps``: the norm's, read only
-    where the kernel is given no statistics and recomputes them)."""
-    cfg = lc.bwd_config(n, lc.bwd_register_heavy(s_dtype, p > 0, gate_code))
+    where the kernel is given no statistics and recomputes them; ``variant``: one of
+    ``launch_config.BWD_VARIANTS``, default ``launch_config.BWD_VARIANT`` as it is now). Cached per
+    options and variant."""
+    return _bwd_spec(
+        n, norm, alpha, p, has_w, has_b, gate_code, has_ds, xhat_from, s_dtype, x_dtype, res_dtype, need_dx,
+        eps, variant or lc.BWD_VARIANT,
+    )  # fmt: skip
+
+
+@functools.lru_cache(maxsize=1024)
+def _bwd_spec(
+    n, norm, alpha, p, has_w, has_b, gate_code, has_ds, xhat_from, s_dtype, x_dtype, res_dtype, need_dx, eps,
+    variant,
+) -> BwdSpec:  # fmt: skip
+    if variant not in lc.BWD_VARIANTS:
+        raise ValueError(f"bwd_spec: variant must be one of {lc.BWD_VARIANTS}, got {variant!r}")
+    cfg = lc.bwd_config(n, lc.bwd_register_heavy(s_dtype, p > 0, gate_code), variant)
     bp = bwd_plan(False, xhat_from, has_w or has_b, gate_code != 0, p > 0, alpha, x_dtype, res_dtype)
     constexprs = {
         "IS_RMS": norm == "rmsnorm", "HAS_W": has_w, "HAS_B": has_b, "GATE": gate_code, "DROPOUT": p > 0,
@@ -186,10 +216,17 @@ def bwd_spec(
         "S_CODE": S_CODES[s_dtype], "WRITE_DX": need_dx, "BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
         "SPLIT": cfg.chunked,
     }  # fmt: skip
+    sums = None
+    if variant == "row_sums" and cfg.chunked:  # the pre-pass: the same options, the forward's tiles
+        pre = lc.bwd_sums_config(n)
+        pre_const = {k: v for k, v in constexprs.items() if k not in ("HAS_DS", "WRITE_DX", "SPLIT")}
+        pre_const |= {"BLOCK_M": pre.block_m, "BLOCK_N": pre.block_n}
+        pre_tail = _tail(_SUMS_PARAMS, (alpha, *dropout_args(p, p > 0)), pre_const)
+        sums = SumsSpec(pre.block_m, -(-n // pre.block_n), pre_tail, pre.options)
     sp = BwdSpec(
         n, -(-n // cfg.block_n), cfg.chunked, norm == "rmsnorm", xhat_from, bp.recompute, bp.keep_x,
         need_dx, x_dtype, res_dtype, (cfg.block_m, cfg.block_n),
-        _tail(_BWD_PARAMS, (eps, alpha, *dropout_args(p, p > 0)), constexprs), cfg.options,
+        _tail(_BWD_PARAMS, (eps, alpha, *dropout_args(p, p > 0)), constexprs), cfg.options, sums,
     )  # fmt: skip
     return sp._replace(launch=_bwd_launcher(sp))
 
@@ -252,12 +289,16 @@ def launch_fwd(sp: FwdSpec, x, residual, weight, bias, gate, seed, kernel=None, 
 
 
 def launch_bwd(
-    sp: BwdSpec, dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None, row_ids=None
-):
+    sp: BwdSpec, dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None, row_ids=None,
+    sums_kernel=None,
+):  # fmt: skip
     """The backward (``dy`` of any shape (..., n), ``saved`` s or y contiguous of that shape, None for
     XR): (dx or None, dresidual, dweight or None, dbias or None, dgate or None). ``row_ids`` as for
-    :func:`launch_fwd`. The spec's own launcher (``sp.launch``) does it."""
-    return sp.launch(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel, row_ids)
+    :func:`launch_fwd`; ``sums_kernel``: the row-sums pre-pass's kernel where the spec has one (default
+    the module's). The spec's own launcher (``sp.launch``) does it."""
+    return sp.launch(
+        dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel, row_ids, sums_kernel
+    )
 
 
 # The launchers, one made per spec: the spec's fields bound as closure constants, so that a call reads
@@ -359,17 +400,62 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
     return launch
 
 
+def _sums_launcher(sp: BwdSpec) -> Callable | None:
+    """The row-sums pre-pass's launcher for ``sp`` (None where the spec has none): ``pre(dy, saved, x,
+    residual, weight, bias, gate, seed, mean, rstd, stride_dy, stride_x, stride_r, rows, kernel,
+    row_ids)`` returns the rows' sums (fp32: one a row for RMSNorm, two for LayerNorm), which the
+    backward's slices read (their ``SUMS``)."""
+    if sp.sums is None:
+        return None
+    n, (block_m, n_chunks, tail, options) = sp.n, sp.sums
+    per_row = 1 if sp.is_rms else 2
+    direct = DirectLaunch(_SUMS_DEFAULTS)
+
+    def pre(dy, saved, x, residual, weight, bias, gate, seed, mean, rstd, stride_dy, stride_x, stride_r, rows,
+            kernel, row_ids):  # fmt: skip
+        sums = dy.new_empty(per_row * rows, dtype=_F32)
+        k = bwd_sums_kernel if kernel is None else kernel
+        grid = (-(-rows // block_m),)
+        args = (
+            dy, saved, x, residual, weight, bias, gate, seed, mean, rstd, sums, stride_dy, stride_x, stride_r,
+            rows, n, n_chunks, *tail,
+        )  # fmt: skip
+        if (  # as the backward's own launch: a JIT kernel, rows of n columns, 16-byte aligned
+            type(k) is JITFunction
+            and DIRECT
+            and row_ids is None
+            and stride_dy == n
+            and stride_x in (0, n)
+            and stride_r in (0, n)
+            and not _ptr_bits(dy, saved, x, residual, weight, bias, gate, seed, mean, rstd)
+        ):
+            key = (
+                dy.dtype, _dtype(saved), _dtype(x), _dtype(residual), _dtype(weight), _dtype(bias),
+                _dtype(gate), int_kind(rows),
+            )  # fmt: skip
+            direct.launch(k, key, grid, args, options)
+        else:
+            k[grid](*args, **(options if row_ids is None else _with_row_ids(options, row_ids)))
+        return sums
+
+    return pre
+
+
 def _bwd_launcher(sp: BwdSpec) -> Callable:
     """``launch(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None,
-    row_ids=None)`` for ``sp``: see :func:`launch_bwd`."""
+    row_ids=None, sums_kernel=None)`` for ``sp``: see :func:`launch_bwd`."""
     n, n_slices, need_dx, recompute, need_x = sp.n, sp.n_slices, sp.need_dx, sp.recompute, sp.need_x
     x_dtype, res_dtype, block, tail, options = sp.x_dtype, sp.res_dtype, sp.block, sp.tail, sp.options
     block_m = sp.block[0]
     one_program_rows = lc.BWD_ONE_PROGRAM_TILES * block_m  # bwd_grid's one program, without its frame
     empty_like = torch.empty_like
     direct = DirectLaunch(_BWD_DEFAULTS)
+    pre = _sums_launcher(sp)  # the row-sums pre-pass (variant "row_sums"), or None
 
-    def launch(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None, row_ids=None):
+    def launch(
+        dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None, row_ids=None,
+        sums_kernel=None,
+    ):  # fmt: skip
         dy_dtype = dy.dtype
         rows = dy.numel() // n
         if dy.is_contiguous():
@@ -416,6 +502,10 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
                 stride_r = n
             else:
                 residual, stride_r = as_rows(residual, n)
+            sums = None if pre is None else pre(
+                dy, saved, x, residual, weight, bias, gate, seed, mean, rstd, stride_dy, stride_x, stride_r,
+                rows, sums_kernel, row_ids,
+            )  # fmt: skip
             k = bwd_kernel if kernel is None else kernel
             grid = (n_slices, programs)  # column slices x runs of rows
             if (  # as the forward's: a JIT kernel, rows of n columns, 16-byte aligned
@@ -435,14 +525,14 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
                     None if gate is None else gate.dtype, int_kind(rows), int_kind(per_program),
                 )  # fmt: skip
                 args = (
-                    dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part,
+                    dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, sums, dx, dres, dw_part,
                     db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices,
                     per_program, *tail,
                 )  # fmt: skip
                 direct.launch(k, key, grid, args, options)
             else:  # the same arguments (the direct launch's test compares them with run()'s)
                 k[grid](
-                    dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, dx, dres, dw_part,
+                    dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, sums, dx, dres, dw_part,
                     db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices,
                     per_program, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
                 )  # fmt: skip
@@ -486,11 +576,13 @@ def add_norm_bwd_triton(
         n, a.norm, a.alpha, a.dropout_p if dropout else 0.0, a.weight is not None, a.bias is not None,
         gate_code(a.gate), a.ds is not None, a.xhat_from, a.s_dtype, a.x_dtype, a.res_dtype, a.need_dx,
     )  # fmt: skip
-    kernel = wrap_triton(bwd_kernel) if traceable and not interpreting() else None
+    wrap = traceable and not interpreting()
+    kernel = wrap_triton(bwd_kernel) if wrap else None
+    sums_kernel = wrap_triton(bwd_sums_kernel) if wrap and sp.sums is not None else None
     dx, dres, dw, db, dg = launch_bwd(
         sp, a.dy, a.ds, a.saved if a.xhat_from != XHAT_FROM_XR else None, a.x, a.residual, a.weight,
         a.bias, a.gate, a.seed if dropout else None, a.mean if a.norm != "rmsnorm" else None, a.rstd,
-        kernel, a.rows if dropout else None,
+        kernel, a.rows if dropout else None, sums_kernel,
     )  # fmt: skip
     # the op returns every slot, an empty tensor of its own where there is no gradient (outputs of a
     # custom op may not alias each other)

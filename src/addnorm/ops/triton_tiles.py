@@ -394,7 +394,8 @@ def row_slices_sums(
     # the row sums sum(x_hat * w dy) and sum(w dy) of rows in n_slices slices, as [BLOCK_M, 1], read by
     # the program of slice j: the other slices first, each while its own program reads it (the
     # siblings start one slice apart, so a slice comes from memory once and from L2 to the others),
-    # slice j last (still in L1 when its gradients are computed)
+    # slice j last (still in L1 when its gradients are computed). The row-sums pre-pass reads every
+    # slice (chunk) in order: j = n_slices - 1
     c1 = tl.zeros((BLOCK_M, 1), tl.float32)
     c2 = tl.zeros((BLOCK_M, 1), tl.float32)
     for k in range(1, n_slices + 1):
@@ -431,3 +432,26 @@ def store_col_sums(
         tl.store(DB_PART + at, db, mask=ok)
     if GATE != 0:
         tl.store(DG_PART + at, dg, mask=ok)
+
+
+@triton.jit
+def store_row_sums(SUMS, rows64, row_ok, c1, c2, IS_RMS: tl.constexpr):
+    # the rows' sums of x_hat * w dy and w dy ([BLOCK_M, 1] each), as the row-sums pre-pass leaves them
+    # for the backward's slices: RMSNorm one number a row (c1), LayerNorm the pair (c1, c2)
+    if IS_RMS:
+        tl.store(SUMS + rows64, c1, mask=row_ok)
+    else:
+        tl.store(SUMS + 2 * rows64, c1, mask=row_ok)
+        tl.store(SUMS + 2 * rows64 + 1, c2, mask=row_ok)
+
+
+@triton.jit
+def load_row_sums(SUMS, rows64, row_ok, IS_RMS: tl.constexpr):
+    # the rows' sums that store_row_sums left ([BLOCK_M, 1] each; RMSNorm's c2 0)
+    if IS_RMS:
+        c1 = tl.load(SUMS + rows64, mask=row_ok, other=0.0)
+        c2 = c1 * 0.0
+    else:
+        c1 = tl.load(SUMS + 2 * rows64, mask=row_ok, other=0.0)
+        c2 = tl.load(SUMS + 2 * rows64 + 1, mask=row_ok, other=0.0)
+    return c1, c2
