@@ -244,6 +244,10 @@ def _ptr_bits(*tensors) -> int:
     return bits & 15
 
 
+def _dtype(t: Tensor | None) -> torch.dtype | None:
+    return None if t is None else t.dtype
+
+
 def param_grads(
     dw: Tensor | None, db: Tensor | None, dg: Tensor | None, summed: bool, weight, bias, gate
 ) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
