@@ -127,10 +127,11 @@ def plan(py: str = sys.executable) -> list[Step]:
         Step(
             "ops",
             "op table: bf16, LayerNorm/RMSNorm, Pre-/Post-LN, dropout 0/0.1, hidden 256-16384; eager, "
-            "torch.compile, Liger, addnorm; fwd and fwd+bwd vs copy",
-            [py, f"{b}/bench_add_norm.py", "--budget", "100", "--warm", "8", "--warm-timeout", "45",
+            "torch.compile, Liger, addnorm's kernels with each backward variant (slices, row_sums); fwd and "
+            "fwd+bwd vs copy",
+            [py, f"{b}/bench_add_norm.py", "--budget", "110", "--warm", "8", "--warm-timeout", "50",
              "--reps", "30", "--min-reps", "5", "--out", OUT_TOKEN],
-            115, tables=("add_norm",),
+            125, tables=("add_norm",),
         ),
         Step(
             "host_overhead", "host time per call with real launches",
@@ -146,14 +147,14 @@ def plan(py: str = sys.executable) -> list[Step]:
              "--modes", "eager", "compile", "--columns", "default", "fused=False", "fused", "--compile-paths",
              "both", "--steps", "5", "--warmup", "2", "--profile", "--profile-steps", "2",
              "--warm", "8", "--warm-timeout", "60", "--out", OUT_TOKEN],
-            140, tables=("lm_step",),
+            135, tables=("lm_step",),
         ),
         Step(
             "hf_step", "HF Llama step, 134M and GPU-bound (hidden 2048 x 4 layers, seq 4096): plain / "
             "addnorm.hf.fuse / Liger, eager; removable time",
             [py, f"{b}/bench_hf_step.py", "--gpu", "--setups", "134m", "gpu-bound", "--modes", "eager",
-             "--reps", "8", "--warmup", "3", "--profile", "--out", OUT_TOKEN],
-            50, tables=("hf_step",), needs=("transformers",),
+             "--reps", "6", "--warmup", "3", "--profile", "--out", OUT_TOKEN],
+            45, tables=("hf_step",), needs=("transformers",),
         ),
     ]
     # fmt: on
