@@ -194,3 +194,29 @@ def test_a_model_runs_unfused_where_a_size_rule_covers_its_calls(monkeypatch, to
     policy.set_fusion("measured")
     assert bool(calls) is fused
     torch.testing.assert_close(out, unfused(ids))
+
+
+def test_the_device_name_is_a_constant_to_torch_compile_without_importing_dynamo_at_import():
+    """``device_name`` carries the mark ``torch.compiler.assume_constant_result`` sets (set directly so
+    that importing addnorm does not import torch._dynamo and Triton), and a full graph compiled through
+    it holds: the name is read once, not traced."""
+
+    def probe() -> None:
+        pass
+
+    marked = torch.compiler.assume_constant_result(probe)
+    mark = set(vars(marked))
+    assert mark and mark <= set(vars(measured.device_name)), mark
+
+    def step(x):
+        return x + len(measured.device_name(x.device))
+
+    x = torch.zeros(3)
+    assert torch.equal(torch.compile(step, backend="eager", fullgraph=True)(x), x + 3)
+
+
+def test_a_cuda_device_is_named_cuda_where_torch_has_no_cuda():
+    if torch.cuda.is_available():
+        pytest.skip("this torch has a CUDA device to name")
+    assert measured.device_name(torch.device("cuda")) == "cuda"
+    assert measured.device_name(torch.device("cuda", 1)) == "cuda"

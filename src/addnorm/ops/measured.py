@@ -116,11 +116,13 @@ def _name_of(index: int) -> str:
 
 
 def _cuda_name(index: int | None) -> str:
-    """The name of CUDA device ``index`` (None: the current device), looked up once per device."""
+    """The name of CUDA device ``index`` (None: the current device), looked up once per device;
+    ``"cuda"`` where this torch has no CUDA device to ask (a CPU build planning for a GPU)."""
+    if not torch.cuda.is_available():
+        return "cuda"
     return _name_of(torch.cuda.current_device() if index is None else index)
 
 
-@torch.compiler.assume_constant_result
 def device_name(device: torch.device) -> str:
     """The name the rows key a device on: ``"cpu"`` for the CPU, torch's name of a CUDA device
     (``torch.cuda.get_device_name``, looked up once per device), else the device type. A constant to
@@ -128,3 +130,8 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return _cuda_name(device.index)
     return device.type
+
+
+# What ``torch.compiler.assume_constant_result`` does, without importing torch._dynamo (and with it
+# Triton) when addnorm is imported; tests/test_ops_policy.py checks the decorator still sets this mark.
+device_name._dynamo_marked_constant = True  # type: ignore[attr-defined]
