@@ -9,9 +9,9 @@ what ``tests/test_readme.py`` runs once), its teardown and the interpreter's exi
 times, the blocks taking turns so that each sees the same load. ``--load K`` adds K busy processes for
 the whole run (on top of whatever else the machine runs); ``--script`` adds programs of one's own to
 the turns (``benchmarks/gloo_exit_repro.py``, the plain-torch program of ``docs/gloo-exit-abort.md``),
-``--with-addnorm`` each of them a second time with ``import addnorm`` as its first line. A run fails
-when torchrun exits non-zero; a rank ended by SIGABRT with "terminate called without an active
-exception" is counted apart.
+``--with-addnorm`` each that does not import addnorm a second time with ``import addnorm`` as its
+first line. A run fails when torchrun exits non-zero; a rank ended by SIGABRT with "terminate called
+without an active exception" is counted apart.
 
 ``--starve-gloo`` is the stress case of the cause: a watcher thread in each rank puts the process
 group's gloo worker threads (``addnorm.gloo_exit.WORKER_THREAD``) in ``SCHED_IDLE`` as they appear, so
@@ -72,7 +72,7 @@ def _programs(args) -> list[Block]:
     for script in args.script:
         path = Path(script).resolve()
         chosen.append(Block(path.name, "python", path.read_text(), "torchrun 2"))
-        if args.with_addnorm:  # the same program, with addnorm imported first (its wait at exit armed)
+        if args.with_addnorm and "import addnorm" not in path.read_text():  # its wait at exit armed
             code = "import addnorm  # noqa: F401\n" + path.read_text()
             chosen.append(Block(f"{path.name} + import addnorm", "python", code, "torchrun 2"))
     return chosen
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--load", type=int, default=1, help="busy processes started for the run (default 1)")
     ap.add_argument("--only", nargs="+", default=[], help="blocks whose file:line contains one of these")
     ap.add_argument("--script", nargs="+", default=[], help="programs of one's own to run in the turns")
-    ap.add_argument("--with-addnorm", action="store_true", help="each --script also with import addnorm")
+    ap.add_argument("--with-addnorm", action="store_true", help="--script also with addnorm")
     ap.add_argument("--starve-gloo", action="store_true", help="gloo worker threads SCHED_IDLE (stress)")
     ap.add_argument("--src", default=str(ROOT / "src"), help="the addnorm source the ranks import")
     ap.add_argument("--label", default="", help="results file readme_torchrun_LABEL_cpu (default none)")
