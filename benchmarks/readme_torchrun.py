@@ -17,7 +17,7 @@ without an active exception" is counted apart.
 group's gloo worker threads (``addnorm.gloo_exit.WORKER_THREAD``) in ``SCHED_IDLE`` as they appear, so
 that under load they release a finished collective late; the block itself runs unchanged (through
 ``runpy``). ``--src DIR``: the ``addnorm`` source tree the ranks import (default this tree's ``src``),
-to count an earlier commit's library (set ``ADDNORM_BENCH_COMMIT`` to name it).
+to count an earlier commit's library (set ``ADDNORM_COMMIT`` to name it).
 
 Writes ``readme_torchrun[_LABEL]_cpu.md`` and ``.json`` (per program: runs, failures, aborts, the first
 failures' output; the machine, the commit and the load averages), again after each round.
@@ -136,6 +136,7 @@ def run(args, on_row) -> dict:
                             {"run": i + 1, "exit": ran.returncode, "stderr": ran.stderr[-1500:]}
                         )
                 print(f"round {i + 1}/{args.runs} {program.where}: {outcome}", flush=True)
+            report["rounds_done"] = i + 1
             report["loadavg_end"] = round(os.getloadavg()[0], 2)
             report["minutes"] = round((time.monotonic() - started) / 60, 1)
             on_row(report)
@@ -144,6 +145,14 @@ def run(args, on_row) -> dict:
             p.kill()
             p.wait()
     return report
+
+
+def _rounds(report: dict) -> str:
+    """"50 rounds", or "35 of 50 rounds (stopped before the end)" for a count cut short."""
+    done = report.get("rounds_done", max((r["runs"] for r in report["programs"].values()), default=0))
+    if done == report["runs"]:
+        return f"{done} rounds"
+    return f"{done} of {report['runs']} rounds (stopped before the end)"
 
 
 def to_markdown(report: dict) -> str:
@@ -164,7 +173,7 @@ def to_markdown(report: dict) -> str:
         f"{report.get('loadavg_end', 0):.1f} at the end.",
         "",
         f"Each program saved as a file and started with `torchrun --standalone --nproc-per-node 2`, its "
-        f"teardown and exit included, the programs taking turns: {report['runs']} rounds in "
+        f"teardown and exit included, the programs taking turns: {_rounds(report)} in "
         f"{report.get('minutes', 0):.1f} min; addnorm imported from `{report['src']}`.{starve}"
         + (f" {report['note']}" if report.get("note") else ""),
         "",
