@@ -91,12 +91,12 @@ def free_port() -> int:
 
 
 def _run_then_exit(rank: int, worker, *args) -> None:
-    """``worker(rank, *args)``, then leave without the interpreter's teardown: now and then a gloo C++
-    thread still joinable at exit aborts a process whose work is done ("terminate called without an
-    active exception", SIGABRT; seen in 1 of 5 full runs of test_distributed and in a CI run of the
-    communication benchmark's test), as ``addnorm.train.launch`` also avoids: a gloo thread releasing
-    a just-completed collective takes the GIL while the interpreter finalizes (the mechanism is
-    in ``addnorm.train.launch``). A worker that raises still fails the run."""
+    """``worker(rank, *args)``, then leave without the interpreter's teardown: now and then a gloo
+    worker thread still releasing the last collective's tensors aborted a process whose work was done
+    ("terminate called without an active exception", SIGABRT; seen in 1 of 5 full runs of
+    test_distributed and in a CI run of the communication benchmark's test; the mechanism:
+    ``docs/gloo-exit-abort.md``). Leaving at once needs no wait for those threads, as
+    ``addnorm.train.launch``'s ranks also do. A worker that raises still fails the run."""
     worker(rank, *args)
     sys.stdout.flush()
     sys.stderr.flush()

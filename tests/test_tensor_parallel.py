@@ -359,12 +359,21 @@ def _worker(rank: int, port: int, names: list[str], out: str, hf_dir: str | None
         run(f"dropout-sp={sp}", lambda sp=sp: _dropout_masks(sp))
     run("full-state-dict", lambda: _save_full(out + ".state"))
     run("context-parallel", _context_parallel)
+    run("gloo-exit", _gloo_exit)
     if hf_dir is not None:
         for model_type in HF_TYPES:
             run(f"hf-{model_type}-tp", lambda t=model_type: _hf_tp(os.path.join(hf_dir, t)))
     if rank == 0:
         torch.save(results, out)
     dist.destroy_process_group()
+
+
+def _gloo_exit() -> tuple[int, bool]:
+    """How many of this process's threads carry the gloo worker name that ``addnorm.gloo_exit`` waits
+    for at exit, and whether they settle (every collective above was waited for)."""
+    from addnorm.gloo_exit import gloo_workers, wait_for_gloo_workers
+
+    return len(gloo_workers()), wait_for_gloo_workers(deadline=30.0)
 
 
 def _save_full(path: str) -> torch.Tensor:
@@ -506,6 +515,13 @@ def test_a_model_refused_or_different_on_one_rank_is_an_error_on_every_rank(resu
             r"model on every rank",
             got["differs-on-rank-1"],
         ), got["differs-on-rank-1"]
+
+
+def test_the_gloo_worker_threads_carry_the_name_the_exit_wait_reads(results):
+    """``addnorm.gloo_exit`` finds the process group's gloo worker threads by their name (a torch that
+    renamed them would leave the wait at exit without effect: issue 41), and they settle."""
+    for count, quiet in _each_rank(results, "gloo-exit"):
+        assert count >= 1 and quiet
 
 
 def test_the_full_state_dict_of_a_tp_model_loads_into_a_plain_one(results):

@@ -7,6 +7,7 @@ command line answers ``--help``, ``--version`` and ``study --list`` without impo
 
 from __future__ import annotations
 
+from . import gloo_exit  # noqa: F401  (arms its wait at exit: docs/gloo-exit-abort.md)
 from ._lazy import lazy_exports
 
 __version__ = "0.1.0"

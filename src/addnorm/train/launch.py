@@ -269,12 +269,9 @@ if __name__ == "__main__":
     main()
     # Skip the interpreter's teardown: now and then (1 run in 8 with FSDP2 on gloo) the rank aborted
     # there after its run was complete and its result written ("terminate called without an active
-    # exception"). A core dump shows why (torch 2.13): a gloo worker thread releasing a collective that
-    # had just completed (its work object holds tensors that Python objects own) takes the GIL while
-    # the interpreter finalizes; Python ends that thread with pthread_exit, which C++ turns into
-    # std::terminate. The process group and its threads outlive destroy_process_group once a DTensor
-    # was made (FSDP2's parameters are DTensors: torch's native DTensor constructor keeps a reference
-    # only the teardown drops), so no call of addnorm's can join them first.
+    # exception"): a gloo worker thread still releasing the last collective's tensors takes the GIL as
+    # the interpreter finalizes (torch 2.13, CPython 3.11; docs/gloo-exit-abort.md). addnorm's wait at
+    # exit (addnorm.gloo_exit) covers a program that exits normally; a rank leaves at once instead.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
