@@ -148,7 +148,7 @@ def run(args, on_row) -> dict:
 
 
 def _rounds(report: dict) -> str:
-    """"50 rounds", or "35 of 50 rounds (stopped before the end)" for a count cut short."""
+    """The rounds done: "50 rounds", or "35 of 50 rounds (stopped before the end)" for a cut count."""
     done = report.get("rounds_done", max((r["runs"] for r in report["programs"].values()), default=0))
     if done == report["runs"]:
         return f"{done} rounds"
