@@ -20,6 +20,7 @@ import torch
 from procs import alive, children, parent  # benchmarks/procs.py
 from typer.testing import CliRunner
 
+import addnorm.train.launch as launch_module
 from addnorm.cli import app
 from addnorm.study import executors
 from addnorm.study.executors import LocalExecutor, max_nproc, plan_workers
@@ -207,6 +208,33 @@ def test_a_killed_rank_fails_the_run_with_one_line_and_the_next_invocation_rerun
     with Store(tmp_path / "study.sqlite") as store:
         (run,) = store.runs()
         assert run["status"] == "done"
+
+
+@pytest.mark.parametrize(
+    ("printed", "said"),
+    [
+        (
+            "terminate called without an active exception",
+            " after: terminate called without an active exception",
+        ),
+        ("[rank1]: Fatal Python error: Segmentation fault", " after: Fatal Python error: Segmentation fault"),
+        ("Traceback (most recent call last):", ""),  # not a dying process's line: nothing added
+    ],
+)
+def test_a_rank_killed_by_a_signal_is_named_with_what_it_printed_as_it_died(tmp_path, printed, said):
+    """torchrun's log of a rank ended by SIGABRT (its own summary format): the one line names the rank,
+    the signal and the last line a dying process printed there, so a rare abort says what it was."""
+    log = (
+        "step 4\n" + printed + "\n"
+        "torch.distributed.elastic.multiprocessing.api: failed\n"
+        "Root Cause (first observed failure):\n[0]:\n  time      : 2026-11-28_04:00:00\n"
+        "  host      : localhost\n  rank      : 1 (local_rank: 1)\n  exitcode  : -6 (pid: 4242)\n"
+    )
+    (tmp_path / launch_module.LOG).write_text(log)
+    line = launch_module._failure(tmp_path, 1)
+    assert line == f"distributed run: rank 1 was killed by SIGABRT{said} (torchrun exit code 1); " + (
+        "the next study invocation runs it again"
+    )
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc")

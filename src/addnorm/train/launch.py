@@ -132,7 +132,7 @@ def _failure(workdir: Path, code: int) -> str:
     killed = [r for r, c in sorted(ended.items()) if c < 0 and -c != signal.SIGTERM]
     who = next(iter(killed), None) or first or (rank.group(1) if rank else next(iter(errors), None))
     if who in ended and ended[who] < 0:
-        how = f"was killed by {signal.Signals(-ended[who]).name}"
+        how = f"was killed by {signal.Signals(-ended[who]).name}" + _last_words(log)
     elif who in errors:
         how = f"failed: {errors[who].read_text().strip()}"
     else:
@@ -141,6 +141,20 @@ def _failure(workdir: Path, code: int) -> str:
         f"distributed run: {'rank ' + who if who else 'a rank'} {how} (torchrun exit code {code}); "
         "the next study invocation runs it again"
     )
+
+
+# what a process prints as it aborts (the C++ runtime, CPython, glibc), last seen first
+_DYING = re.compile(
+    r"^(?:\[[^\]]*\]:?\s*)?(terminate called[^\n]*|Fatal Python error[^\n]*|\*\*\* [^\n]*terminated[^\n]*)$",
+    re.M,
+)
+
+
+def _last_words(log: str) -> str:
+    """The last line of the log that a dying process printed (``terminate called ...``, ``Fatal Python
+    error: ...``, glibc's ``*** ... terminated``), as ``" after: LINE"``; empty where there is none."""
+    found = _DYING.findall(log)
+    return f" after: {found[-1].strip()[:200]}" if found else ""
 
 
 def launch(
