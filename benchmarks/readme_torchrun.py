@@ -71,10 +71,11 @@ def _programs(args) -> list[Block]:
         )
     for script in args.script:
         path = Path(script).resolve()
-        chosen.append(Block(path.name, "python", path.read_text(), "torchrun 2"))
-        if args.with_addnorm and "import addnorm" not in path.read_text():  # its wait at exit armed
-            code = "import addnorm  # noqa: F401\n" + path.read_text()
-            chosen.append(Block(f"{path.name} + import addnorm", "python", code, "torchrun 2"))
+        code = path.read_text()
+        chosen.append(Block(path.name, "python", code, "torchrun 2"))
+        if args.with_addnorm and "import addnorm" not in code:  # its wait at exit armed
+            armed = "import addnorm  # noqa: F401\n" + code
+            chosen.append(Block(f"{path.name} + import addnorm", "python", armed, "torchrun 2"))
     return chosen
 
 
@@ -93,7 +94,8 @@ def _outcome(ran: subprocess.CompletedProcess) -> str:
 
 
 def run(args, on_row) -> dict:
-    env = {**ENV, "PYTHONPATH": str(Path(args.src).resolve())}
+    src = str(Path(args.src).resolve())
+    env = {**ENV, "PYTHONPATH": src}
     programs = _programs(args)
     counts = {
         p.where: {"runs": 0, "failed": 0, "aborts": 0, "seconds": 0.0, "failures": []} for p in programs
@@ -103,7 +105,7 @@ def run(args, on_row) -> dict:
         "runs": args.runs,
         "load_processes": args.load,
         "starve_gloo": args.starve_gloo,
-        "src": str(Path(args.src).resolve()),
+        "src": src,
         "loadavg_start": round(os.getloadavg()[0], 2),
         "programs": counts,
     }
