@@ -60,19 +60,42 @@ class _NoOpCompiled:
         _active[-1].count += 1
 
 
+class FakePhilox:
+    """What :mod:`addnorm.ops.seeds` reads of a CUDA generator (its seed and Philox offset), for the CPU
+    tensors that stand in for CUDA ones: the host seeds' Python runs as it does on a GPU."""
+
+    __slots__ = ("offset", "seed")
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed, self.offset = seed, 0
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+    def get_offset(self) -> int:
+        return self.offset
+
+    def set_offset(self, offset: int) -> None:
+        self.offset = offset
+
+
+def _not_capturing() -> bool:
+    return False
+
+
 @contextlib.contextmanager
 def faked_launches() -> Iterator[Launches]:
     """Inside the block: Triton's active driver is a fake one (device 0, stream 0, an sm_90 target),
     every JIT kernel "compiles" to :class:`_NoOpCompiled`, and ``addnorm.ops`` takes the Triton backend
     for CPU tensors as its ``auto`` backend does for CUDA ones (``ADDNORM_BACKEND=triton``, and the
-    interpreter check let through).
+    interpreter check let through), its dropout seeds drawn on the host from a :class:`FakePhilox`.
     Yields the :class:`Launches` counter. Plans and launch caches made inside are forgotten after."""
     require_jit()
     from triton.backends.compiler import GPUTarget
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    from addnorm.ops import functional, policy
+    from addnorm.ops import functional, policy, seeds
     from addnorm.ops import triton_kernels as tk
     from addnorm.ops import triton_launch as tl
 
@@ -97,6 +120,10 @@ def faked_launches() -> Iterator[Launches]:
     # the op's backend rule refuses Triton on CPU tensors outside the interpreter: let it through
     real_interpreting, real_interpreted = policy.interpreting, tk.kernels_are_interpreted
     policy.interpreting = tk.kernels_are_interpreted = lambda: True
+    real_generator_for, real_capture_check_for = seeds.generator_for, seeds.capture_check_for
+    philox = FakePhilox()
+    seeds.generator_for = lambda device: philox
+    seeds.capture_check_for = lambda device: _not_capturing
     env_backend = os.environ.get("ADDNORM_BACKEND")
     os.environ["ADDNORM_BACKEND"] = "triton"  # what "auto" picks for CUDA tensors
     policy.read_backend_env()
@@ -109,6 +136,7 @@ def faked_launches() -> Iterator[Launches]:
         _active.pop()
         JITFunction._do_compile = real_compile
         policy.interpreting, tk.kernels_are_interpreted = real_interpreting, real_interpreted
+        seeds.generator_for, seeds.capture_check_for = real_generator_for, real_capture_check_for
         if env_backend is None:
             os.environ.pop("ADDNORM_BACKEND", None)
         else:

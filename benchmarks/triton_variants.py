@@ -18,7 +18,8 @@ and the autocast mix (bf16 branch, fp32 stream), fp16, without-dropout and witho
 registered op's statistics (mean and rstd apart, where the eager path packs them in one buffer, or for a
 one-pass backward from s keeps none and recomputes them) and hidden sizes that are not multiples of 16
 (no aligned-vector specialisation). The widest configuration also compiles with dropout on given row
-indices (a DTensor's row shard). The backward's variant "row_sums" (``launch_config.BWD_VARIANTS``,
+indices (a DTensor's row shard) and with the seed an i64 value (a host seed, ``ops/seeds.py``). The
+backward's variant "row_sums" (``launch_config.BWD_VARIANTS``,
 selectable beside the default) joins with its slices (kernel ``bwd`` given the pre-pass's sums) and its
 pre-pass (kernel ``bwd_sums``, the forward's tiles) at every configuration the heavy variants launch it
 with, every path with every option (``full``: the same additions as the others). The tensor-parallel
@@ -70,6 +71,7 @@ class Variant(NamedTuple):
     # pass: none, recomputed from s, RSTD None too)
     op_stats: bool = False
     row_sums: bool = False  # the backward's slices given the pre-pass's row sums (variant "row_sums")
+    seed_value: bool = False  # the dropout seed an i64 value (a host seed: ``ops/seeds.py``), not a pointer
 
     @property
     def recomputes_stats(self) -> bool:
@@ -98,6 +100,7 @@ class Variant(NamedTuple):
         parts += ["pre-pass row sums"] if self.row_sums and self.kernel == "bwd" else []
         parts += ["statistics recomputed"] if self.recomputes_stats else []
         parts += ["row ids"] if self.row_ids else []
+        parts += ["host seed"] if self.seed_value else []
         return ", ".join(parts + ([] if self.aligned else ["unaligned"]))
 
 
@@ -153,7 +156,7 @@ def variants(full: bool = False) -> list[Variant]:
                 )
                 out.append(base)
                 if full or cfg == widest:
-                    out.append(base._replace(row_ids=True))
+                    out += [base._replace(row_ids=True), base._replace(seed_value=True)]
                     if _takes_unaligned(kind, cfg):
                         out.append(base._replace(aligned=False))
                 if full:
@@ -200,7 +203,7 @@ def _row_sums_variants(full: bool) -> list[Variant]:
                     out.append(base._replace(row_ids=True))
                     out += [base._replace(aligned=False)] if unaligned else []
                 if full:
-                    out += _other_options(base)
+                    out += [*_other_options(base), base._replace(seed_value=True)]
     return out
 
 
@@ -289,13 +292,16 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         if name in const:
             signature[name] = "constexpr"
             constexprs[name] = const[name]
+        elif name == "SEED" and v.seed_value and v.dropout:
+            signature[name] = "i64"  # a value the kernels do not specialise on (``do_not_specialize``)
         elif name in ptr:
             if ptr[name] is None:
                 signature[name] = "constexpr"
                 constexprs[name] = None
             else:
                 signature[name] = "*" + ptr[name]
-                attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
+                if name != "SEED":  # do_not_specialize: no alignment on the seed's pointer either
+                    attrs[(i,)] = [["tt.divisibility", 16]]  # torch allocations are 16-byte aligned
         elif name in floats:
             signature[name] = "fp32"
         else:

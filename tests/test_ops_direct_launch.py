@@ -106,6 +106,17 @@ bwd(dy, None, s, None, None, w, b, None, None, None, torch.empty(8))
 same_launch(compiled[-1].launches[0], compiled[-1].launches[1])
 out["bwd runs"] = len(runs) - out["fwd runs"]
 out["bwd launches"] = len(compiled[-1].launches)
+# dropout: a host seed is an i64 value the kernels do not specialise on (a multiple of 16 or not: one
+# kernel), launched directly after the first call; a seed in a tensor is another specialisation
+drop = L.fwd_spec(64, "layernorm", 1e-5, 1.0, 0.1, True, True, 0, True, f32, f32, "none").launch
+runs_before, compiled_before = len(runs), len(compiled)
+for seed in ((1 << 61) | 16 * 12345, (1 << 61) | 7):
+    drop(None, x, r, w, b, None, seed)
+assert compiled[-1].launches[-1][9 + 5] == (1 << 61) | 7  # the value itself, the kernel's SEED
+drop(None, x, r, w, b, None, torch.tensor(5))
+drop(None, x, r, w, b, None, torch.tensor(6))
+out["seed runs"] = len(runs) - runs_before
+out["seed compiled"] = len(compiled) - compiled_before
 print(out)
 """
 
@@ -119,7 +130,9 @@ def test_a_repeated_launch_skips_run_with_the_arguments_run_passes():
     out = eval(res.stdout.strip().splitlines()[-1])
     # fwd: the first call and the one-row call compile; the unaligned calls go through run() each
     # time (the aligned kernel's specialisation is not theirs: compiled once more); bf16 compiles once
-    assert out == {"fwd runs": 5, "fwd compiled": 4, "bwd runs": 1, "bwd launches": 2}, out
+    # dropout: an int seed and a tensor seed compile once each, the second call of each is direct
+    expected = {"fwd runs": 5, "fwd compiled": 4, "bwd runs": 1, "bwd launches": 2}
+    assert out == {**expected, "seed runs": 2, "seed compiled": 2}, out
 
 
 @pytest.mark.gpu

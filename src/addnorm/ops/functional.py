@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.compiler import is_compiling
 
-from . import policy
+from . import policy, seeds
 from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y, FwdArgs
 from .library import add_norm_fwd
 from .policy import BACKENDS, is_dtensor, resolve_backend
@@ -114,6 +114,8 @@ class Plan:
         the registered op under a dispatch mode or for a tensor subclass."""
         dev, shape, hidden, p, apply = self.device, self.shape, self.hidden, self.p, self.apply
         launches = self.launches
+        # no seed given: drawn on the host from the device's Philox state (no launch), else randint
+        draw = seeds.seeder_for(dev) if p else None
 
         def run(x, residual, weight, bias, gate, seed):
             if type(x) is not Tensor and is_dtensor(x):
@@ -131,7 +133,12 @@ class Plan:
                 return apply(x, residual, weight, bias)  # the common call: nothing else to check
             if gate is not None:
                 _check_gate(gate, hidden, dev)
-            seed_t = _seed_value(seed, dev, False) if p else None
+            seed_t = None
+            if p:
+                if seed is None and plain and draw is not None:
+                    seed_t = draw()  # an int (the kernels take it as a value) or None
+                if seed_t is None:
+                    seed_t = _seed_value(seed, dev, False)
             if plain:
                 if gate is None:
                     return apply(x, residual, weight, bias, None, seed_t)
@@ -379,11 +386,12 @@ def add_norm(
     Dropout (``dropout_p`` > 0 and ``training``) with a ``seed`` uses a counter-based hash of (seed,
     row, column) (:func:`addnorm.ops.dropout_keep_mask`, rows = x flattened to (-1, hidden)); the same
     seed gives the same mask on every backend, in eager mode and under torch.compile (not
-    ``nn.Dropout``'s mask). ``seed=None`` draws a seed from torch's generator for the hashed mask,
-    except in eager mode on the CPU, where the mask is ``nn.Dropout``'s own (torch's Bernoulli draws,
-    element for element what ``F.dropout`` would drop). Either way ``torch.manual_seed`` makes runs
-    reproducible. The Triton path regenerates the mask in backward; the eager CPU path keeps the
-    multiplier for backward (as ``nn.Dropout`` keeps its mask).
+    ``nn.Dropout``'s mask). ``seed=None`` draws a seed from torch's generator for the hashed mask (on
+    the eager CUDA path on the host, from the generator's Philox seed and offset, with no launch:
+    :mod:`addnorm.ops.seeds`), except in eager mode on the CPU, where the mask is ``nn.Dropout``'s own
+    (torch's Bernoulli draws, element for element what ``F.dropout`` would drop). Either way
+    ``torch.manual_seed`` makes runs reproducible. The Triton path regenerates the mask in backward;
+    the eager CPU path keeps the multiplier for backward (as ``nn.Dropout`` keeps its mask).
 
     ``backend``: ``"auto"`` (Triton for CUDA tensors when triton is installed, else eager torch),
     ``"torch"`` or ``"triton"`` (CUDA, or CPU under ``TRITON_INTERPRET=1``); with ``"auto"`` the

@@ -27,9 +27,10 @@ class EagerLaunch:
     """One plan's eager launch for one gate kind (0 none, 1 one element, 2 a vector): the forward's
     spec, the backward's with and without a gradient at s, what the forward keeps (the plan's
     :func:`~addnorm.ops.args.bwd_plan` for this gate kind), and ``apply``, the call:
-    ``apply(x, residual, weight, bias[, gate[, seed]])`` -> y or (y, s)."""
+    ``apply(x, residual, weight, bias[, gate[, seed]])`` -> y or (y, s), the seed an int64 tensor or a
+    host seed (an int, :mod:`addnorm.ops.seeds`)."""
 
-    __slots__ = ("apply", "bwd", "bwd_ds", "fwd", "keep_r", "keep_x", "prenorm", "save_y")
+    __slots__ = ("apply", "bwd", "bwd_ds", "dropout", "fwd", "keep_r", "keep_x", "prenorm", "save_y")
 
     def __init__(self, plan, x_dtype, res_dtype, has_w: bool, has_b: bool, gate_code: int):
         n, p, prenorm = plan.hidden, plan.p, plan.prenorm
@@ -37,6 +38,7 @@ class EagerLaunch:
             prenorm, plan.xhat_from, has_w or has_b, gate_code != 0, p > 0, plan.alpha, x_dtype, res_dtype
         )
         self.prenorm, self.keep_x, self.keep_r, self.save_y = prenorm, bp.keep_x, bp.keep_r, bp.save_y
+        self.dropout = p > 0
         args = (n, plan.norm, plan.alpha, p, has_w, has_b, gate_code)
         rest = (bp.xhat_from, plan.s_dtype, x_dtype, res_dtype, bp.need_dx, plan.eps)
         self.bwd = bwd_spec(*args, False, *rest)
@@ -70,10 +72,12 @@ def _function_for(launch: EagerLaunch):
     # the forward is the launcher itself (it saves what the backward reads: ``fwd_launcher``); the
     # backward calls its specs' launchers directly (launch_bwd without its frame)
     forward = fwd_launcher(launch.fwd, (launch.keep_x, launch.keep_r, launch.save_y, launch.prenorm))
-    bwd, bwd_ds = launch.bwd.launch, launch.bwd_ds.launch
+    bwd, bwd_ds, dropout = launch.bwd.launch, launch.bwd_ds.launch, launch.dropout
 
     def backward(ctx, dy, ds=None):
         x, residual, weight, bias, gate, seed, saved, stats = ctx.saved_tensors
+        if dropout and seed is None:  # a host seed, an int (addnorm.ops.seeds): kept on ctx
+            seed = ctx.seed
         if dy is None:  # only s was used (Pre-LN: saved is s)
             dy = torch.zeros_like(saved)
         dx, dres, dw, db, dg = (bwd if ds is None else bwd_ds)(

@@ -84,7 +84,7 @@ from .triton_tiles import (
 __all__ = ["bwd_kernel", "bwd_sums_kernel", "fwd_kernel", "kernels_are_interpreted"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SEED"])  # a host seed is a value: see addnorm.ops.seeds
 def _add_norm_fwd_kernel(
     X, R, W, B, G, SEED, Y, S, MEAN, RSTD, stride_x, stride_r, n_rows, N, n_chunks, eps, alpha, drop_thr,
     drop_scale,
@@ -144,7 +144,7 @@ def _add_norm_fwd_kernel(
         store_per_row(RSTD, rstd, rstd, n_rows, False, BLOCK_M)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SEED"])  # a host seed is a value: see addnorm.ops.seeds
 def _add_norm_bwd_kernel(
     DY, DS, SAVED, X, R, W, B, G, SEED, MEAN, RSTD,
     SUMS,  # None, or the rows' sums from the row-sums pre-pass (variant "row_sums": no slice reads another)
@@ -220,7 +220,7 @@ def _add_norm_bwd_kernel(
     store_col_sums(DW_PART, DB_PART, DG_PART, pid, j, N, dw_acc, db_acc, dg_acc, HAS_W, HAS_B, GATE, BLOCK_N)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["SEED"])  # a host seed is a value: see addnorm.ops.seeds
 def _add_norm_bwd_sums_kernel(
     DY, SAVED, X, R, W, B, G, SEED, MEAN, RSTD, SUMS, stride_dy, stride_x, stride_r, n_rows, N, n_chunks,
     alpha, drop_thr, drop_scale, IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,

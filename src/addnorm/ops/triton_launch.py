@@ -328,6 +328,7 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
 
     def launch(ctx, x, residual, weight, bias, gate=None, seed=None, kernel=None, row_ids=None):
         x_in, r_in, x_dtype = x, residual, x.dtype
+        seed_value = type(seed) is int  # a host seed (addnorm.ops.seeds), not a tensor
         rows = x.numel() // n
         if x.is_contiguous():  # read as rows without a view
             stride_x = n
@@ -357,31 +358,16 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
                 and DIRECT
                 and row_ids is None
                 and stride_x == stride_r == n
-                and not _ptr_bits(x, residual, weight, bias, gate, seed)
+                and not _ptr_bits(x, residual, weight, bias, gate, None if seed_value else seed)
             ):
                 key = (  # dtypes inline: a helper call each would cost more than the test
                     x_dtype, residual.dtype, None if weight is None else weight.dtype,
                     None if bias is None else bias.dtype, None if gate is None else gate.dtype,
-                    int_kind(rows),
+                    int_kind(rows), seed_value,
                 )  # fmt: skip
                 args = (
-                    x,
-                    residual,
-                    weight,
-                    bias,
-                    gate,
-                    seed,
-                    y,
-                    s,
-                    mean,
-                    rstd,
-                    n,
-                    n,
-                    rows,
-                    n,
-                    n_chunks,
-                    *tail,
-                )
+                    x, residual, weight, bias, gate, seed, y, s, mean, rstd, n, n, rows, n, n_chunks, *tail,
+                )  # fmt: skip
                 direct.launch(k, key, grid, args, options)
             else:  # the same arguments (the direct launch's test compares them with run()'s)
                 k[grid](
@@ -393,9 +379,11 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
         # what ``save_for_backward`` sets, without its frame; the statistics too (created here, they
         # are kept as they are: no reference cycle), so that ctx needs no attribute dict
         ctx.to_save = (
-            x_in if keep_x else None, r_in if keep_r else None, weight, bias, gate, seed,
-            y if save_y else s, rstd,
+            x_in if keep_x else None, r_in if keep_r else None, weight, bias, gate,
+            None if seed_value else seed, y if save_y else s, rstd,
         )  # fmt: skip
+        if seed_value:  # not a tensor: kept on ctx for the backward
+            ctx.seed = seed
         if prenorm:
             ctx.materialize_grads = False  # ``set_materialize_grads(False)`` without its frame
             return y, s
@@ -431,11 +419,13 @@ def _sums_launcher(sp: BwdSpec) -> Callable | None:
             and stride_dy == n
             and stride_x in (0, n)
             and stride_r in (0, n)
-            and not _ptr_bits(dy, saved, x, residual, weight, bias, gate, seed, mean, rstd)
+            and not _ptr_bits(
+                dy, saved, x, residual, weight, bias, gate, None if type(seed) is int else seed, mean, rstd
+            )
         ):
             key = (
                 dy.dtype, _dtype(saved), _dtype(x), _dtype(residual), _dtype(weight), _dtype(bias),
-                _dtype(gate), int_kind(rows),
+                _dtype(gate), int_kind(rows), type(seed) is int,
             )  # fmt: skip
             direct.launch(k, key, grid, args, options)
         else:
@@ -512,6 +502,7 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
             )  # fmt: skip
             k = bwd_kernel if kernel is None else kernel
             grid = (n_slices, programs)  # column slices x runs of rows
+            seed_value = type(seed) is int  # a host seed (addnorm.ops.seeds), not a tensor
             if (  # as the forward's: a JIT kernel, rows of n columns, 16-byte aligned
                 type(k) is JITFunction
                 and DIRECT
@@ -520,13 +511,15 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
                 and stride_ds in (0, n)
                 and stride_x in (0, n)
                 and stride_r in (0, n)
-                and not _ptr_bits(dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd)
+                and not _ptr_bits(
+                    dy, ds, saved, x, residual, weight, bias, gate, None if seed_value else seed, mean, rstd
+                )
             ):
                 key = (  # dtypes inline: a helper call each would cost more than the test
                     dy_dtype, None if ds is None else ds.dtype, None if saved is None else saved.dtype,
                     None if x is None else x.dtype, None if residual is None else residual.dtype,
                     None if weight is None else weight.dtype, None if bias is None else bias.dtype,
-                    None if gate is None else gate.dtype, int_kind(rows), int_kind(per_program),
+                    None if gate is None else gate.dtype, int_kind(rows), int_kind(per_program), seed_value,
                 )  # fmt: skip
                 args = (
                     dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, sums, dx, dres, dw_part,

@@ -48,9 +48,13 @@ def hash32(v):
 
 
 @triton.jit
-def keep_mask(seed_ptr, rows, cols, drop_thr):
-    # rows: [BLOCK_M, 1], cols: [1, BLOCK_N] -> [BLOCK_M, BLOCK_N] keep mask of reference.dropout_keep_mask
-    seed = tl.load(seed_ptr)
+def keep_mask(SEED, rows, cols, drop_thr):
+    # rows: [BLOCK_M, 1], cols: [1, BLOCK_N] -> [BLOCK_M, BLOCK_N] keep mask of reference.dropout_keep_mask;
+    # SEED: a pointer to the int64 seed, or the seed itself (an i64 argument: addnorm.ops.seeds)
+    if SEED.dtype.is_ptr():
+        seed = tl.load(SEED)
+    else:
+        seed = SEED
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     a = hash32(k0 ^ hash32(rows.to(tl.uint32) * _ROW + k1))

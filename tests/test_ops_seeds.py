@@ -1,0 +1,107 @@
+"""Host-drawn dropout seeds (``addnorm.ops.seeds``): the value is SplitMix64's finaliser of the
+generator's (seed, offset), the offset advances as one random op's would, restoring the generator's
+state gives the same seed, a graph capture or ``set_seed_source("randint")`` falls back to a launched
+``randint``; and the kernels given that seed as a value compute what they compute given it in a tensor,
+forward and backward, bit for bit (Triton's CPU interpreter: the plan's path with a stand-in for the
+CUDA generator)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from addnorm.ops import functional, seeds
+
+
+class Philox:
+    """What the seeds read of a CUDA generator."""
+
+    def __init__(self, seed: int, offset: int = 0) -> None:
+        self.seed, self.offset = seed, offset
+
+    def initial_seed(self) -> int:
+        return self.seed
+
+    def get_offset(self) -> int:
+        return self.offset
+
+    def set_offset(self, offset: int) -> None:
+        assert offset % 4 == 0, "CUDA's Philox offsets are multiples of 4"
+        self.offset = offset
+
+
+@pytest.fixture
+def philox(monkeypatch):
+    """The seeds of every device from a :class:`Philox` (seed 123, offset 40), no graph capturing
+    unless the test says so (``philox.capturing``)."""
+    gen = Philox(123, 40)
+    gen.capturing = False
+    monkeypatch.setattr(seeds, "generator_for", lambda device: gen)
+    monkeypatch.setattr(seeds, "capture_check_for", lambda device: lambda: gen.capturing)
+    functional.clear_plans()  # plans hold their seeder
+    yield gen
+    monkeypatch.undo()
+    functional.clear_plans()
+
+
+def test_mix_is_splitmix64s_published_sequence_kept_to_a_64_bit_argument():
+    # SplitMix64 from state 0 (Steele, Lea and Flood 2014; Vigna's reference splitmix64.c) outputs
+    # 0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, ...: the finaliser of k * 0x9E3779B97F4A7C15, k = 1, 2
+    published = [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4]
+    for k, value in enumerate(published, start=1):
+        assert seeds.mix(0, k) == (value & (2**61 - 1)) | 2**61
+    drawn = [seeds.mix(s, o) for s in (0, 1, 2**63 - 1) for o in range(0, 4000, 4)]
+    assert len(set(drawn)) == len(drawn)
+    assert all(2**61 <= v < 2**62 for v in drawn)  # Triton passes it as an i64, never i32 or u64
+
+
+def test_a_draw_advances_the_offset_and_a_restored_state_draws_it_again(philox):
+    draw = seeds.seeder_for(torch.device("cpu"))
+    first = draw()
+    assert first == seeds.mix(123, 40) and philox.offset == 44
+    assert draw() == seeds.mix(123, 44) and philox.offset == 48
+    philox.offset = 40  # set_rng_state, or activation checkpointing's recomputation
+    assert draw() == first
+
+
+def test_randint_source_and_graph_capture_draw_no_host_seed(philox):
+    draw = seeds.seeder_for(torch.device("cpu"))
+    philox.capturing = True
+    assert draw() is None and philox.offset == 40  # the capture's randint draws: the graph replays it
+    philox.capturing = False
+    previous = seeds.SEED_SOURCE
+    seeds.set_seed_source("randint")
+    try:
+        assert draw() is None and philox.offset == 40
+    finally:
+        seeds.set_seed_source(previous)
+    with pytest.raises(ValueError, match="source: expected one of"):
+        seeds.set_seed_source("numpy")
+
+
+def test_no_generator_no_seeder():
+    assert seeds.seeder_for(torch.device("cpu")) is None  # the CPU draws with randint (or nn.Dropout)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("prenorm", [False, True])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_kernels_given_the_seed_as_a_value_equal_them_given_a_tensor(triton_backend, philox, prenorm, norm):
+    from addnorm.ops import add_norm
+
+    g = torch.Generator().manual_seed(0)
+    x, r = (torch.randn(2, 5, 40, generator=g, requires_grad=True) for _ in range(2))
+    w, b = (torch.randn(40, generator=g, requires_grad=True) for _ in range(2))
+    kw = dict(norm=norm, prenorm=prenorm, dropout_p=0.3, backend="triton")
+    expected_seed = seeds.mix(123, 40)
+    outs = []
+    for seed in (None, expected_seed):  # drawn on the host (an int to the kernels), then given
+        out = add_norm(x, r, w, b, seed=seed, **kw)
+        out = list(out) if prenorm else [out]
+        grads = torch.autograd.grad([o.square().sum() for o in out], [x, r, w, b])
+        outs.append([o.detach() for o in out] + list(grads))
+    assert philox.offset == 44  # one draw: the given seed drew none
+    for a, c in zip(*outs, strict=True):
+        assert torch.equal(a, c)
+    dropped = (outs[0][-4] == 0).float().mean()  # dx: zero where dropped
+    assert 0.15 < dropped < 0.45
