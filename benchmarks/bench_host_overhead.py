@@ -297,6 +297,21 @@ def _idle_hooks_passed(fn: Callable[[], object]) -> Callable[[], object]:
     return timed
 
 
+def _randint_seeds(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the fused op's dropout seeds drawn by a one-element ``randint`` on the device (the
+    previous variant, ``seeds.set_seed_source("randint")``) instead of on the host."""
+    from addnorm.ops import seeds
+
+    def timed() -> object:
+        seeds.set_seed_source("randint")
+        try:
+            return fn()
+        finally:
+            seeds.set_seed_source("generator")
+
+    return timed
+
+
 def bench_ops(
     rows: int,
     hidden: int,
@@ -340,6 +355,8 @@ def bench_ops(
             fns[f"{impl} fwd"], fns[f"{impl} fwd+bwd"] = fwd, fwd_bwd
         if device == "cuda" and "fused fwd+bwd" in fns:  # the direct launch's previous variant beside it
             fns["fused fwd+bwd, idle hooks passed"] = _idle_hooks_passed(fns["fused fwd+bwd"])
+            if "dropout" in name:  # the dropout seeds' previous source (a randint launch a call) beside
+                fns["fused fwd+bwd, randint seeds"] = _randint_seeds(fns["fused fwd+bwd"])
         both = per_call_us(fns, calls, samples, clock="both")
         us = {k: v[1 if clock == "cpu" else 0] for k, v in both.items()}
         dropout = "dropout" in name
@@ -348,10 +365,12 @@ def bench_ops(
             ratio = us[f] / us[e]
             target = targets[phase][dropout]
             previous = us.get(f"{f}, idle hooks passed")
+            randint = us.get(f"{f}, randint seeds")
             out.append(
                 {
                     "case": f"{name} {phase}",
                     **({"fused_idle_hooks_passed_us": previous} if previous is not None else {}),
+                    **({"fused_randint_seeds_us": randint} if randint is not None else {}),
                     "clock": clock,
                     "fused_us": us[f],
                     "eager_us": us[e],
@@ -484,6 +503,19 @@ def to_markdown(report: dict, header: list[str] = HEADER) -> str:
             lines += [
                 f"- {r['case']}: {r['fused_idle_hooks_passed_us']:.1f} us against {r['fused_us']:.1f} us"
                 for r in previous
+            ]
+            lines.append("")
+        randint = [r for r in run["ops"] if "fused_randint_seeds_us" in r]
+        if randint:
+            lines += [
+                "",
+                "The dropout seeds' previous source (a one-element `randint` launched per call, "
+                "`seeds.set_seed_source('randint')`; the default draws them on the host), timed beside:",
+                "",
+            ]
+            lines += [
+                f"- {r['case']}: {r['fused_randint_seeds_us']:.1f} us against {r['fused_us']:.1f} us"
+                for r in randint
             ]
             lines.append("")
         s = run.get("lm_step")

@@ -54,10 +54,12 @@ from results_path import RESULTS, add_out_argument  # noqa: E402
 from timing import interleaved  # noqa: E402
 
 import addnorm as an  # noqa: E402
-from addnorm.ops import policy  # noqa: E402
+from addnorm.ops import policy, seeds  # noqa: E402
 
 LAYERS, HIDDEN, HEADS, BATCH, SEQ, VOCAB = 12, 64, 4, 1, 16, 256
 TARGETS = {"hf": 0.9, "lm-gelu": 1.0, "lm-llama": 1.0}
+SEEDED = ("lm-gelu",)  # the models with dropout: their fused step also timed with the previous seeds
+PREVIOUS = "fused (randint seeds)"
 MODELS = {
     "hf": "Hugging Face Llama (addnorm.hf.fuse)",
     "lm-gelu": "addnorm LM, LayerNorm + GELU, dropout 0.1",
@@ -179,6 +181,8 @@ def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS
     with policy.fusion("always"), faked_launches() as launches:
         steps = {"plain": make_step(name, build(name, False, layers), tokens)}
         steps["fused"] = make_step(name, build(name, True, layers), tokens)
+        if name in SEEDED:  # the dropout seeds' previous source (a randint launch per call), beside
+            steps[PREVIOUS] = with_seed_source(make_step(name, build(name, True, layers), tokens), "randint")
         for step in steps.values():
             step()
         launches.count = 0
@@ -197,7 +201,7 @@ def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS
         "cpu_ms": {k: min(v) for k, v in cpu_rounds.items()},
         "cpu_rounds_ms": cpu_rounds,
         "python_calls": calls,
-        "launches": {"plain": aten["plain"], "fused": aten["fused"] + triton_launches},
+        "launches": {k: aten[k] + (0 if k == "plain" else triton_launches) for k in steps},
         "triton_launches": triton_launches,
         "layers": layers,
     }
@@ -272,8 +276,22 @@ def _child(name: str, variant: str, layers: int, steps: int, folder: str) -> Non
 
 
 def host_work(row: dict, launch_us: float) -> dict[str, float]:
-    """Modelled host work per step (ms): CPU time + launches x ``launch_us``."""
-    return {k: row["cpu_ms"][k] + row["launches"][k] * launch_us / 1e3 for k in ("plain", "fused")}
+    """Modelled host work per step (ms) of each variant: CPU time + launches x ``launch_us``."""
+    return {k: row["cpu_ms"][k] + n * launch_us / 1e3 for k, n in row["launches"].items()}
+
+
+def with_seed_source(step: Callable[[], None], source: str) -> Callable[[], None]:
+    """``step`` with the fused op's dropout seeds from ``source`` (:mod:`addnorm.ops.seeds`)."""
+
+    def run() -> None:
+        previous = seeds.SEED_SOURCE
+        seeds.set_seed_source(source)
+        try:
+            step()
+        finally:
+            seeds.set_seed_source(previous)
+
+    return run
 
 
 def _timer(step: Callable[[], None]) -> Callable[[], float]:
@@ -320,6 +338,26 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
             f"<= {target} | {'yes' if ratio <= target else 'NO'} | {calls['plain']} | {calls['fused']} | "
             f"{calls['fused'] / calls['plain']:.3f}x |"
         )
+    seeded = [r for r in rows if PREVIOUS in r["cpu_ms"]]
+    if seeded:
+        lines += [
+            "",
+            "## The dropout seed's source, side by side",
+            "",
+            "The fused step as above (dropout seeds drawn on the host from the generator's Philox state, "
+            "`addnorm.ops.seeds`) and with the previous source (`set_seed_source('randint')`: a one-element "
+            "`torch.randint` on the device per dropout call), timed in the same interleaved rounds.",
+            "",
+            "| model | seeds | CPU ms | launches | host work ms | host work / plain |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in seeded:
+            work = host_work(r, launch_us)
+            for k, label in (("fused", "host (default)"), (PREVIOUS, "randint (previous)")):
+                lines.append(
+                    f"| {MODELS[r['model']]} | {label} | {r['cpu_ms'][k]:.2f} | {r['launches'][k]} | "
+                    f"{work[k]:.2f} | {work[k] / work['plain']:.3f}x |"
+                )
     counted = [r for r in rows if r.get("instructions")]
     if counted:
         lines += [

@@ -94,11 +94,16 @@ def test_host_work_proxy_runs_the_gpu_path_with_its_launches_counted(tmp_path):
     """The proxy's fused steps launch the op's two kernels (forward, backward) per residual add: 4
     layers, 8 adds, each fused with the norm that next reads the stream (the last with the final
     norm; the HF model's first input norm runs unfused)."""
-    out = _run("bench_step_host.py", "--models", "hf", "lm-llama", "--layers", "4", "--reps", "2",
+    out = _run("bench_step_host.py", "--models", "hf", "lm-llama", "lm-gelu", "--layers", "4", "--reps", "2",
                "--warmup", "1", "--rounds", "1", "--out", str(tmp_path))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = {r["model"]: r for r in json.loads((tmp_path / "step_host_cpu.json").read_text())["results"]}
     assert rows["hf"]["triton_launches"] == rows["lm-llama"]["triton_launches"] == 2 * (2 * 4)
     for r in rows.values():
         assert r["python_calls"]["fused"] > 0 and r["cpu_ms"]["plain"] > 0
-    assert "| Hugging Face Llama" in (tmp_path / "step_host_cpu.md").read_text()
+    # with dropout, the seeds drawn on the host launch nothing; the previous source, timed beside, one
+    # randint per fused add
+    gelu = rows["lm-gelu"]["launches"]
+    assert gelu["fused (randint seeds)"] - gelu["fused"] == 2 * 4
+    text = (tmp_path / "step_host_cpu.md").read_text()
+    assert "| Hugging Face Llama" in text and "| randint (previous) |" in text
