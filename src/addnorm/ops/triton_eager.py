@@ -87,4 +87,8 @@ def _function_for(launch: EagerLaunch):
         return dres if dx is None else dx, dres, dw, db, dg, None
 
     body = {"forward": staticmethod(forward), "backward": staticmethod(backward), "__module__": __name__}
-    return super(torch.autograd.Function, type("TritonAddNorm", (TritonAddNorm,), body)).apply
+    function = type("TritonAddNorm", (TritonAddNorm,), body)
+    # the engine calls the node's ``apply(*grads)``: ``backward`` itself, not BackwardCFunction.apply's
+    # two frames that look up the user's backward (or vjp) on every call
+    function._backward_cls.apply = backward
+    return super(torch.autograd.Function, function).apply
