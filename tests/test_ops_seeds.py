@@ -105,3 +105,38 @@ def test_kernels_given_the_seed_as_a_value_equal_them_given_a_tensor(triton_back
         assert torch.equal(a, c)
     dropped = (outs[0][-4] == 0).float().mean()  # dx: zero where dropped
     assert 0.15 < dropped < 0.45
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_seed_follows_the_cuda_generator_and_a_captured_graph_draws_anew():
+    from addnorm.ops import add_norm
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x, r = (torch.randn(64, 256, device="cuda", generator=g) for _ in range(2))
+    w = torch.ones(256, device="cuda")
+    functional.clear_plans()
+    torch.cuda.manual_seed(5)
+    state = torch.cuda.get_rng_state()
+    offset = torch.cuda.default_generators[torch.cuda.current_device()].get_offset()
+
+    def call(**kw):
+        return add_norm(x, r, w, dropout_p=0.5, backend="triton", **kw)
+
+    first, second = call(), call()
+    torch.cuda.set_rng_state(state)  # what activation checkpointing does before recomputing
+    assert torch.equal(call(), first) and not torch.equal(first, second)
+    assert torch.equal(call(seed=seeds.mix(5, offset)), first)
+    # a captured graph: the seed is a launched randint, so each replay drops other elements
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    graph.replay()
+    replayed = out.clone()
+    graph.replay()
+    assert not torch.equal(replayed, out)

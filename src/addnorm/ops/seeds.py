@@ -15,7 +15,10 @@ argument (:func:`addnorm.ops.triton_tiles.keep_mask` reads a pointer or a value)
   0x9E3779B97F4A7C15``, kept to [2**61, 2**62), so that Triton always passes it as an ``i64`` (the
   kernels do not specialise on its value: ``do_not_specialize``);
 - while a CUDA graph is being captured the host value would be replayed unchanged, so the seed is then
-  drawn with ``randint`` as before (the graph replays the generator's offsets).
+  drawn with ``randint`` as before (the graph replays the generator's offsets);
+- reading and advancing the offset are two calls, not one atomic step: threads that share one device's
+  generator can draw the same seed (torch's own ops lock the generator; DataParallel's threads each
+  use another device).
 
 :data:`SEED_SOURCE` is ``"generator"`` (the default) or ``"randint"`` (the previous way, kept selectable:
 the GPU suite's host-time step times both); ``ADDNORM_SEED_SOURCE`` sets it at import,
