@@ -297,6 +297,15 @@ def _idle_hooks_passed(fn: Callable[[], object]) -> Callable[[], object]:
     return timed
 
 
+# the rows' keys of the previous variants timed beside the default, and what each is
+PREVIOUS_VARIANTS = {
+    "fused_idle_hooks_passed_us": "The direct launch's previous variant (Triton's empty launch-hook "
+    "chains and their metadata handed to every launch, `triton_direct.SKIP_IDLE_HOOKS = False`)",
+    "fused_randint_seeds_us": "The dropout seeds' previous source (a one-element `randint` launched per "
+    "call, `seeds.set_seed_source('randint')`; the default draws them on the host)",
+}
+
+
 def _randint_seeds(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with the fused op's dropout seeds drawn by a one-element ``randint`` on the device (the
     previous variant, ``seeds.set_seed_source("randint")``) instead of on the host."""
@@ -492,32 +501,12 @@ def to_markdown(report: dict, header: list[str] = HEADER) -> str:
                 f"| <= {r['target']}x | {'yes' if r['met'] else 'NO'} |"
                 + (f" {r['wall_ratio']:.2f}x | {r['cpu_ratio']:.2f}x |" if both else "")
             )
-        previous = [r for r in run["ops"] if "fused_idle_hooks_passed_us" in r]
-        if previous:
-            lines += [
-                "",
-                "The direct launch's previous variant (Triton's empty launch-hook chains and their "
-                "metadata handed to every launch, `triton_direct.SKIP_IDLE_HOOKS = False`), timed beside:",
-                "",
-            ]
-            lines += [
-                f"- {r['case']}: {r['fused_idle_hooks_passed_us']:.1f} us against {r['fused_us']:.1f} us"
-                for r in previous
-            ]
-            lines.append("")
-        randint = [r for r in run["ops"] if "fused_randint_seeds_us" in r]
-        if randint:
-            lines += [
-                "",
-                "The dropout seeds' previous source (a one-element `randint` launched per call, "
-                "`seeds.set_seed_source('randint')`; the default draws them on the host), timed beside:",
-                "",
-            ]
-            lines += [
-                f"- {r['case']}: {r['fused_randint_seeds_us']:.1f} us against {r['fused_us']:.1f} us"
-                for r in randint
-            ]
-            lines.append("")
+        for key, what in PREVIOUS_VARIANTS.items():  # each previous variant, timed beside the default
+            previous = [r for r in run["ops"] if key in r]
+            if previous:
+                lines += ["", f"{what}, timed beside:", ""]
+                lines += [f"- {r['case']}: {r[key]:.1f} us against {r['fused_us']:.1f} us" for r in previous]
+                lines.append("")
         s = run.get("lm_step")
         if s is None:
             lines.append("")
