@@ -1,10 +1,13 @@
 """Sweep the fused kernels' launch configurations on a GPU: which tile shape and warp count each hidden
 size should get. Build-time tool (like ``triton_variants.py``): it swaps
 ``addnorm.ops.launch_config.fwd_config`` / ``bwd_config`` for each candidate rule, clears the cached
-specs and plans, and times the op's forward (no grad) and backward (on a retained graph) in bf16,
-rows = 2**27 / hidden, LayerNorm and RMSNorm, Pre-LN (y, s) and Post-LN (y). Effective bandwidth as in
-``bench_add_norm.py`` (minimum bytes). The winners go into ``launch_config.py`` by hand
-(2026-11-24: ``results/gpu_h100.md``).
+specs and plans, and times the op's training forward (phase ``fwd``) and forward + backward (phase
+``bwd``: the rule swapped is the backward's, the forward's stays) in bf16, rows = ``--elements`` /
+hidden (2**27), LayerNorm and RMSNorm, Pre-LN (y, s) and Post-LN (y), and Pre-LN LayerNorm with
+dropout 0.1 (the backward's register-heavy variant). Inputs and calls are ``bench_add_norm.py``'s;
+bandwidth is its minimum bytes per phase (fwd+bwd: both phases' bytes). The winners go into
+``launch_config.py`` by hand (2026-11-24: ``results/gpu_h100.md``). ``--device cpu`` runs the kernels in
+Triton's interpreter (``TRITON_INTERPRET=1``; small ``--elements``): what the tests check.
 
     python benchmarks/sweep_launch_config.py [--hidden 256 1024 ...] [--reps 20] [--out DIR]
 """
@@ -16,9 +19,8 @@ import functools
 import json
 import statistics
 
-import torch
 import triton
-from bench_add_norm import make_calls, min_bytes, time_once
+from bench_add_norm import make_calls, make_inputs, min_bytes, time_once
 from machine import machine_info, machine_line
 from results_path import add_out_argument
 
@@ -51,7 +53,7 @@ def bwd_rule(max_one_pass: int, max_one_pass_heavy: int, slice_: Launch, narrow:
     column slices of ``slice_`` (``narrow`` for the heavy variants and widths not a multiple of 16)."""
 
     @functools.lru_cache(maxsize=256)
-    def cfg(n: int, heavy: bool = False) -> Launch:
+    def cfg(n: int, heavy: bool = False, variant: str = "slices") -> Launch:  # the default variant's rule
         if n <= (max_one_pass_heavy if heavy else max_one_pass):
             return one_pass(n, 1, 256)
         return narrow if heavy or n % 16 else slice_
@@ -83,19 +85,21 @@ def install(phase: str, fn) -> None:
 
 
 def fused(x, r, w, b, norm, prenorm, dropout_p=0.0):
-    return add_norm(
-        x, r, w, b if norm == "layernorm" else None, norm=norm, prenorm=prenorm, dropout_p=dropout_p, seed=0
-    )
+    """The op on its kernels (``backend="triton"``), as ``bench_add_norm.make_calls`` calls it."""
+    b = b if norm == "layernorm" else None
+    return add_norm(x, r, w, b, norm=norm, prenorm=prenorm, dropout_p=dropout_p, seed=0, backend="triton")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hidden", type=int, nargs="+", default=[256, 1024, 2048, 4096, 8192, 16384])
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--elements", type=int, default=2**27, help="rows x hidden per call")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     add_out_argument(ap)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     rows_out = []
-    print(machine_line(machine_info("cuda")), flush=True)
+    print(machine_line(machine_info(args.device)), flush=True)
     # the fourth case has dropout (a register-heavy backward variant: its own one-pass width and slices)
     cases = (
         ("layernorm", True, 0.0),
@@ -105,18 +109,17 @@ def main() -> None:
     )
     for norm, prenorm, p in cases:
         for n in args.hidden:
-            rows = 2**27 // n
-            nbytes = min_bytes(rows, n, 2, 2, prenorm)
+            rows = max(args.elements // n, 1)
+            inputs = make_inputs(rows, n, "bfloat16", norm, prenorm, args.device)
             for (phase, name), fn in CANDIDATES.items():
                 install("fwd", ORIGINAL["fwd"])
                 install("bwd", ORIGINAL["bwd"])
                 install(phase, fn)
-                op = functools.partial(fused, dropout_p=p)
-                calls = make_calls(op, rows, n, (torch.bfloat16, torch.bfloat16), norm, prenorm, "cuda")
-                call = calls[phase]
+                call = make_calls(fused, inputs, norm, prenorm, p)["fwd" if phase == "fwd" else "fwd_bwd"]
                 for _ in range(3):
                     call()
-                t = statistics.median(time_once(call, "cuda") for _ in range(args.reps))
+                t = statistics.median(time_once(call, args.device) for _ in range(args.reps))
+                nbytes = min_bytes(rows, n, 2, 2, prenorm) * (1 if phase == "fwd" else 2)
                 cfg = fn(n) if phase == "fwd" else fn(n, p > 0)
                 ms, gbps = t * 1e3, nbytes / t / 1e9
                 row = {"norm": norm, "prenorm": prenorm, "dropout": p, "hidden": n, "phase": phase,
@@ -124,12 +127,13 @@ def main() -> None:
                 rows_out.append(row)
                 print(f"{norm:9s} pre={int(prenorm)} p={p} h={n:5d} {phase} {name:26s} {tuple(cfg)!s:24s} "
                       f"{t * 1e3:7.3f} ms {row['GBps']:7.1f} GB/s", flush=True)  # fmt: skip
-                del calls, call
+                del call
                 # written as it goes: a timeout keeps the rows measured so far
                 args.out.mkdir(parents=True, exist_ok=True)
                 (args.out / "launch_config_sweep.json").write_text(json.dumps(rows_out, indent=1) + "\n")
     install("fwd", ORIGINAL["fwd"])
     install("bwd", ORIGINAL["bwd"])
+    return rows_out
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ as the issue states them (a GPU session relies on both)."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import os
@@ -684,3 +685,35 @@ def test_host_overhead_lists_each_previous_variant_beside_the_default(bench_modu
     assert "- layernorm fwd+bwd: 13.0 us against 12.0 us" in md[hooks:seeds]
     assert "- layernorm dropout 0.1 fwd+bwd: 19.5 us against 14.0 us" in md[seeds:]
     assert "- layernorm fwd+bwd" not in md[seeds:]
+
+
+@pytest.mark.triton
+def test_launch_config_sweep_runs_each_candidate_rule_and_restores_the_library_s(bench_module, tmp_path):
+    """sweep_launch_config.py (a GPU tool; here on the CPU interpreter, --device cpu): every case times
+    every candidate rule, each installed while its calls run (the launch specs asked it), and the
+    library's own rules are back afterwards."""
+    if importlib.util.find_spec("triton") is None or not interpreting():
+        pytest.skip("needs triton and TRITON_INTERPRET=1")
+    from addnorm.ops import launch_config
+
+    sweep = bench_module("sweep_launch_config")
+    asked = []
+
+    def recording(key, fn):
+        @functools.lru_cache  # as the library's rules are (a cache cleared when a rule is installed)
+        def rule(*args):
+            asked.append(key)
+            return fn(*args)
+
+        return rule
+
+    sweep.CANDIDATES = {key: recording(key, fn) for key, fn in sweep.CANDIDATES.items()}
+    rows = sweep.main(["--device", "cpu", "--hidden", "64", "--elements", "128", "--reps", "1",
+                       "--out", str(tmp_path)])  # fmt: skip
+    assert len(rows) == 4 * len(sweep.CANDIDATES)
+    assert set(asked) == set(sweep.CANDIDATES)  # each rule was what a launch spec asked
+    assert {(r["phase"], r["rule"]) for r in rows} == set(sweep.CANDIDATES)
+    assert all(r["ms"] > 0 for r in rows)
+    assert launch_config.fwd_config is sweep.ORIGINAL["fwd"]
+    assert launch_config.bwd_config is sweep.ORIGINAL["bwd"]
+    assert json.loads((tmp_path / "launch_config_sweep.json").read_text()) == rows
