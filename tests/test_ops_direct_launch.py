@@ -107,7 +107,8 @@ same_launch(compiled[-1].launches[0], compiled[-1].launches[1])
 out["bwd runs"] = len(runs) - out["fwd runs"]
 out["bwd launches"] = len(compiled[-1].launches)
 # dropout: a host seed is an i64 value the kernels do not specialise on (a multiple of 16 or not: one
-# kernel), launched directly after the first call; a seed in a tensor is another specialisation
+# kernel), launched directly after the first call; a seed in a tensor is another specialisation, the
+# same kernel whatever the tensor's alignment
 drop = L.fwd_spec(64, "layernorm", 1e-5, 1.0, 0.1, True, True, 0, True, f32, f32, "none").launch
 runs_before, compiled_before = len(runs), len(compiled)
 for seed in ((1 << 61) | 16 * 12345, (1 << 61) | 7):
@@ -115,6 +116,7 @@ for seed in ((1 << 61) | 16 * 12345, (1 << 61) | 7):
 assert compiled[-1].launches[-1][9 + 5] == (1 << 61) | 7  # the value itself, the kernel's SEED
 drop(None, x, r, w, b, None, torch.tensor(5))
 drop(None, x, r, w, b, None, torch.tensor(6))
+drop(None, x, r, w, b, None, torch.tensor([5, 6])[1])  # 8 bytes off 16: no specialisation on SEED either
 out["seed runs"] = len(runs) - runs_before
 out["seed compiled"] = len(compiled) - compiled_before
 print(out)

@@ -236,7 +236,8 @@ def _bwd_spec(
 
 def _ptr_bits(*tensors) -> int:
     """The low 4 bits of the tensors' addresses, OR-ed (None taken as aligned): 0 where every one is
-    16-byte aligned (what Triton specialises a pointer on)."""
+    16-byte aligned (what Triton specialises a pointer on; not the kernels' SEED, which they mark
+    ``do_not_specialize``: a tensor or a host seed, one kernel whatever its address or value)."""
     bits = 0
     for t in tensors:
         if t is not None:
@@ -358,7 +359,7 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
                 and DIRECT
                 and row_ids is None
                 and stride_x == stride_r == n
-                and not _ptr_bits(x, residual, weight, bias, gate, None if seed_value else seed)
+                and not _ptr_bits(x, residual, weight, bias, gate)  # not SEED: do_not_specialize
             ):
                 key = (  # dtypes inline: a helper call each would cost more than the test
                     x_dtype, residual.dtype, None if weight is None else weight.dtype,
@@ -377,12 +378,13 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
         if ctx is None:
             return y, s, mean, rstd
         # what ``save_for_backward`` sets, without its frame; the statistics too (created here, they
-        # are kept as they are: no reference cycle), so that ctx needs no attribute dict
+        # are kept as they are: no reference cycle), so that ctx needs no attribute dict but for a host
+        # seed, which is no tensor
         ctx.to_save = (
             x_in if keep_x else None, r_in if keep_r else None, weight, bias, gate,
             None if seed_value else seed, y if save_y else s, rstd,
         )  # fmt: skip
-        if seed_value:  # not a tensor: kept on ctx for the backward
+        if seed_value:
             ctx.seed = seed
         if prenorm:
             ctx.materialize_grads = False  # ``set_materialize_grads(False)`` without its frame
@@ -419,9 +421,7 @@ def _sums_launcher(sp: BwdSpec) -> Callable | None:
             and stride_dy == n
             and stride_x in (0, n)
             and stride_r in (0, n)
-            and not _ptr_bits(
-                dy, saved, x, residual, weight, bias, gate, None if type(seed) is int else seed, mean, rstd
-            )
+            and not _ptr_bits(dy, saved, x, residual, weight, bias, gate, mean, rstd)  # not SEED (as above)
         ):
             key = (
                 dy.dtype, _dtype(saved), _dtype(x), _dtype(residual), _dtype(weight), _dtype(bias),
@@ -511,9 +511,7 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
                 and stride_ds in (0, n)
                 and stride_x in (0, n)
                 and stride_r in (0, n)
-                and not _ptr_bits(
-                    dy, ds, saved, x, residual, weight, bias, gate, None if seed_value else seed, mean, rstd
-                )
+                and not _ptr_bits(dy, ds, saved, x, residual, weight, bias, gate, mean, rstd)  # not SEED
             ):
                 key = (  # dtypes inline: a helper call each would cost more than the test
                     dy_dtype, None if ds is None else ds.dtype, None if saved is None else saved.dtype,
