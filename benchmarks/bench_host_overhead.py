@@ -312,11 +312,8 @@ def _randint_seeds(fn: Callable[[], object]) -> Callable[[], object]:
     from addnorm.ops import seeds
 
     def timed() -> object:
-        seeds.set_seed_source("randint")
-        try:
+        with seeds.seed_source("randint"):
             return fn()
-        finally:
-            seeds.set_seed_source("generator")
 
     return timed
 

@@ -284,12 +284,8 @@ def with_seed_source(step: Callable[[], None], source: str) -> Callable[[], None
     """``step`` with the fused op's dropout seeds from ``source`` (:mod:`addnorm.ops.seeds`)."""
 
     def run() -> None:
-        previous = seeds.SEED_SOURCE
-        seeds.set_seed_source(source)
-        try:
+        with seeds.seed_source(source):
             step()
-        finally:
-            seeds.set_seed_source(previous)
 
     return run
 

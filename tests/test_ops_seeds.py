@@ -70,13 +70,14 @@ def test_randint_source_and_graph_capture_draw_no_host_seed(philox):
     assert draw() is None and philox.offset == 40  # the capture's randint draws: the graph replays it
     philox.capturing = False
     previous = seeds.SEED_SOURCE
-    seeds.set_seed_source("randint")
-    try:
+    with seeds.seed_source("randint"):
         assert draw() is None and philox.offset == 40
-    finally:
-        seeds.set_seed_source(previous)
+    assert seeds.SEED_SOURCE == previous and draw() is not None and philox.offset == 44
     with pytest.raises(ValueError, match="source: expected one of"):
         seeds.set_seed_source("numpy")
+    with pytest.raises(ValueError, match="source: expected one of"), seeds.seed_source("numpy"):
+        pass
+    assert seeds.SEED_SOURCE == previous
 
 
 def test_no_generator_no_seeder():

@@ -22,18 +22,20 @@ argument (:func:`addnorm.ops.triton_tiles.keep_mask` reads a pointer or a value)
 
 :data:`SEED_SOURCE` is ``"generator"`` (the default) or ``"randint"`` (the previous way, kept selectable:
 the GPU suite's host-time step times both); ``ADDNORM_SEED_SOURCE`` sets it at import,
-:func:`set_seed_source` later. Seeds given by the caller, the CPU's eager path (``nn.Dropout``'s own
-draws), torch.compile and DTensors are unchanged: they take seeds as tensors.
+:func:`set_seed_source` later (:func:`seed_source` for a block). Seeds given by the caller, the CPU's
+eager path (``nn.Dropout``'s own draws), torch.compile and DTensors are unchanged: they take seeds as
+tensors.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
-__all__ = ["SEED_SOURCES", "mix", "seeder_for", "set_seed_source"]
+__all__ = ["SEED_SOURCES", "mix", "seed_source", "seeder_for", "set_seed_source"]
 
 SEED_SOURCES = ("generator", "randint")
 _M64 = (1 << 64) - 1
@@ -58,6 +60,17 @@ def set_seed_source(source: str) -> None:
     if source not in SEED_SOURCES:
         raise ValueError(f"source: expected one of {SEED_SOURCES}, got {source!r}")
     SEED_SOURCE = source
+
+
+@contextlib.contextmanager
+def seed_source(source: str) -> Iterator[None]:
+    """``set_seed_source(source)`` for a block, then the previous source again."""
+    previous = SEED_SOURCE
+    set_seed_source(source)
+    try:
+        yield
+    finally:
+        set_seed_source(previous)
 
 
 def mix(seed: int, offset: int) -> int:
