@@ -66,8 +66,8 @@ class FakePhilox:
 
     __slots__ = ("offset", "seed")
 
-    def __init__(self, seed: int = 0) -> None:
-        self.seed, self.offset = seed, 0
+    def __init__(self, seed: int = 0, offset: int = 0) -> None:
+        self.seed, self.offset = seed, offset
 
     def initial_seed(self) -> int:
         return self.seed
@@ -76,6 +76,8 @@ class FakePhilox:
         return self.offset
 
     def set_offset(self, offset: int) -> None:
+        if offset % 4:  # as CUDA's generator refuses it
+            raise ValueError(f"offset: expected a multiple of 4 (Philox's), got {offset}")
         self.offset = offset
 
 

@@ -9,25 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fake_launch import FakePhilox  # benchmarks/ (on the tests' path: conftest)
 
 from addnorm.ops import functional, seeds
 
 
-class Philox:
-    """What the seeds read of a CUDA generator."""
+class Philox(FakePhilox):
+    """The benchmarks' stand-in for a CUDA generator (its offsets refused unless multiples of 4, as
+    CUDA's are), and whether a graph is being captured."""
 
-    def __init__(self, seed: int, offset: int = 0) -> None:
-        self.seed, self.offset = seed, offset
-
-    def initial_seed(self) -> int:
-        return self.seed
-
-    def get_offset(self) -> int:
-        return self.offset
-
-    def set_offset(self, offset: int) -> None:
-        assert offset % 4 == 0, "CUDA's Philox offsets are multiples of 4"
-        self.offset = offset
+    capturing = False
 
 
 @pytest.fixture
@@ -35,7 +26,6 @@ def philox(monkeypatch):
     """The seeds of every device from a :class:`Philox` (seed 123, offset 40), no graph capturing
     unless the test says so (``philox.capturing``)."""
     gen = Philox(123, 40)
-    gen.capturing = False
     monkeypatch.setattr(seeds, "generator_for", lambda device: gen)
     monkeypatch.setattr(seeds, "capture_check_for", lambda device: lambda: gen.capturing)
     functional.clear_plans()  # plans hold their seeder
