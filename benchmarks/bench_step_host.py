@@ -22,6 +22,8 @@ Per step (one torch thread, AdamW fused as on a GPU, steps interleaved, medians,
 - ``launches``: kernels a GPU would launch: the aten ops that run a kernel (the torch profiler's
   top-level ops, views and allocations left out) plus the fused op's Triton launches;
 - ``host work``: CPU ms + launches x L;
+- round by round: fused / plain host work from each round's own medians, its spread over the rounds
+  and in how many the target holds (what the machine's noise does to the ratio);
 - with ``--instructions``, instructions per step as valgrind's callgrind counts them (each variant in
   a process of its own, only the steps counted): the same number whatever else the machine runs.
 
@@ -280,6 +282,17 @@ def host_work(row: dict, launch_us: float) -> dict[str, float]:
     return {k: row["cpu_ms"][k] + n * launch_us / 1e3 for k, n in row["launches"].items()}
 
 
+def round_ratios(row: dict, launch_us: float) -> list[float]:
+    """Fused / plain host work in each round, from that round's medians (the two variants timed in the
+    same interleaved round: a paired ratio, which load that drifts between rounds moves less than the
+    best-of-rounds ratio of the table)."""
+    cpu, la = row["cpu_rounds_ms"], row["launches"]
+    return [
+        (f + la["fused"] * launch_us / 1e3) / (p + la["plain"] * launch_us / 1e3)
+        for p, f in zip(cpu["plain"], cpu["fused"], strict=True)
+    ]
+
+
 def with_seed_source(step: Callable[[], None], source: str) -> Callable[[], None]:
     """``step`` with the fused op's dropout seeds from ``source`` (:mod:`addnorm.ops.seeds`)."""
 
@@ -334,6 +347,24 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
             f"<= {target} | {'yes' if ratio <= target else 'NO'} | {calls['plain']} | {calls['fused']} | "
             f"{calls['fused'] / calls['plain']:.3f}x |"
         )
+    lines += [
+        "",
+        "## Round by round",
+        "",
+        f"Host work fused / plain in each of the {rounds} rounds (each round's own medians, the variants "
+        "interleaved in it): how far the machine's noise moves the ratio, and in how many rounds the "
+        "target holds.",
+        "",
+        "| model | min | median | max | rounds within target |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        per = round_ratios(r, launch_us)
+        met = sum(x <= TARGETS[r["model"]] for x in per)
+        lines.append(
+            f"| {MODELS[r['model']]} | {min(per):.3f}x | {statistics.median(per):.3f}x | {max(per):.3f}x | "
+            f"{met} of {len(per)} |"
+        )
     seeded = [r for r in rows if PREVIOUS in r["cpu_ms"]]
     if seeded:
         lines += [
@@ -386,7 +417,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--reps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument(
         "--launch-us", type=float, default=None, help="host cost of one launch (default: H200's)"
     )

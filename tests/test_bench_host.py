@@ -95,9 +95,10 @@ def test_host_work_proxy_runs_the_gpu_path_with_its_launches_counted(tmp_path):
     layers, 8 adds, each fused with the norm that next reads the stream (the last with the final
     norm; the HF model's first input norm runs unfused)."""
     out = _run("bench_step_host.py", "--models", "hf", "lm-llama", "lm-gelu", "--layers", "4", "--reps", "2",
-               "--warmup", "1", "--rounds", "1", "--out", str(tmp_path))  # fmt: skip
+               "--warmup", "1", "--rounds", "2", "--out", str(tmp_path))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = {r["model"]: r for r in json.loads((tmp_path / "step_host_cpu.json").read_text())["results"]}
+    payload = json.loads((tmp_path / "step_host_cpu.json").read_text())
+    rows = {r["model"]: r for r in payload["results"]}
     assert rows["hf"]["triton_launches"] == rows["lm-llama"]["triton_launches"] == 2 * (2 * 4)
     for r in rows.values():
         assert r["python_calls"]["fused"] > 0 and r["cpu_ms"]["plain"] > 0
@@ -107,3 +108,17 @@ def test_host_work_proxy_runs_the_gpu_path_with_its_launches_counted(tmp_path):
     assert gelu["fused (randint seeds)"] - gelu["fused"] == 2 * 4
     text = (tmp_path / "step_host_cpu.md").read_text()
     assert "| Hugging Face Llama" in text and "| randint (previous) |" in text
+    # round by round: each round's paired ratio recomputed from the recorded medians and launches
+    L = payload["launch_us"]
+    gelu_row = rows["lm-gelu"]
+    cpu, la = gelu_row["cpu_rounds_ms"], gelu_row["launches"]
+    pairs = zip(cpu["plain"], cpu["fused"], strict=True)
+    per = sorted((f + la["fused"] * L / 1e3) / (p + la["plain"] * L / 1e3) for p, f in pairs)
+    assert len(per) == 2
+    met = sum(x <= 1.0 for x in per)
+    lm_lines = [li for li in text.splitlines() if li.startswith("| addnorm LM, LayerNorm")]
+    (line,) = [li for li in lm_lines if li.count("|") == 6]  # the round-by-round table's row
+    assert line == (
+        f"| addnorm LM, LayerNorm + GELU, dropout 0.1 | {per[0]:.3f}x | {(per[0] + per[1]) / 2:.3f}x | "
+        f"{per[1]:.3f}x | {met} of 2 |"
+    )
