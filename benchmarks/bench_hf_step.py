@@ -24,6 +24,8 @@ in transformers, scoped by module; the residual adds by shape) and the share of 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
 import json
 import statistics
 import time
@@ -88,31 +90,57 @@ def build(variant: str, setup: Setup, device: torch.device) -> torch.nn.Module:
     return model.train()
 
 
+@contextlib.contextmanager
+def _gc_off():
+    """Python's garbage collector off for the block (what was collectable is collected after it)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+# issue 38's diagnostics: one switch each on a step otherwise the same, each testing one suspect for the
+# time the fused (and Liger's) eager step lost on the H200 with its kernels idle half the step: the
+# backward of a Python autograd.Function runs on the CUDA device's autograd thread, which must take the
+# GIL (the plain step's backward is all C++ nodes); a garbage collection inside the step (the fused
+# step makes more Python objects, autograd contexts among them)
+SWITCHES = {
+    "backward on the calling thread": lambda: torch.autograd.set_multithreading_enabled(False),
+    "gc off in the step": _gc_off,
+}
+
+
 def make_step(
-    model: torch.nn.Module, tokens: torch.Tensor, *, gpu: bool, compiled: bool, variant: str = "plain"
-):
+    model: torch.nn.Module, tokens: torch.Tensor, *, gpu: bool, compiled: bool, variant: str = "plain",
+    switch: str | None = None,
+):  # fmt: skip
     """A closure running one training step and returning its wall time in seconds. A ``fused`` variant
     runs with the op wherever the model can fuse (``set_fusion("always")``, whatever the device's
     recorded steps say: this is the measurement they come from), :data:`KERNEL_PATH` compiled through
-    the registered kernels."""
+    the registered kernels. ``switch``: one of :data:`SWITCHES`, on for the whole step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=gpu)
     forward = torch.compile(model) if compiled else model
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=gpu)
     fusion = "always" if variant.startswith("fused") else "measured"
     path = "kernel" if variant == KERNEL_PATH else policy.compile_path()
+    switched = contextlib.nullcontext if switch is None else SWITCHES[switch]
 
     def step() -> float:
         if gpu:
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        with autocast, policy.fusion(fusion), policy.using_compile_path(path):
-            loss = forward(input_ids=tokens, labels=tokens, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        if gpu:
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        with switched():
+            t0 = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            with autocast, policy.fusion(fusion), policy.using_compile_path(path):
+                loss = forward(input_ids=tokens, labels=tokens, use_cache=False).loss
+            loss.backward()
+            opt.step()
+            if gpu:
+                torch.cuda.synchronize()
+            return time.perf_counter() - t0
 
     return step
 
@@ -194,24 +222,57 @@ def liger_missing() -> str | None:
 
 
 def run_gpu(
-    setups: dict[str, Setup], reps: int, warmup: int, modes: list[str], profile: bool = False, on_row=None
-) -> list[dict]:
+    setups: dict[str, Setup], reps: int, warmup: int, modes: list[str], profile: bool = False, on_row=None,
+    diagnose: bool = False,
+) -> list[dict]:  # fmt: skip
     """Each variant on its own per setup and mode (eager rows first): tokens/s (median step) and peak
     memory of the timed steps; compiled, the fused model through each compile path; with ``profile``
-    (eager rows) the removable time of plain and what fused still spends. ``on_row(rows)`` after each
+    (eager rows) the removable time of plain and what fused still spends; with ``diagnose`` (the first
+    setup's eager row) plain and fused again with each of :data:`SWITCHES` (at most 2 warmup and 4 timed
+    steps: a suspect worth finding moves the step by tens of percent). ``on_row(rows)`` after each
     row (the table is written as the rows come)."""
     device = torch.device("cuda")
     missing = liger_missing()
     rows = []
     for mode in modes:
-        for name, setup in setups.items():
+        for i, (name, setup) in enumerate(setups.items()):
             tokens = tokens_for(setup, device)
             variants = [v for v in VARIANTS if v != "liger" or missing is None]
             variants += [KERNEL_PATH] if mode == "compile" else []
-            rows.append(_gpu_row(name, setup, mode, variants, tokens, reps, warmup, profile, missing))
+            row = _gpu_row(name, setup, mode, variants, tokens, reps, warmup, profile, missing)
+            if diagnose and mode == "eager" and i == 0:
+                row["diagnostics"] = {
+                    switch: {v: _timed(v, setup, mode, tokens, min(reps, 4), min(warmup, 2), switch=switch)[1]
+                             for v in ("plain", "fused")}
+                    for switch in SWITCHES
+                }  # fmt: skip
+            rows.append(row)
             if on_row is not None:
                 on_row(rows)
     return rows
+
+
+def _timed(
+    variant, setup, mode, tokens, reps, warmup, *, profile=False, switch=None
+) -> tuple[float, float, dict]:
+    """``variant`` built, warmed up and timed on its own: (median step ms, tokens/s, extras: peak GiB,
+    parameters and, with ``profile``, the step's profile)."""
+    torch._dynamo.reset()
+    model = build(variant, setup, tokens.device)
+    step = make_step(model, tokens, gpu=True, compiled=mode == "compile", variant=variant, switch=switch)
+    for _ in range(warmup):
+        step()
+    torch.cuda.reset_peak_memory_stats()
+    median = statistics.median(step() for _ in range(reps))
+    extras = {
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "params": sum(p.numel() for p in model.parameters()),
+    }
+    if profile:
+        extras["profile"] = _profile(step, model, setup, "cuda")
+    del model, step
+    torch.cuda.empty_cache()
+    return median * 1e3, setup.batch * setup.seq / median, extras
 
 
 def _gpu_row(name, setup, mode, variants, tokens, reps, warmup, profile, missing) -> dict:
@@ -220,21 +281,12 @@ def _gpu_row(name, setup, mode, variants, tokens, reps, warmup, profile, missing
     if missing:
         row["missing"] = {"liger": missing}
     for variant in variants:
-        torch._dynamo.reset()
-        model = build(variant, setup, tokens.device)
-        step = make_step(model, tokens, gpu=True, compiled=mode == "compile", variant=variant)
-        for _ in range(warmup):
-            step()
-        torch.cuda.reset_peak_memory_stats()
-        median = statistics.median(step() for _ in range(reps))
-        row["ms"][variant] = median * 1e3
-        row["tokens_per_s"][variant] = setup.batch * setup.seq / median
-        row["peak_gib"][variant] = torch.cuda.max_memory_allocated() / 2**30
-        row["params"] = sum(p.numel() for p in model.parameters())
-        if profile and mode == "eager" and variant in ("plain", "fused"):
-            row["profile"][variant] = _profile(step, model, setup, "cuda")
-        del model, step
-        torch.cuda.empty_cache()
+        profiled = profile and mode == "eager" and variant in ("plain", "fused")
+        ms, tps, extras = _timed(variant, setup, mode, tokens, reps, warmup, profile=profiled)
+        row["ms"][variant], row["tokens_per_s"][variant] = ms, tps
+        row["peak_gib"][variant], row["params"] = extras["peak_gib"], extras["params"]
+        if profiled:
+            row["profile"][variant] = extras["profile"]
     return row
 
 
@@ -356,10 +408,40 @@ def report(
                 f"| {row_label(row, rows)} | {r['removable_ms']:.2f} | {r['saving_ms']:.2f} | {share} "
                 f"| {r['fused_remaining_ms']:.2f} |"
             )
+    lines += diagnostics_table(rows)
     lines += ["", "## Targets", "", "| mode | target | value | met |", "| --- | --- | --- | --- |"]
     for t in check_targets(rows, gpu):
         lines.append(f"| {t['mode']} | {t['target']} | {t['value']:.3f} | {'yes' if t['met'] else 'NO'} |")
     return "\n".join(lines) + "\n"
+
+
+def diagnostics_table(rows: list[dict]) -> list[str]:
+    """The ``diagnostics`` of the rows that have them: plain and fused tokens/s with each switch, and
+    each against the same variant without it (the row's own timing)."""
+    diagnosed = [r for r in rows if r.get("diagnostics")]
+    if not diagnosed:
+        return []
+    lines = [
+        "",
+        "## Diagnostics: the same step with one switch on",
+        "",
+        "Each switch tests one suspect for the time the fused eager step lost with the GPU idle "
+        "(`SWITCHES` in `bench_hf_step.py`): a variant against itself without the switch (the table "
+        "above) says what the suspect costs it; fused / plain with the switch says what is left.",
+        "",
+        "| mode | switch | plain tokens/s | fused tokens/s | fused/plain | plain vs without | fused vs "
+        "without |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in diagnosed:
+        t = row["tokens_per_s"]
+        for switch, d in row["diagnostics"].items():
+            lines.append(
+                f"| {row_label(row, rows)} | {switch} | {d['plain']:.0f} | {d['fused']:.0f} | "
+                f"{d['fused'] / d['plain']:.3f}x | {d['plain'] / t['plain']:.3f}x | "
+                f"{d['fused'] / t['fused']:.3f}x |"
+            )
+    return lines
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -372,6 +454,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rounds", type=int, default=3, help="CPU: rounds, best median kept")
     parser.add_argument("--setup", type=json.loads, default=None, help="JSON overriding Setup fields")
     parser.add_argument("--profile", action="store_true", help="removable time and the share fused saves")
+    parser.add_argument(
+        "--diagnose",
+        action="store_true",
+        help="GPU: plain and fused again with each of SWITCHES (first setup)",
+    )
     add_out_argument(parser)
     args = parser.parse_args(argv)
     setups = {name: SETUPS[name] for name in args.setups} if args.gpu else {"cpu": CPU}
@@ -394,7 +481,7 @@ def main(argv: list[str] | None = None) -> dict:
         if not torch.cuda.is_available():
             raise SystemExit("--gpu: no CUDA device")
         modes = [m for m in args.modes.split(",") if m]
-        rows = run_gpu(setups, reps, warmup, modes, args.profile, on_row=write)
+        rows = run_gpu(setups, reps, warmup, modes, args.profile, on_row=write, diagnose=args.diagnose)
     else:
         rows = [run_cpu(next(iter(setups.values())), reps, warmup, args.rounds, args.profile)]
     payload = write(rows)

@@ -19,7 +19,8 @@ group when it runs over; the next step still runs):
    eager and torch.compile (the fused model through each compile path), with the profiler's removable
    time and the share the fused step realises (``bench_lm_step.py``);
 6. ``hf_step``: the Hugging Face Llama step at 134M and at a GPU-bound size, plain / ``addnorm.hf.fuse``
-   / Liger, eager, with the removable time (``bench_hf_step.py``).
+   / Liger, eager, with the removable time, and at 134M plain and fused again with each diagnostic
+   switch (the backward on the calling thread, the garbage collector off: ``bench_hf_step.py``).
 
 **Budgets.** Each step's limit is in ``plan()``; with ``STARTUP_S`` for the suite's own start (Python,
 torch, the device query, optional wheels) they sum to at most ``CALL_S`` = 480 s, and ``--dry-run``
@@ -151,10 +152,11 @@ def plan(py: str = sys.executable) -> list[Step]:
         ),
         Step(
             "hf_step", "HF Llama step, 134M and GPU-bound (hidden 2048 x 4 layers, seq 4096): plain / "
-            "addnorm.hf.fuse / Liger, eager; removable time",
+            "addnorm.hf.fuse / Liger, eager; removable time; at 134M plain and fused again with each "
+            "diagnostic switch (backward on the calling thread, gc off)",
             [py, f"{b}/bench_hf_step.py", "--gpu", "--setups", "134m", "gpu-bound", "--modes", "eager",
-             "--reps", "6", "--warmup", "3", "--profile", "--out", OUT_TOKEN],
-            45, tables=("hf_step",), needs=("transformers",),
+             "--reps", "6", "--warmup", "3", "--profile", "--diagnose", "--out", OUT_TOKEN],
+            55, tables=("hf_step",), needs=("transformers",),
         ),
     ]
     # fmt: on

@@ -482,7 +482,7 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     # the inner budget of the op table leaves its process time to start and write before its limit
     assert float(ops[ops.index("--budget") + 1]) < steps[names.index("ops")].timeout_s - 10
     assert {"gelu", "llama", "eager", "compile", "--profile", "fused", "both"} <= set(lm)
-    assert "--gpu" in hf and "--profile" in hf and "gpu-bound" in hf
+    assert "--gpu" in hf and "--profile" in hf and "gpu-bound" in hf and "--diagnose" in hf
     assert {"hf", "lm", "hf-gpu-bound"} <= set(trace)
     for s in steps[1:]:
         source = Path(s.argv[1]).read_text()
@@ -494,7 +494,8 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     assert "[ops]" in out and "[hf_step]" in out and "[lm_step]" not in out
     with pytest.raises(SystemExit, match="--only: expected step names"):
         suite.main(["--dry-run", "--only", "nope"])
-    with pytest.raises(SystemExit, match="--budget: the plan needs 465 s, more than the budget of 300 s"):
+    needs = suite.STARTUP_S + sum(s.timeout_s for s in steps)
+    with pytest.raises(SystemExit, match=f"--budget: the plan needs {needs} s, more than the budget of 300"):
         suite.main(["--dry-run", "--budget", "300"])
 
 

@@ -115,3 +115,48 @@ def test_cpu_profile_finds_the_llama_residual_adds_and_norms(bench, tmp_path):
     assert plain["ms"]["norm"] > 0 and plain["units"]["norm"] >= 2 * TINY["layers"] + 1
     assert row["realised"]["removable_ms"] == pytest.approx(plain["removable_ms"])
     assert "## What fusion can remove" in (tmp_path / "hf_step_cpu.md").read_text()
+
+
+def test_diagnostic_switches_are_on_during_the_step_only(bench):
+    """Each of the GPU step's diagnostic switches is in force while the step's backward runs (seen from
+    a gradient hook) and undone after the step; without one, nothing changes."""
+    import gc
+
+    import torch
+
+    setup = bench.Setup(**TINY)
+    model = bench.build("plain", setup, torch.device("cpu"))
+    tokens = bench.tokens_for(setup, torch.device("cpu"))
+    seen = []
+    param = next(model.parameters())
+    param.register_hook(lambda g: seen.append((torch._C._is_multithreading_enabled(), gc.isenabled())))
+    expected = {
+        None: (True, True),
+        "backward on the calling thread": (False, True),
+        "gc off in the step": (True, False),
+    }
+    assert set(expected) - {None} == set(bench.SWITCHES)
+    for switch, (threads, collector) in expected.items():
+        seen.clear()
+        step = bench.make_step(model, tokens, gpu=False, compiled=False, switch=switch)
+        assert step() > 0
+        assert seen == [(threads, collector)]
+        assert torch._C._is_multithreading_enabled() and gc.isenabled()
+
+
+def test_gpu_table_reports_each_diagnostic_against_the_step_without_it(bench):
+    rows = [
+        {
+            "setup": "134m", "mode": "eager", "params": 1,
+            "tokens_per_s": {"plain": 180.0, "fused": 130.0}, "peak_gib": {"plain": 8.0, "fused": 7.9},
+            "diagnostics": {"backward on the calling thread": {"plain": 171.0, "fused": 195.0},
+                            "gc off in the step": {"plain": 180.0, "fused": 130.0}},
+        },
+        {"setup": "gpu-bound", "mode": "eager", "params": 2, "tokens_per_s": {"plain": 10.0, "fused": 11.0},
+         "peak_gib": {"plain": 8.0, "fused": 7.9}},
+    ]  # fmt: skip
+    md = bench.report(bench.SETUPS, rows, "NVIDIA H200", gpu=True, reps=5, warmup=2, rounds=1)
+    assert "## Diagnostics: the same step with one switch on" in md
+    assert "| 134m eager | backward on the calling thread | 171 | 195 | 1.140x | 0.950x | 1.500x |" in md
+    assert "| 134m eager | gc off in the step | 180 | 130 | 0.722x | 1.000x | 1.000x |" in md
+    assert "gpu-bound eager | backward" not in md
