@@ -24,6 +24,8 @@ Per step (one torch thread, AdamW fused as on a GPU, steps interleaved, medians,
 - ``host work``: CPU ms + launches x L;
 - round by round: fused / plain host work from each round's own medians, its spread over the rounds
   and in how many the target holds (what the machine's noise does to the ratio);
+- the floor: the fused model with a do-nothing ``autograd.Function`` in the op's place (:func:`floored`),
+  the least any Python op can cost the step, timed in the same rounds;
 - with ``--instructions``, instructions per step as valgrind's callgrind counts them (each variant in
   a process of its own, only the steps counted): the same number whatever else the machine runs.
 
@@ -62,6 +64,7 @@ LAYERS, HIDDEN, HEADS, BATCH, SEQ, VOCAB = 12, 64, 4, 1, 16, 256
 TARGETS = {"hf": 0.9, "lm-gelu": 1.0, "lm-llama": 1.0}
 SEEDED = ("lm-gelu",)  # the models with dropout: their fused step also timed with the previous seeds
 PREVIOUS = "fused (randint seeds)"
+FLOOR = "floor"  # the fused model with a do-nothing autograd.Function in the op's place (see floored)
 MODELS = {
     "hf": "Hugging Face Llama (addnorm.hf.fuse)",
     "lm-gelu": "addnorm LM, LayerNorm + GELU, dropout 0.1",
@@ -130,6 +133,40 @@ def build(name: str, fused: bool, layers: int = LAYERS) -> torch.nn.Module:
     return model
 
 
+class _Floor(torch.autograd.Function):
+    """The least a Python autograd op in the fused op's place can cost: its outputs and its gradients
+    allocated (``empty_like``), weight and bias saved, nothing computed or launched."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, bias, prenorm):
+        ctx.save_for_backward(weight, bias)
+        ctx.set_materialize_grads(False)  # as the op: no zeros made for an unused output
+        y = torch.empty_like(x)
+        return (y, torch.empty_like(residual)) if prenorm else y
+
+    @staticmethod
+    def backward(ctx, dy, ds=None):
+        weight, bias = ctx.saved_tensors
+        dx = torch.empty_like(ds if dy is None else dy)
+        dw = None if weight is None else torch.empty_like(weight)
+        db = None if bias is None else torch.empty_like(bias)
+        return dx, torch.empty_like(dx), dw, db, None
+
+
+def floored(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (fused) with each connection's fused add & norm (``AddNorm.add_then_norm``, which every
+    fused call goes through) replaced by :class:`_Floor`: the model's own Python, and the least any
+    Python op could add to it. What the fused step costs beyond this is the op's own host code."""
+    for m in model.modules():
+        if isinstance(m, an.AddNorm):
+
+            def add_then_norm(f, base, norm, *, prenorm=False, gate=None):
+                return _Floor.apply(f, base, getattr(norm, "gain", norm.weight), norm.bias, prenorm)
+
+            m.add_then_norm = add_then_norm
+    return model
+
+
 def make_step(name: str, model: torch.nn.Module, tokens: torch.Tensor) -> Callable[[], None]:
     """One training step: forward (the HF model's own loss), backward, fused AdamW (as on a GPU)."""
     model.train()
@@ -183,6 +220,7 @@ def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS
     with policy.fusion("always"), faked_launches() as launches:
         steps = {"plain": make_step(name, build(name, False, layers), tokens)}
         steps["fused"] = make_step(name, build(name, True, layers), tokens)
+        steps[FLOOR] = make_step(name, floored(build(name, True, layers)), tokens)
         if name in SEEDED:  # the dropout seeds' previous source (a randint launch per call), beside
             steps[PREVIOUS] = with_seed_source(make_step(name, build(name, True, layers), tokens), "randint")
         for step in steps.values():
@@ -210,7 +248,7 @@ def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS
 
 
 def instructions(name: str, layers: int, steps: int = 5) -> dict[str, float]:
-    """Instructions per step (plain, fused) as valgrind's callgrind counts them: each variant in a
+    """Instructions per step (plain, fused, the floor) as valgrind's callgrind counts them: each variant in a
     process of its own under callgrind, its counters zeroed after the warmup steps and dumped after
     ``steps`` more (``callgrind_control``), so imports and building are not counted. The same count for
     the same code and inputs whatever else the machine is doing: the host work that CPU time measures
@@ -222,7 +260,7 @@ def instructions(name: str, layers: int, steps: int = 5) -> dict[str, float]:
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("--instructions: needs valgrind (callgrind and callgrind_control)")
     out = {}
-    for variant in ("plain", "fused"):
+    for variant in ("plain", "fused", FLOOR):
         with tempfile.TemporaryDirectory() as tmp:
             env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
             argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.%p", sys.executable,
@@ -266,7 +304,8 @@ def _child(name: str, variant: str, layers: int, steps: int, folder: str) -> Non
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, VOCAB, (BATCH, SEQ + 1), generator=gen)
     with policy.fusion("always"), faked_launches():
-        step = make_step(name, build(name, variant == "fused", layers), tokens)
+        model = build(name, variant != "plain", layers)
+        step = make_step(name, floored(model) if variant == FLOOR else model, tokens)
         for _ in range(3):
             step()
         open(f"{folder}/warm", "w").close()
@@ -365,6 +404,28 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
             f"| {MODELS[r['model']]} | {min(per):.3f}x | {statistics.median(per):.3f}x | {max(per):.3f}x | "
             f"{met} of {len(per)} |"
         )
+    floor = [r for r in rows if FLOOR in r["cpu_ms"]]
+    if floor:
+        lines += [
+            "",
+            "## The floor: a do-nothing Python op in the op's place",
+            "",
+            "The fused model with each fused add & norm replaced by an `autograd.Function` that only "
+            "allocates its outputs and gradients (`_Floor`: nothing computed, the fused step's launches "
+            "counted for it): the least any Python op can cost this step. Fused over floor: the op's own "
+            "host code, beyond what calling a Python op at all costs.",
+            "",
+            "| model | floor CPU ms | floor host work / plain | fused host work / plain | fused / floor CPU "
+            "time | floor Python calls |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in floor:
+            work, c = host_work(r, launch_us), r["cpu_ms"]
+            lines.append(
+                f"| {MODELS[r['model']]} | {c[FLOOR]:.2f} | {work[FLOOR] / work['plain']:.3f}x | "
+                f"{work['fused'] / work['plain']:.3f}x | {c['fused'] / c[FLOOR]:.3f}x | "
+                f"{r['python_calls'][FLOOR]} |"
+            )
     seeded = [r for r in rows if PREVIOUS in r["cpu_ms"]]
     if seeded:
         lines += [
@@ -396,8 +457,8 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
             "instructions per us of its CPU time above.",
             "",
             "| model | plain M instr/step | fused M instr/step | fused / plain | host work fused / plain | "
-            "target | met |",
-            "| --- | --- | --- | --- | --- | --- | --- |",
+            "target | met | floor M instr/step | host work floor / plain |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in counted:
             ins, la = r["instructions"], r["launches"]
@@ -407,7 +468,12 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
             lines.append(
                 f"| {MODELS[r['model']]} | {ins['plain'] / 1e6:.1f} | {ins['fused'] / 1e6:.1f} | "
                 f"{ins['fused'] / ins['plain']:.3f}x | {ratio:.3f}x | <= {target} | "
-                f"{'yes' if ratio <= target else 'NO'} |"
+                f"{'yes' if ratio <= target else 'NO'} | "
+                + (
+                    f"{ins[FLOOR] / 1e6:.1f} | {work[FLOOR] / work['plain']:.3f}x |"
+                    if FLOOR in ins
+                    else "- | - |"
+                )
             )
     return "\n".join(lines) + "\n"
 

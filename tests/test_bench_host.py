@@ -102,12 +102,17 @@ def test_host_work_proxy_runs_the_gpu_path_with_its_launches_counted(tmp_path):
     assert rows["hf"]["triton_launches"] == rows["lm-llama"]["triton_launches"] == 2 * (2 * 4)
     for r in rows.values():
         assert r["python_calls"]["fused"] > 0 and r["cpu_ms"]["plain"] > 0
+        # the floor: the fused model's calls with a do-nothing Python op in the op's place, which
+        # launches nothing itself (the fused step's launches counted for it) and calls less Python
+        assert r["launches"]["floor"] == r["launches"]["fused"]
+        assert r["python_calls"]["floor"] < r["python_calls"]["fused"]
     # with dropout, the seeds drawn on the host launch nothing; the previous source, timed beside, one
     # randint per fused add
     gelu = rows["lm-gelu"]["launches"]
     assert gelu["fused (randint seeds)"] - gelu["fused"] == 2 * 4
     text = (tmp_path / "step_host_cpu.md").read_text()
     assert "| Hugging Face Llama" in text and "| randint (previous) |" in text
+    assert "## The floor: a do-nothing Python op in the op's place" in text
     # round by round: each round's paired ratio recomputed from the recorded medians and launches
     L = payload["launch_us"]
     gelu_row = rows["lm-gelu"]
