@@ -353,6 +353,13 @@ def _timer(step: Callable[[], None]) -> Callable[[], float]:
     return timer
 
 
+def _section(title: str, prose: str, head: str) -> list[str]:
+    """A Markdown section's opening lines: its title, its prose and its table's head (``head`` the
+    columns, ``|``-separated)."""
+    columns = head.count("|") + 1
+    return ["", f"## {title}", "", prose, "", f"| {head} |", "| --- " * columns + "|"]
+
+
 def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_us: float, how: str) -> str:
     layers = rows[0]["layers"]
     lines = [
@@ -386,17 +393,13 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
             f"<= {target} | {'yes' if ratio <= target else 'NO'} | {calls['plain']} | {calls['fused']} | "
             f"{calls['fused'] / calls['plain']:.3f}x |"
         )
-    lines += [
-        "",
-        "## Round by round",
-        "",
+    lines += _section(
+        "Round by round",
         f"Host work fused / plain in each of the {rounds} rounds (each round's own medians, the variants "
         "interleaved in it): how far the machine's noise moves the ratio, and in how many rounds the "
         "target holds.",
-        "",
-        "| model | min | median | max | rounds within target |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+        "model | min | median | max | rounds within target",
+    )
     for r in rows:
         per = round_ratios(r, launch_us)
         met = sum(x <= TARGETS[r["model"]] for x in per)
@@ -406,19 +409,15 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
         )
     floor = [r for r in rows if FLOOR in r["cpu_ms"]]
     if floor:
-        lines += [
-            "",
-            "## The floor: a do-nothing Python op in the op's place",
-            "",
+        lines += _section(
+            "The floor: a do-nothing Python op in the op's place",
             "The fused model with each fused add & norm replaced by an `autograd.Function` that only "
             "allocates its outputs and gradients (`_Floor`: nothing computed, the fused step's launches "
             "counted for it): the least any Python op can cost this step. Fused over floor: the op's own "
             "host code, beyond what calling a Python op at all costs.",
-            "",
-            "| model | floor CPU ms | floor host work / plain | fused host work / plain | fused / floor CPU "
-            "time | floor Python calls |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ]
+            "model | floor CPU ms | floor host work / plain | fused host work / plain | "
+            "fused / floor CPU time | floor Python calls",
+        )
         for r in floor:
             work, c = host_work(r, launch_us), r["cpu_ms"]
             lines.append(
@@ -428,17 +427,13 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
             )
     seeded = [r for r in rows if PREVIOUS in r["cpu_ms"]]
     if seeded:
-        lines += [
-            "",
-            "## The dropout seed's source, side by side",
-            "",
+        lines += _section(
+            "The dropout seed's source, side by side",
             "The fused step as above (dropout seeds drawn on the host from the generator's Philox state, "
             "`addnorm.ops.seeds`) and with the previous source (`set_seed_source('randint')`: a one-element "
             "`torch.randint` on the device per dropout call), timed in the same interleaved rounds.",
-            "",
-            "| model | seeds | CPU ms | launches | host work ms | host work / plain |",
-            "| --- | --- | --- | --- | --- | --- |",
-        ]
+            "model | seeds | CPU ms | launches | host work ms | host work / plain",
+        )
         for r in seeded:
             work = host_work(r, launch_us)
             for k, label in (("fused", "host (default)"), (PREVIOUS, "randint (previous)")):
@@ -448,18 +443,14 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
                 )
     counted = [r for r in rows if r.get("instructions")]
     if counted:
-        lines += [
-            "",
-            "## Instructions per step (valgrind's callgrind; the same count whatever the machine's load)",
-            "",
+        lines += _section(
+            "Instructions per step (valgrind's callgrind; the same count whatever the machine's load)",
             "Each variant in its own process under callgrind, counters zeroed after 3 warmup steps, 5 steps "
             "counted. Host work in instructions: instructions + launches x L x r, r = the plain step's "
             "instructions per us of its CPU time above.",
-            "",
-            "| model | plain M instr/step | fused M instr/step | fused / plain | host work fused / plain | "
-            "target | met | floor M instr/step | host work floor / plain |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
+            "model | plain M instr/step | fused M instr/step | fused / plain | host work fused / plain | "
+            "target | met | floor M instr/step | host work floor / plain",
+        )
         for r in counted:
             ins, la = r["instructions"], r["launches"]
             rate = ins["plain"] / (r["cpu_ms"]["plain"] * 1e3)
