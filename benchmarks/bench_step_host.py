@@ -316,20 +316,23 @@ def _child(name: str, variant: str, layers: int, steps: int, folder: str) -> Non
         wait("exit")
 
 
-def host_work(row: dict, launch_us: float) -> dict[str, float]:
-    """Modelled host work per step (ms) of each variant: CPU time + launches x ``launch_us``."""
-    return {k: row["cpu_ms"][k] + n * launch_us / 1e3 for k, n in row["launches"].items()}
+def host_work(row: dict, launch_us: float, cpu_ms: dict[str, float] | None = None) -> dict[str, float]:
+    """Modelled host work per step (ms) of each variant: CPU time + launches x ``launch_us``; the CPU
+    times ``cpu_ms`` (default the row's best-of-rounds ones)."""
+    cpu = row["cpu_ms"] if cpu_ms is None else cpu_ms
+    return {k: cpu[k] + n * launch_us / 1e3 for k, n in row["launches"].items() if k in cpu}
 
 
 def round_ratios(row: dict, launch_us: float) -> list[float]:
     """Fused / plain host work in each round, from that round's medians (the two variants timed in the
     same interleaved round: a paired ratio, which load that drifts between rounds moves less than the
     best-of-rounds ratio of the table)."""
-    cpu, la = row["cpu_rounds_ms"], row["launches"]
-    return [
-        (f + la["fused"] * launch_us / 1e3) / (p + la["plain"] * launch_us / 1e3)
-        for p, f in zip(cpu["plain"], cpu["fused"], strict=True)
-    ]
+    per_round = row["cpu_rounds_ms"]
+    out = []
+    for p, f in zip(per_round["plain"], per_round["fused"], strict=True):
+        work = host_work(row, launch_us, {"plain": p, "fused": f})
+        out.append(work["fused"] / work["plain"])
+    return out
 
 
 def with_seed_source(step: Callable[[], None], source: str) -> Callable[[], None]:
