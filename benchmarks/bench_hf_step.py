@@ -92,7 +92,8 @@ def build(variant: str, setup: Setup, device: torch.device) -> torch.nn.Module:
 
 @contextlib.contextmanager
 def _gc_off():
-    """Python's garbage collector off for the block (what was collectable is collected after it)."""
+    """Python's garbage collector off for the block, on again after it if it was on (collections then
+    resume at the collector's next threshold)."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -1,5 +1,6 @@
 """One-off device probe (issue 38): which garbage collections run in the HF 134M step, on which thread,
-for how long; and the step with gc.freeze() after warmup."""
+for how long; plain and fused each as the suite times them (one variant after another), as is, with
+gc.freeze() after warmup, and with the backward on the calling thread."""
 
 import gc
 import json
@@ -25,7 +26,6 @@ def cb(phase, info):
                 info["generation"],
                 (time.perf_counter() - cb.t0) * 1e3,
                 threading.current_thread().name == "MainThread",
-                info.get("collected", 0),
             )
         )
 
@@ -58,7 +58,7 @@ for variant in ("plain", "fused"):
         times = [step() for _ in range(6)]
         ev = list(events)
         by = {}
-        for g, ms, main, _coll in ev:
+        for g, ms, main in ev:
             k = f"gen{g} {'main' if main else 'other'}"
             by.setdefault(k, [0, 0.0])
             by[k][0] += 1

@@ -38,7 +38,7 @@ for name, setup in (("134m", b.GPU), ("gpu-bound", b.GPU_BOUND)):
             "tok_s": round(tok / statistics.median(v)),
         }
     # paired ratio per round: fused / plain step time in the same round
-    pairs = [p / f for p, f in zip(wall["plain"], wall["fused"], strict=False)]
+    pairs = [p / f for p, f in zip(wall["plain"], wall["fused"], strict=True)]
     row["fused/plain speed, median of paired rounds"] = round(statistics.median(pairs), 3)
     out[name] = row
     print(name, json.dumps(row, indent=1), flush=True)
