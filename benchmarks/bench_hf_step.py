@@ -9,10 +9,12 @@ vocab 2048, batch 4 x seq 128), float32, eager, one torch thread, AdamW; variant
 step after a warmup, medians, best of ``--rounds`` rounds. Writes ``hf_step_cpu.{md,json}``.
 
 GPU (``--gpu``): the issue's 134M Llama (hidden 768, 12 layers, 12 heads, intermediate 2048, vocab 32000,
-batch 8 x seq 1024), bf16 autocast, fused AdamW, eager and ``torch.compile``; each variant on its own
-(built, warmed up, peak-memory counter reset, timed). Writes ``hf_step_<device>.{md,json}`` (``h100``,
-``h200``, ...); Liger missing is a line in the table, "liger: not installed". Targets (issue 30): fused
->= 1.05x plain and >= Liger, peak memory no more than plain's.
+batch 8 x seq 1024) and a step the GPU bounds (``--setups gpu-bound``), bf16 autocast, fused AdamW,
+eager and ``torch.compile``; the variants built side by side and timed step by step in alternation, as
+on the CPU (:func:`run_row`), each one's peak memory measured apart. Writes ``hf_step_<device>.{md,json}``
+(``h100``, ``h200``, ...); Liger missing is a line in the table, "liger: not installed". Targets (issue
+38): fused >= 1.10x plain eager at 134M, >= 1.05x at the GPU-bound size, >= 1.0x compiled, >= Liger,
+peak memory no more than plain's.
 
 ``--profile`` (eager): the removable time of the plain step (``step_profile.py``: its RMSNorms, hand-written
 in transformers, scoped by module; the residual adds by shape) and the share of it the fused step saves.
@@ -31,10 +33,11 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+import timing
 import torch
 from machine import device_slug, machine_info, machine_line, package_version, write_results
 from results_path import add_out_argument
-from timing import interleaved
+from timing import interleaved, paired_speedup, peak_apart, resident_bytes
 
 import addnorm.hf as anhf
 from addnorm.ops import policy
@@ -143,6 +146,7 @@ def make_step(
                 torch.cuda.synchronize()
             return time.perf_counter() - t0
 
+    step.optimizer = opt  # what the step holds besides its model (timing.resident_bytes)
     return step
 
 
@@ -181,36 +185,78 @@ def realised(row: dict) -> dict | None:
 
 
 def run_cpu(setup: Setup, reps: int, warmup: int, rounds: int, profile: bool = False) -> dict:
-    """Plain and fused, interleaved step by step; per variant the best round's median wall time of a
-    step, and the median CPU time of this process in a step (which time spent descheduled while other
-    work runs on the machine does not inflate)."""
+    """Plain and fused on the CPU (one torch thread): :func:`run_row` with ``rounds`` rounds."""
     torch.set_num_threads(1)
-    device = torch.device("cpu")
-    tokens = tokens_for(setup, device)
-    models = {v: build(v, setup, device) for v in ("plain", "fused")}
-    steps = {v: make_step(m, tokens, gpu=False, compiled=False, variant=v) for v, m in models.items()}
-    medians: dict[str, list[float]] = {v: [] for v in steps}
-    cpu_medians: dict[str, list[float]] = {v: [] for v in steps}
+    tokens = tokens_for(setup, torch.device("cpu"))
+    return run_row("cpu", setup, "eager", ["plain", "fused"], tokens, reps=reps, warmup=warmup,
+                   rounds=rounds, profile=profile)  # fmt: skip
+
+
+def run_row(
+    name: str, setup: Setup, mode: str, variants: list[str], tokens: torch.Tensor, *, reps: int, warmup: int,
+    rounds: int = 1, profile: bool = False, diagnose: bool = False,
+) -> dict:  # fmt: skip
+    """One (setup, mode) row: every variant built side by side (compiled, each compiled) and timed step
+    by step in alternation (``timing.interleaved``: ``warmup`` steps each, then ``reps`` rounds, the
+    order reversed every other round), so that drift in the host's speed hits every variant alike; a
+    host-bound GPU step timed one variant after another moved by 25% between runs minutes apart (H200,
+    7722722). Per variant: the median step of the best of ``rounds`` rounds and the median CPU time of
+    this process in a step; per pair (``paired``): the median and quartiles of the per-round ratio of
+    the two steps' times (``timing.paired_speedup``). On a GPU, peak memory per variant from one more
+    step of each, less what the other variants hold (``timing.peak_apart``). ``diagnose``: plain and
+    fused also with each of :data:`SWITCHES` (the same models, in the same rounds). ``profile`` (eager):
+    the plain and fused steps profiled one after the other."""
+    device = tokens.device
+    gpu = device.type == "cuda"
+    compiled = mode == "compile"
+    torch._dynamo.reset()
+    models = {v: build(v, setup, device) for v in variants}
+    steps = {v: make_step(m, tokens, gpu=gpu, compiled=compiled, variant=v) for v, m in models.items()}
+    timers = dict(steps)
+    switched = [(v, sw) for sw in SWITCHES for v in ("plain", "fused")] if diagnose else []
+    for v, sw in switched:
+        timers[f"{v}, {sw}"] = make_step(models[v], tokens, gpu=gpu, compiled=compiled, variant=v, switch=sw)
+    medians: dict[str, list[float]] = {k: [] for k in timers}
+    cpu_medians: dict[str, list[float]] = {k: [] for k in timers}
+    walls: dict[str, list[float]] = {k: [] for k in timers}
     for _ in range(rounds):
-        wall, cpu = interleaved(steps, reps, warmup)
-        for v in steps:
-            medians[v].append(statistics.median(wall[v]))
-            cpu_medians[v].append(statistics.median(cpu[v]))
+        wall, cpu = interleaved(timers, reps, warmup)
+        for k in timers:
+            medians[k].append(statistics.median(wall[k]))
+            cpu_medians[k].append(statistics.median(cpu[k]))
+            walls[k] += wall[k]
+    best = {k: min(m) for k, m in medians.items()}
+    best_cpu = {k: min(m) for k, m in cpu_medians.items()}
     tok = setup.batch * setup.seq
-    best = {v: min(m) for v, m in medians.items()}
-    best_cpu = {v: min(m) for v, m in cpu_medians.items()}
-    profiles = {v: _profile(steps[v], models[v], setup, "cpu") for v in steps} if profile else {}
-    return {
-        "profile": profiles,
-        "mode": "eager",
-        "params": sum(p.numel() for p in models["plain"].parameters()),
-        "ms": {v: best[v] * 1e3 for v in best},
-        "cpu_ms": {v: best_cpu[v] * 1e3 for v in best_cpu},
-        "round_ms": {v: [m * 1e3 for m in ms] for v, ms in medians.items()},
-        "tokens_per_s": {v: tok / best[v] for v in best},
+    pairs = [(v, "plain") for v in variants if v != "plain"]
+    pairs += [("fused", "liger")] if "liger" in variants else []
+    row = {
+        "setup": name,
+        "mode": mode,
+        "params": sum(p.numel() for p in models[variants[0]].parameters()),
+        "ms": {v: best[v] * 1e3 for v in variants},
+        "cpu_ms": {v: best_cpu[v] * 1e3 for v in variants},
+        "round_ms": {v: [m * 1e3 for m in medians[v]] for v in variants},
+        "tokens_per_s": {v: tok / best[v] for v in variants},
+        "paired": {f"{a}/{b}": paired_speedup(walls, b, a) for a, b in pairs},
         "fused_over_plain": best["plain"] / best["fused"],
         "fused_over_plain_cpu_time": best_cpu["plain"] / best_cpu["fused"],
+        "profile": {},
     }
+    if switched:
+        row["diagnostics"] = {
+            sw: {v: tok / best[f"{v}, {sw}"] for v in ("plain", "fused")} for sw in SWITCHES
+        }
+    if gpu:
+        row["peak_gib"] = {
+            v: peak_apart(steps[v], resident_bytes(models[v], steps[v].optimizer)) / 2**30 for v in variants
+        }
+    if profile and not compiled:
+        row["profile"] = {v: _profile(steps[v], models[v], setup, device.type) for v in ("plain", "fused")}
+    del models, steps, timers
+    if gpu:
+        torch.cuda.empty_cache()
+    return row
 
 
 def liger_missing() -> str | None:
@@ -226,12 +272,10 @@ def run_gpu(
     setups: dict[str, Setup], reps: int, warmup: int, modes: list[str], profile: bool = False, on_row=None,
     diagnose: bool = False,
 ) -> list[dict]:  # fmt: skip
-    """Each variant on its own per setup and mode (eager rows first): tokens/s (median step) and peak
-    memory of the timed steps; compiled, the fused model through each compile path; with ``profile``
-    (eager rows) the removable time of plain and what fused still spends; with ``diagnose`` (the first
-    setup's eager row) plain and fused again with each of :data:`SWITCHES` (at most 2 warmup and 4 timed
-    steps: a suspect worth finding moves the step by tens of percent). ``on_row(rows)`` after each
-    row (the table is written as the rows come)."""
+    """A :func:`run_row` per setup and mode (eager rows first) on CUDA: plain, fused and Liger (where it
+    imports); compiled, the fused model through each compile path too; ``profile`` on the eager rows,
+    ``diagnose`` on the first setup's eager row. ``on_row(rows)`` after each row (the table is written
+    as the rows come)."""
     device = torch.device("cuda")
     missing = liger_missing()
     rows = []
@@ -240,55 +284,14 @@ def run_gpu(
             tokens = tokens_for(setup, device)
             variants = [v for v in VARIANTS if v != "liger" or missing is None]
             variants += [KERNEL_PATH] if mode == "compile" else []
-            row = _gpu_row(name, setup, mode, variants, tokens, reps, warmup, profile, missing)
-            if diagnose and mode == "eager" and i == 0:
-                row["diagnostics"] = {
-                    switch: {v: _timed(v, setup, mode, tokens, min(reps, 4), min(warmup, 2), switch=switch)[1]
-                             for v in ("plain", "fused")}
-                    for switch in SWITCHES
-                }  # fmt: skip
+            row = run_row(name, setup, mode, variants, tokens, reps=reps, warmup=warmup, profile=profile,
+                          diagnose=diagnose and mode == "eager" and i == 0)  # fmt: skip
+            if missing:
+                row["missing"] = {"liger": missing}
             rows.append(row)
             if on_row is not None:
                 on_row(rows)
     return rows
-
-
-def _timed(
-    variant, setup, mode, tokens, reps, warmup, *, profile=False, switch=None
-) -> tuple[float, float, dict]:
-    """``variant`` built, warmed up and timed on its own: (median step ms, tokens/s, extras: peak GiB,
-    parameters and, with ``profile``, the step's profile)."""
-    torch._dynamo.reset()
-    model = build(variant, setup, tokens.device)
-    step = make_step(model, tokens, gpu=True, compiled=mode == "compile", variant=variant, switch=switch)
-    for _ in range(warmup):
-        step()
-    torch.cuda.reset_peak_memory_stats()
-    median = statistics.median(step() for _ in range(reps))
-    extras = {
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "params": sum(p.numel() for p in model.parameters()),
-    }
-    if profile:
-        extras["profile"] = _profile(step, model, setup, "cuda")
-    del model, step
-    torch.cuda.empty_cache()
-    return median * 1e3, setup.batch * setup.seq / median, extras
-
-
-def _gpu_row(name, setup, mode, variants, tokens, reps, warmup, profile, missing) -> dict:
-    """One (setup, mode) row: each variant built, warmed up and timed on its own."""
-    row = {"setup": name, "mode": mode, "tokens_per_s": {}, "peak_gib": {}, "ms": {}, "profile": {}}
-    if missing:
-        row["missing"] = {"liger": missing}
-    for variant in variants:
-        profiled = profile and mode == "eager" and variant in ("plain", "fused")
-        ms, tps, extras = _timed(variant, setup, mode, tokens, reps, warmup, profile=profiled)
-        row["ms"][variant], row["tokens_per_s"][variant] = ms, tps
-        row["peak_gib"][variant], row["params"] = extras["peak_gib"], extras["params"]
-        if profiled:
-            row["profile"][variant] = extras["profile"]
-    return row
 
 
 def _machine(gpu: bool) -> dict:
@@ -305,6 +308,11 @@ def row_label(row: dict, rows: list[dict]) -> str:
     return f"{row['setup']} {row['mode']}" if several else row["mode"]
 
 
+def speedup(row: dict, a: str, b: str) -> float:
+    """``a``'s speed over ``b``'s in ``row`` (``timing.speedup``: the paired rounds' median)."""
+    return timing.speedup(row.get("paired", {}), row["tokens_per_s"], a, b)
+
+
 def check_targets(rows: list[dict], gpu: bool) -> list[dict]:
     """On a GPU, per row: fused / plain >= 1.10 eager at 134M (issue 38), >= 1.05 eager where the GPU
     bounds the step, >= 1.0 compiled (each compile path); fused >= Liger (where it ran); peak memory
@@ -313,11 +321,11 @@ def check_targets(rows: list[dict], gpu: bool) -> list[dict]:
     for row in rows:
         t = row["tokens_per_s"]
         bound = EAGER_TARGETS.get(row.get("setup", "134m"), 1.05) if gpu and row["mode"] == "eager" else 1.0
-        checks = [(f"fused / plain >= {bound:g}", t["fused"] / t["plain"], bound)]
+        checks = [(f"fused / plain >= {bound:g}", speedup(row, "fused", "plain"), bound)]
         if KERNEL_PATH in t:
-            checks.append((f"{KERNEL_PATH} / plain >= 1.0", t[KERNEL_PATH] / t["plain"], 1.0))
+            checks.append((f"{KERNEL_PATH} / plain >= 1.0", speedup(row, KERNEL_PATH, "plain"), 1.0))
         if gpu and "liger" in t:
-            checks.append(("fused / Liger >= 1.0", t["fused"] / t["liger"], 1.0))
+            checks.append(("fused / Liger >= 1.0", speedup(row, "fused", "liger"), 1.0))
         if gpu and row.get("peak_gib"):
             checks.append(
                 ("peak memory plain / fused >= 1.0", row["peak_gib"]["plain"] / row["peak_gib"]["fused"], 1.0)
@@ -344,7 +352,11 @@ def report(
     what = "Step = forward with labels + backward + AdamW"
     if gpu:
         what += (
-            f", bf16 autocast, fused AdamW; {warmup} warmup + {reps} timed steps per variant, median. "
+            f", bf16 autocast, fused AdamW. The variants are built side by side and timed step by step in "
+            f"alternation, the order reversed every other round ({warmup} warmup + {reps} timed steps "
+            "each): tokens/s of the median step; X/plain is the median over rounds of plain's step time / "
+            "X's in the same round, [quartiles]; peak memory from one more step of each, less what the "
+            "other variants hold. "
             'fused: `addnorm.hf.fuse` with the op wherever the model can fuse (`set_fusion("always")`; '
             "the policy's default decides from recorded steps like these); compiled, the fused model through "
             f"the op's composite and (`{KERNEL_PATH}`) its registered kernels."
@@ -378,7 +390,11 @@ def report(
     for row in rows:
         t = row["tokens_per_s"]
         cells = [f"{t[v]:.0f}" if v in t else "-" for v in variants]
-        cells += [f"{t[v] / t['plain']:.3f}x" if v in t else "-" for v in variants if v != "plain"]
+        cells += [
+            timing.speedup_cell(row.get("paired", {}), t, v, "plain") if v in t else "-"
+            for v in variants
+            if v != "plain"
+        ]
         if gpu:
             cells += [f"{row['peak_gib'][v]:.2f}" if v in t else "-" for v in variants]
         else:

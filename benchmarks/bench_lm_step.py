@@ -54,9 +54,10 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
-from machine import machine_info, machine_line, record_rows
+from lm_step_report import RATIOS, to_markdown
+from machine import machine_info, record_rows
 from results_path import add_out_argument
-from timing import interleaved
+from timing import interleaved, paired_speedup, peak_apart, resident_bytes
 from torch import nn
 
 import addnorm as an
@@ -172,6 +173,7 @@ def make_step(
         loss.backward()
         opt.step()
 
+    step.optimizer = opt  # what the step holds besides its model (timing.resident_bytes)
     return step
 
 
@@ -217,6 +219,7 @@ def prepare(cfg, placement, mode, column, device, args) -> tuple[Callable[[], No
         with policy.using_compile_path(path or policy.compile_path()), policy.fusion(fusion):
             step()
 
+    on_path.optimizer = step.optimizer
     return on_path, model
 
 
@@ -239,34 +242,54 @@ def _profile(step, model, cfg, mode, device, args) -> dict:
     )
 
 
-def run_cells(cfg, placement, mode, cols, device, args) -> dict:
-    """tokens/s (and on a GPU peak memory) of every column of one row, and with ``--profile`` the
-    profile of the fused=False and fused columns. On a GPU one column at a time (each model freed
-    before the next, so peak memory is its own); on the CPU the columns' steps interleaved, so that
-    load from other processes hits them alike."""
+def run_cells(cfg, placement, mode, cols, device, args) -> tuple[dict, dict]:
+    """tokens/s (and on a GPU peak memory) of every column of one row, the columns' speed ratios
+    (``paired``), and with ``--profile`` the profile of the fused=False and fused columns.
+
+    Every column's step is built side by side and timed step by step in alternation
+    (``timing.interleaved``, the order reversed every other round), so that drift in the host's speed
+    (other processes on the CPU; a GPU's host, whose step times moved by 25% between runs minutes apart
+    on an H200 at 7722722) hits them alike; a ratio is the median over rounds of the two steps' times in
+    the same round (``timing.paired_speedup``). On a GPU each column's peak memory comes from one more
+    step, less what the other columns hold (``timing.peak_apart``). With CUDA graphs
+    (``reduce-overhead``) one column at a time, each freed before the next: their graph pools stay
+    allocated between steps, which that subtraction cannot tell apart."""
+    if mode == "reduce-overhead" and device == "cuda":
+        return _one_at_a_time(cfg, placement, mode, cols, device, args), {}
     profiled = {"fused=False", "fused"} if args.profile else set()
-    out: dict = {}
-    if device == "cuda":
-        for col in cols:
-            torch._dynamo.reset()  # the previous column's graphs (and CUDA graph pools) go
-            step, model = prepare(cfg, placement, mode, col, device, args)
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            times = time_steps(step, device, args.warmup, args.steps)
-            out[col] = cell(times, cfg, torch.cuda.max_memory_allocated() / 2**20)
-            if col in profiled:
-                out[col]["profile"] = _profile(step, model, cfg, mode, device, args)
-            del step, model
-            torch.cuda.empty_cache()
-        return out
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # the previous row's graphs go
     prepared = {col: prepare(cfg, placement, mode, col, device, args) for col in cols}
     timers = {col: (lambda step=s: time_steps(step, device, 0, 1)[0]) for col, (s, _) in prepared.items()}
     times, _ = interleaved(timers, args.steps, args.warmup)
+    out: dict = {}
     for col, (step, model) in prepared.items():
-        out[col] = cell(times[col], cfg, None)
+        peak = None
+        if device == "cuda":
+            peak = peak_apart(step, resident_bytes(model, step.optimizer)) / 2**20
+        out[col] = cell(times[col], cfg, peak)
         if col in profiled:
             out[col]["profile"] = _profile(step, model, cfg, mode, device, args)
+    del prepared, timers
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    pairs = [p for p in RATIOS if p[0] in times and p[1] in times]
+    return out, {f"{a}/{b}": paired_speedup(times, b, a) for a, b in pairs}
+
+
+def _one_at_a_time(cfg, placement, mode, cols, device, args) -> dict:
+    """:func:`run_cells` with each column built, timed and freed before the next (CUDA graphs)."""
+    out: dict = {}
+    for col in cols:
+        torch._dynamo.reset()  # the previous column's graphs (and CUDA graph pools) go
+        step, model = prepare(cfg, placement, mode, col, device, args)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        times = time_steps(step, device, args.warmup, args.steps)
+        out[col] = cell(times, cfg, torch.cuda.max_memory_allocated() / 2**20)
+        if col in {"fused=False", "fused"} and args.profile:
+            out[col]["profile"] = _profile(step, model, cfg, mode, device, args)
+        del step, model
+        torch.cuda.empty_cache()
     return out
 
 
@@ -405,7 +428,7 @@ def run(args, on_row: Callable[[dict], None] | None = None) -> dict:
     for model, placement, mode, cols in cells_of(args, device):
         cfg = report["configs"][model]
         row = {"model": model, "placement": placement, "mode": mode}
-        row["cells"] = run_cells(cfg, placement, mode, cols, device, args)
+        row["cells"], row["paired"] = run_cells(cfg, placement, mode, cols, device, args)
         row["realised"] = realised(row["cells"])
         for col, c in row["cells"].items():
             mem = f"{c['peak_mib']:.0f} MiB" if c["peak_mib"] is not None else "-"
@@ -421,145 +444,6 @@ def run(args, on_row: Callable[[dict], None] | None = None) -> dict:
         if on_row is not None:
             on_row(report)
     return report
-
-
-def check_targets(report: dict) -> list[dict]:
-    """Per row: default / fused=False >= 0.98 (never slower than the unfused modules beyond the runs'
-    spread); fused / fused=False >= 1.05 eager on a GPU (issue 38), else >= 1.0; on a GPU also default /
-    nn.TransformerEncoder >= 1.0 (where that column ran), peak memory default <= fused=False, and with a
-    profile the realised share of the removable time >= 70%."""
-    out = []
-    gpu = report["device"] == "cuda"
-    for r in report["rows"]:
-        c = r["cells"]
-        if "default" not in c or "fused=False" not in c:
-            continue
-        d, unfused = c["default"]["tokens_per_s"], c["fused=False"]["tokens_per_s"]
-        checks = [("default / fused=False >= 0.98", d / unfused, 0.98, "{:.3f}x")]
-        if "fused" in c:
-            bound = 1.05 if r["mode"] == "eager" and gpu else 1.0
-            checks.append(
-                (f"fused / fused=False >= {bound}", c["fused"]["tokens_per_s"] / unfused, bound, "{:.3f}x")
-            )
-        if gpu and "nn.TransformerEncoder" in c:
-            te = d / c["nn.TransformerEncoder"]["tokens_per_s"]
-            checks.append(("default / nn.TransformerEncoder >= 1.0", te, 1.0, "{:.3f}x"))
-        if gpu:
-            mem = c["fused=False"]["peak_mib"] / c["default"]["peak_mib"]
-            checks.append(("peak memory fused=False / default >= 1.0", mem, 1.0, "{:.3f}"))
-        share = (r.get("realised") or {}).get("share")
-        if gpu and share is not None:
-            checks.append(("realised share of removable time >= 70%", share, 0.7, "{:.0%}"))
-        for name, value, bound, fmt in checks:
-            out.append(
-                {
-                    "model": r.get("model", "gelu"),
-                    "placement": r["placement"],
-                    "mode": r["mode"],
-                    "target": name,
-                    "value": value,
-                    "shown": fmt.format(value),
-                    "met": value >= bound,
-                }
-            )
-    return out
-
-
-def _model_line(name: str, cfg: dict) -> str:
-    act = {"gelu": "GELU", "swiglu": "SwiGLU"}.get(cfg["activation"], cfg["activation"])
-    norm = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}.get(cfg["norm"], cfg["norm"])
-    return (
-        f"- `{name}`: d_model {cfg['d_model']}, {cfg['n_layers']} layers, {cfg['n_heads']} heads, {norm} + "
-        f"{act}, d_ff {cfg['d_ff']}, {'biases' if cfg['bias'] else 'no biases'}, dropout {cfg['dropout']}, "
-        f"vocab {cfg['vocab']}, batch {cfg['batch']} x seq {cfg['seq']}"
-    )
-
-
-def to_markdown(report: dict) -> str:
-    m = report["machine"]
-    gpu = report["device"] == "cuda"
-    cols = list(dict.fromkeys(k for r in report["rows"] for k in r["cells"]))
-    lines = [
-        f"# Training step: addnorm.LanguageModel default vs fused=False ({'GPU' if gpu else 'CPU'})",
-        "",
-        machine_line(m),
-        "",
-        *[_model_line(name, cfg) for name, cfg in report["configs"].items()],
-        "",
-        f"{report['dtype']}; AdamW{' (fused)' if gpu else ''}. Step = forward + cross-entropy + backward + "
-        f"optimizer; tokens/s of the median of {report['steps']} steps after {report['warmup']} warmup "
-        f"steps. Default compile path of the op: {report['compile_path_default']}.",
-        "",
-    ]
-    if report.get("warm"):
-        w = report["warm"]
-        failed = {k: v for k, v in w["cells"].items() if v != "ok"}
-        lines += [
-            f"Compiled cells precompiled in parallel ({w['seconds']:.0f} s); failed: {failed or 'none'}.",
-            "",
-        ]
-    if report.get("note"):
-        lines += [report["note"], ""]
-    head = ["model", "placement", "mode"] + [f"{c} tokens/s" for c in cols] + ["default / fused=False"]
-    head += ["fused / fused=False", "default / nn.TransformerEncoder"]
-    if gpu:
-        head += [f"{c} peak MiB" for c in cols]
-    lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for r in report["rows"]:
-        c = r["cells"]
-        cells = [r.get("model", "gelu"), r["placement"], r["mode"]]
-        cells += [f"{c[k]['tokens_per_s']:,.0f}" if k in c else "-" for k in cols]
-        for col, other in (
-            ("default", "fused=False"),
-            ("fused", "fused=False"),
-            ("default", "nn.TransformerEncoder"),
-        ):
-            d = c[col]["tokens_per_s"] if col in c else None
-            cells.append(f"{d / c[other]['tokens_per_s']:.3f}x" if d and other in c else "-")
-        if gpu:
-            cells += [f"{c[k]['peak_mib']:,.0f}" if k in c else "-" for k in cols]
-        lines.append("| " + " | ".join(cells) + " |")
-    profiled = [r for r in report["rows"] if r.get("realised")]
-    if profiled:
-        lines += [
-            "",
-            "## What fusion can remove (torch profiler)",
-            "",
-            f"Removable time: what the fused=False step spends in the branch dropout, the residual add and "
-            f"the norms, forward and backward ({'kernel time' if gpu else 'CPU time of the ops'}, mean of "
-            f"{report['profile_steps']} profiled steps; how ops are classified: "
-            "`benchmarks/step_profile.py`). "
-            "Saving: fused=False step time - fused step time (the timed medians; fused: the op wherever the "
-            "model can fuse). Realised = saving / removable. Remaining: what the fused step still spends in "
-            "add & norm (the fused op's kernels included).",
-            "",
-            "| model | placement | mode | removable ms/step | norm | dropout | add | saving ms/step "
-            "| realised | remaining ms/step |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-        ]
-        for r in profiled:
-            x = r["realised"]
-            share = f"{x['share']:.0%}" if x["share"] is not None else "n/a (nothing classified)"
-            rem = f"{x['fused_remaining_ms']:.2f}" if x["fused_remaining_ms"] is not None else "-"
-            by = x["by_class_ms"]
-            lines.append(
-                f"| {r.get('model', 'gelu')} | {r['placement']} | {r['mode']} | {x['removable_ms']:.2f} | "
-                f"{by['norm']:.2f} | {by['dropout']:.2f} | {by['add']:.2f} | {x['saving_ms']:.2f} | {share} "
-                f"| {rem} |"
-            )
-    lines += [
-        "",
-        "## Targets",
-        "",
-        "| model | placement | mode | target | value | met |",
-        "| --- | --- | --- | --- | --- | --- |",
-    ]
-    for t in check_targets(report):
-        met = "yes" if t["met"] else "NO"
-        lines.append(
-            f"| {t['model']} | {t['placement']} | {t['mode']} | {t['target']} | {t['shown']} | {met} |"
-        )
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:

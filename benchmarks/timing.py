@@ -1,12 +1,23 @@
 """How the benchmarks time implementations against each other on a shared machine: interleaved, each
-implementation a timer (a call returning the seconds it measured), such as a training step."""
+implementation a timer (a call returning the seconds it measured), such as a training step; their
+speed ratios from the rounds' pairs; and the peak memory of each of several models built side by side,
+as if it were alone."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 
-__all__ = ["interleaved", "training_step"]
+__all__ = [
+    "interleaved",
+    "paired_speedup",
+    "peak_apart",
+    "resident_bytes",
+    "speedup",
+    "speedup_cell",
+    "training_step",
+]
 
 
 def interleaved(
@@ -46,3 +57,91 @@ def training_step(model, loss_of: Callable[[], object], lr: float = 1e-4) -> Cal
         return time.perf_counter() - t0
 
     return step
+
+
+def paired_speedup(wall: dict[str, list[float]], base: str, other: str) -> dict[str, float]:
+    """``other``'s speed over ``base``'s from interleaved timings (:func:`interleaved`): per round,
+    ``base``'s time / ``other``'s time in that round (the two steps ran next to each other, under the
+    same load), then the median and the quartiles of those ratios (> 1: ``other`` faster)."""
+    ratios = [b / o for b, o in zip(wall[base], wall[other], strict=True)]
+    if len(ratios) < 2:
+        return {"median": statistics.median(ratios), "q1": ratios[0], "q3": ratios[0], "n": len(ratios)}
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return {"median": statistics.median(ratios), "q1": q1, "q3": q3, "n": len(ratios)}
+
+
+def speedup(paired: dict, tokens_per_s: dict, a: str, b: str) -> float:
+    """``a``'s speed over ``b``'s: the median of the per-round ratios where ``paired`` has the pair
+    (``"a/b"``: :func:`paired_speedup` of interleaved steps), else the ratio of the two medians'
+    tokens/s (rows recorded without pairs)."""
+    pair = paired.get(f"{a}/{b}")
+    return pair["median"] if pair else tokens_per_s[a] / tokens_per_s[b]
+
+
+def speedup_cell(paired: dict, tokens_per_s: dict, a: str, b: str) -> str:
+    """:func:`speedup` as a table shows it: ``1.031x``, with the per-round ratios' quartiles in brackets
+    where ``paired`` has the pair (``1.031x [0.962-1.104]``)."""
+    pair = paired.get(f"{a}/{b}")
+    quartiles = f" [{pair['q1']:.3f}-{pair['q3']:.3f}]" if pair else ""
+    return f"{speedup(paired, tokens_per_s, a, b):.3f}x{quartiles}"
+
+
+def resident_bytes(*tensors_or_modules) -> int:
+    """Bytes held by distinct storages among the tensors given, the parameters, gradients and buffers
+    of the modules given, and the state tensors of the optimizers given: what a training step finds
+    allocated for its own model before it starts."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def add(t) -> None:
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            st = t.untyped_storage()
+            seen[st.data_ptr() or id(st)] = st.nbytes()
+
+    for obj in tensors_or_modules:
+        if isinstance(obj, torch.nn.Module):
+            for p in obj.parameters():
+                add(p)
+                add(p.grad)
+            for b in obj.buffers():
+                add(b)
+        elif isinstance(obj, torch.optim.Optimizer):
+            for state in obj.state.values():
+                for t in state.values():
+                    add(t)
+        else:
+            add(obj)
+    return sum(seen.values())
+
+
+def peak_apart(step: Callable[[], object], resident: int, memory=None) -> int:
+    """The peak memory of one call of ``step`` as if its model were alone on the device: the allocator's
+    peak during the call, less what was allocated before it (every model's resident memory, its own
+    included), plus ``resident`` (its own model's: :func:`resident_bytes`). So variants built side by
+    side for interleaved timing get the peak each would have had on its own. ``memory``: an object with
+    ``allocated()``, ``reset_peak()`` and ``peak()`` (default: ``torch.cuda``'s counters)."""
+    if memory is None:
+        memory = _CudaMemory()
+    before = memory.allocated()
+    memory.reset_peak()
+    step()
+    return memory.peak() - before + resident
+
+
+class _CudaMemory:
+    def __init__(self) -> None:
+        import torch
+
+        self.cuda = torch.cuda
+
+    def allocated(self) -> int:
+        self.cuda.synchronize()
+        return self.cuda.memory_allocated()
+
+    def reset_peak(self) -> None:
+        self.cuda.reset_peak_memory_stats()
+
+    def peak(self) -> int:
+        self.cuda.synchronize()
+        return self.cuda.max_memory_allocated()
