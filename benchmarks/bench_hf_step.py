@@ -85,11 +85,23 @@ def build(variant: str, setup: Setup, device: torch.device) -> torch.nn.Module:
         anhf.fuse(model)
     elif variant == "liger":
         from liger_kernel.transformers import apply_liger_kernel_to_llama
+        from transformers.models.llama import modeling_llama
 
-        apply_liger_kernel_to_llama(
-            rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True, swiglu=False,
-            model=model,
-        )  # fmt: skip
+        # Liger patches the given model's modules, and also transformers' module itself
+        # (``modeling_llama.LlamaRMSNorm = LigerRMSNorm``), which would make every Llama built after it in
+        # this process a Liger one, "plain" included: the module's names are put back after the call
+        before = dict(vars(modeling_llama))
+        try:
+            apply_liger_kernel_to_llama(
+                rope=False, cross_entropy=False, fused_linear_cross_entropy=False, rms_norm=True,
+                swiglu=False, model=model,
+            )  # fmt: skip
+        finally:
+            for name in [k for k in vars(modeling_llama) if k not in before]:
+                delattr(modeling_llama, name)
+            for name, value in before.items():
+                if vars(modeling_llama).get(name) is not value:
+                    setattr(modeling_llama, name, value)
     return model.train()
 
 

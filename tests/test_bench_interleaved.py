@@ -173,3 +173,39 @@ def test_lm_row_pairs_its_columns_and_the_table_quotes_them(bench_module, tmp_pa
     assert f"| fused / fused=False >= 1.0 | {fused['median']:.3f}x |" in md
     assert "timed step by step in alternation" in md
 
+
+def test_liger_variant_leaves_transformers_llama_as_it_was(bench_module, monkeypatch):
+    """Liger's patch replaces ``modeling_llama.LlamaRMSNorm`` in transformers itself; the benchmark puts
+    it back, so that a "plain" model built after the "liger" one (the next row, the variants built side
+    by side) keeps transformers' own RMSNorm. Liger is faked here (it needs a GPU): its patch as
+    Liger-Kernel 0.8.5 makes it, the module's class replaced and the model's norms swapped."""
+    pytest.importorskip("transformers")
+    import sys
+    import types
+
+    from transformers.models.llama import modeling_llama
+
+    bench = bench_module("bench_hf_step")
+    own = modeling_llama.LlamaRMSNorm
+
+    class FakeLigerRMSNorm(own):
+        pass
+
+    def apply_liger_kernel_to_llama(*, rms_norm, model, **_):
+        assert rms_norm
+        modeling_llama.LlamaRMSNorm = FakeLigerRMSNorm
+        modeling_llama.added_by_the_patch = True
+        for m in model.modules():
+            if type(m) is own:
+                m.__class__ = FakeLigerRMSNorm
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.apply_liger_kernel_to_llama = apply_liger_kernel_to_llama
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    setup = bench.Setup(**TINY)
+    liger = bench.build("liger", setup, torch.device("cpu"))
+    plain = bench.build("plain", setup, torch.device("cpu"))
+    norms = lambda m: {type(x) for x in m.modules() if "RMSNorm" in type(x).__name__}  # noqa: E731
+    assert norms(liger) == {FakeLigerRMSNorm} and norms(plain) == {own}
+    assert modeling_llama.LlamaRMSNorm is own and not hasattr(modeling_llama, "added_by_the_patch")
