@@ -278,8 +278,15 @@ def _empty_like(t: Tensor, contiguous: bool, dtype: torch.dtype) -> Tensor:
 
 def _with_row_ids(options: dict, row_ids: Tensor) -> dict:
     """A launch's keywords with the row indices for the dropout hash (a shard,
-    :mod:`addnorm.ops.sharded`); without them a call passes the spec's own dict, no new one."""
+    :mod:`addnorm.ops.sharded`); without them a call passes :func:`_no_row_ids`'s dict, made once."""
     return {**options, "ROWS": row_ids.reshape(-1), "ROW_IDS": True}
+
+
+def _no_row_ids(options: dict) -> dict:
+    """A launch's keywords with the kernels' defaulted parameters given (``ROWS=None, ROW_IDS=False``):
+    Inductor's launcher of a ``wrap_triton`` kernel takes every parameter the kernel declares, so a call
+    leaving defaults out came two short (torch 2.11: "launcher() missing ... '_grid_1' and '_grid_2'")."""
+    return {**options, "ROWS": None, "ROW_IDS": False}
 
 
 def launch_fwd(sp: FwdSpec, x, residual, weight, bias, gate, seed, kernel=None, row_ids=None):
@@ -326,6 +333,7 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
     keep_x, keep_r, save_y, prenorm = keep or (False, False, False, False)
     empty_like = torch.empty_like
     direct = DirectLaunch(_FWD_DEFAULTS)  # this launcher's compiled kernels, by specialisation
+    full = _no_row_ids(options)
 
     def launch(ctx, x, residual, weight, bias, gate=None, seed=None, kernel=None, row_ids=None):
         x_in, r_in, x_dtype = x, residual, x.dtype
@@ -373,7 +381,7 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
             else:  # the same arguments (the direct launch's test compares them with run()'s)
                 k[grid](
                     x, residual, weight, bias, gate, seed, y, s, mean, rstd, stride_x, stride_r, rows, n,
-                    n_chunks, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
+                    n_chunks, *tail, **(full if row_ids is None else _with_row_ids(options, row_ids)),
                 )  # fmt: skip
         if ctx is None:
             return y, s, mean, rstd
@@ -404,6 +412,7 @@ def _sums_launcher(sp: BwdSpec) -> Callable | None:
     n, (block_m, n_chunks, tail, options) = sp.n, sp.sums
     per_row = 1 if sp.is_rms else 2
     direct = DirectLaunch(_SUMS_DEFAULTS)
+    full = _no_row_ids(options)
 
     def pre(dy, saved, x, residual, weight, bias, gate, seed, mean, rstd, stride_dy, stride_x, stride_r, rows,
             kernel, row_ids):  # fmt: skip
@@ -429,7 +438,7 @@ def _sums_launcher(sp: BwdSpec) -> Callable | None:
             )  # fmt: skip
             direct.launch(k, key, grid, args, options)
         else:
-            k[grid](*args, **(options if row_ids is None else _with_row_ids(options, row_ids)))
+            k[grid](*args, **(full if row_ids is None else _with_row_ids(options, row_ids)))
         return sums
 
     return pre
@@ -444,6 +453,7 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
     one_program_rows = lc.BWD_ONE_PROGRAM_TILES * block_m  # bwd_grid's one program, without its frame
     empty_like = torch.empty_like
     direct = DirectLaunch(_BWD_DEFAULTS)
+    full = _no_row_ids(options)
     pre = _sums_launcher(sp)  # the row-sums pre-pass (variant "row_sums"), or None
 
     def launch(
@@ -529,7 +539,7 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
                 k[grid](
                     dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, sums, dx, dres, dw_part,
                     db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices,
-                    per_program, *tail, **(options if row_ids is None else _with_row_ids(options, row_ids)),
+                    per_program, *tail, **(full if row_ids is None else _with_row_ids(options, row_ids)),
                 )  # fmt: skip
         return (dx, dres, *param_grads(dw_part, db_part, dg_part, programs == 1, weight, bias, gate))
 
