@@ -22,13 +22,16 @@ backward, median time per call (CUDA events) of
   where ``liger_kernel`` imports; ``flash_attn``: flash-attn's Triton ``layer_norm_fn`` (add, dropout,
   norm in one kernel) where it imports;
 - ``addnorm``: the fused op's Triton kernels (``backend="triton"``: the table times the kernels, not
-  the policy's choice, which for some shapes is the torch path), its default backward variant;
-  ``addnorm_row_sums``: the same with the backward variant "row_sums" (``launch_config.BWD_VARIANTS``:
-  a row-sums pre-pass, then column slices reading only their own columns), selected around its calls
-  only (the plans made again outside the timed call), so both variants are timed in one run and the
-  targets judged for each; ``--impls ... addnorm_compiled``: the op under torch.compile with its
-  Triton kernels (compile path "kernel"). On the CPU ``addnorm`` is the torch path, or with
-  ``TRITON_INTERPRET=1`` the interpreted kernels, as ``addnorm_row_sums`` (which needs them) is.
+  the policy's choice, which for some shapes is the torch path), its default backward variant
+  (``launch_config.BWD_VARIANT``); ``addnorm_<variant>``: the same with each backward variant that is
+  not the default (``launch_config.BWD_VARIANTS``: "slices", each column slice reading the row's other
+  slices for the row sums, or "row_sums", a row-sums pre-pass, then column slices reading only their
+  own columns; with "row_sums" the default the column is ``addnorm_slices``), selected around its
+  calls only (the plans made again outside the timed call), so the default and the variant it
+  replaced are timed in one run and the targets judged for each, and a later change of default needs
+  no edit here; ``--impls ... addnorm_compiled``: the op under torch.compile with its Triton kernels
+  (compile path "kernel"). On the CPU ``addnorm`` is the torch path, or with ``TRITON_INTERPRET=1``
+  the interpreted kernels, as ``addnorm_<variant>`` (which needs them) is.
 
 A missing extra is one line under the table ("liger: not installed"), never a lost table.
 
@@ -92,10 +95,16 @@ DTYPES = {
     "float16": (torch.float16, torch.float16),
     "float32": (torch.float32, torch.float32),
 }
-IMPLS = ("addnorm", "addnorm_row_sums", "eager", "compiled", "liger", "flash_attn", "addnorm_compiled")
-GPU_IMPLS = ("addnorm", "addnorm_row_sums", "eager", "compiled", "liger", "flash_attn")
-# the op's eager columns: the backward variant each times (launch_config.BWD_VARIANTS)
-OPS = {"addnorm": lc.BWD_VARIANT, "addnorm_row_sums": "row_sums"}
+# every backward variant's column (launch_config.BWD_VARIANTS) as a report may hold it: one recorded
+# under an earlier default has another than this run's (the H200 tables at 7722722: addnorm_row_sums)
+VARIANT_COLUMNS = {f"addnorm_{v}": v for v in lc.BWD_VARIANTS}
+# the op's eager columns and the backward variant each times: "addnorm" the default, then each other
+# variant in its own column, so that whichever is the default the others stay timed beside it
+OPS = {"addnorm": lc.BWD_VARIANT} | {k: v for k, v in VARIANT_COLUMNS.items() if v != lc.BWD_VARIANT}
+IMPLS = (*OPS, "eager", "compiled", "liger", "flash_attn", "addnorm_compiled")
+GPU_IMPLS = (*OPS, "eager", "compiled", "liger", "flash_attn")
+# a report's columns in table order, the variant columns of earlier defaults included
+COLUMNS = ("addnorm", *VARIANT_COLUMNS, *(i for i in IMPLS if i not in OPS))
 PHASES = ("fwd", "fwd_bwd")
 
 
@@ -372,6 +381,8 @@ def run(args, on_row: Callable[[dict], None] | None = None) -> dict:
         "machine": machine_info(device),
         "device": device,
         "impls": list(impls),
+        # the backward variant each op column timed (launch_config.BWD_VARIANTS)
+        "bwd_variants": {k: v for k, v in OPS.items() if k in impls},
         "missing": missing,
         "budget_s": args.budget,
         "max_reps": args.reps,
@@ -412,15 +423,17 @@ def speed_key(ours: str, other: str) -> str:
 def check_targets(report: dict) -> list[dict]:
     """The targets, each with the rows it covers, the worst value and whether it holds: on CUDA, in bf16
     fwd+bwd no slower than torch.compile (issue 30) and than Liger-Kernel where it ran (bf16 and the
-    autocast mix), each for every backward variant timed (``addnorm_row_sums``: "(row_sums)" after the
-    name), forward >= 95% of the copy bandwidth (issue 10); on the CPU, RMSNorm fwd+bwd >= eager."""
+    autocast mix), each for every backward variant timed (a column ``addnorm_<variant>``: "(<variant>)"
+    after the name, e.g. "(slices)"), forward >= 95% of the copy bandwidth (issue 10); on the CPU,
+    RMSNorm fwd+bwd >= eager."""
     rows = report["results"]
     specs = []
     if report["device"] == "cuda":
         bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
         lowp = [r for r in rows if r["dtype"] in ("bfloat16", "mixed")]
-        for ours in (k for k in OPS if k == "addnorm" or any(speed_key(k, "compiled") in r for r in rows)):
-            tag = "" if ours == "addnorm" else f" ({OPS[ours]})"
+        ops = ("addnorm", *VARIANT_COLUMNS)
+        for ours in (k for k in ops if k == "addnorm" or any(speed_key(k, "compiled") in r for r in rows)):
+            tag = "" if ours == "addnorm" else f" ({VARIANT_COLUMNS[ours]})"
             for name, covered, other in (
                 (f"bf16 fwd+bwd >= torch.compile on every shape{tag}", bf16, "compiled"),
                 (f"fwd+bwd >= Liger where it ran (bf16 and the autocast mix){tag}", lowp, "liger"),
@@ -465,7 +478,10 @@ def _line(row: dict, impls) -> str:
 def to_markdown(report: dict) -> str:
     m = report["machine"]
     present = {k.rsplit("_", 1)[0] for r in report["results"] for k in r["ms"] if k.endswith("_fwd")}
-    impls = [i for i in IMPLS if i in present]
+    impls = [i for i in COLUMNS if i in present]
+    variants = [(i, VARIANT_COLUMNS[i]) for i in impls if i in VARIANT_COLUMNS]
+    # the default's variant where the report records it (reports before it did not)
+    default = report.get("bwd_variants", {}).get("addnorm") if "addnorm" in impls else None
     gpu = report["device"] == "cuda"
     reps = sorted({r["reps"] for r in report["results"]})
     reps_text = f"{reps[0]}-{reps[-1]}" if len(reps) > 1 else (str(reps[0]) if reps else "-")
@@ -479,8 +495,10 @@ def to_markdown(report: dict) -> str:
         "fwd+bwd = forward and backward. GB/s counts the minimum bytes (fwd prenorm: x, r, y, s; fwd "
         "post: x, r, y; bwd prenorm: dy, ds, s, dx; bwd post: dy, y, dx; fwd+bwd: both; mixed = bf16 x, "
         "fp32 r / s / y). % copy = our bandwidth / a device-to-device copy of x in the same row. speed vs "
-        "X = X's fwd+bwd time / ours (>= 1: ours no slower; addnorm_row_sums: the backward variant "
-        '"row_sums", its own speeds beside). p = dropout on x.',
+        "X = X's fwd+bwd time / ours (>= 1: ours no slower"
+        + (f'; addnorm: the default backward variant "{default}"' if default else "")
+        + "".join(f'; {i}: the backward variant "{v}", its own speeds beside' for i, v in variants)
+        + "). p = dropout on x.",
         "",
     ]
     if report.get("warm"):
@@ -493,7 +511,8 @@ def to_markdown(report: dict) -> str:
     head = ["norm", "placement", "p", "dtype", "hidden", "rows"]
     for i in impls:
         head += [f"{i} fwd ms", f"{i} fwd+bwd ms"]
-    speeds = [(o, i) for o in OPS if o in impls for i in impls if i != o and (o == "addnorm" or i not in OPS)]
+    ops = ("addnorm", *VARIANT_COLUMNS)
+    speeds = [(o, i) for o in ops if o in impls for i in impls if i != o and (o == "addnorm" or i not in ops)]
     head += ["copy GB/s", "ours fwd % copy", "ours fwd+bwd % copy"]
     head += [f"{'' if o == 'addnorm' else o + ' '}speed vs {i}" for o, i in speeds]
     lines += ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]

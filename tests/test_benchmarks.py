@@ -115,6 +115,28 @@ def test_gpu_targets_are_checked_on_the_rows_they_cover(bench):
     assert met["bf16 fwd+bwd >= torch.compile on every shape"] is False
 
 
+def _other_variant():
+    """The backward variant that is not the default (``launch_config.BWD_VARIANTS``: two), and the op
+    table's column for it."""
+    from addnorm.ops import launch_config as lc
+
+    (other,) = [v for v in lc.BWD_VARIANTS if v != lc.BWD_VARIANT]
+    return other, f"addnorm_{other}"
+
+
+def test_the_op_columns_are_the_default_backward_and_each_other_variant(bench):
+    """The column "addnorm" times the default backward variant and each other one gets a column of
+    its own (``addnorm_<variant>``), so a change of default keeps the variant it replaced timed beside
+    it."""
+    from addnorm.ops import launch_config as lc
+
+    other, column = _other_variant()
+    assert bench.OPS == {"addnorm": lc.BWD_VARIANT, column: other}
+    assert set(bench.OPS.values()) == set(lc.BWD_VARIANTS)
+    assert bench.IMPLS[:2] == bench.GPU_IMPLS[:2] == ("addnorm", column)
+    assert f"addnorm_{lc.BWD_VARIANT}" not in bench.IMPLS  # the default's column would time it twice
+
+
 def test_the_op_columns_time_the_kernels_on_a_gpu(bench, monkeypatch):
     """On CUDA both op columns call the Triton backend, not the policy's choice: with "auto" the H200
     table's Post-LN LayerNorm rows at hidden 16384 timed the torch path (a policy row keyed on "cuda"
@@ -125,7 +147,7 @@ def test_the_op_columns_time_the_kernels_on_a_gpu(bench, monkeypatch):
 
     backends = []
     monkeypatch.setattr(bench, "add_norm", lambda *args, **kw: backends.append(kw["backend"]))
-    impls, missing = bench.implementations(["addnorm", "addnorm_row_sums"], "cuda")
+    impls, missing = bench.implementations(list(bench.OPS), "cuda")
     x = torch.zeros(2, 8)
     for fn in impls.values():
         fn(x, x, x[0], x[0], "layernorm", False)
@@ -133,44 +155,85 @@ def test_the_op_columns_time_the_kernels_on_a_gpu(bench, monkeypatch):
 
 
 def test_gpu_targets_are_judged_for_each_backward_variant_timed(bench):
-    """With the op's "row_sums" column in the rows, its own torch.compile and Liger targets join the
-    default's, each judged on its own speeds."""
+    """With the op's column of the other backward variant in the rows, its own torch.compile and Liger
+    targets join the default's, each judged on its own speeds and named by its variant."""
+    other, column = _other_variant()
     rows = [_row("bfloat16", True, 0.97, 1.05, 1.2), _row("mixed", False, 0.6, 0.9, 1.01)]
     for r, (vs_compiled, vs_liger) in zip(rows, ((0.97, 1.3), (1.5, 1.02)), strict=True):
-        r[bench.speed_key("addnorm_row_sums", "compiled")] = vs_compiled
-        r[bench.speed_key("addnorm_row_sums", "liger")] = vs_liger
+        r[bench.speed_key(column, "compiled")] = vs_compiled
+        r[bench.speed_key(column, "liger")] = vs_liger
     targets = {t["target"]: t for t in bench.check_targets({"device": "cuda", "results": rows})}
-    new = targets["bf16 fwd+bwd >= torch.compile on every shape (row_sums)"]
+    new = targets[f"bf16 fwd+bwd >= torch.compile on every shape ({other})"]
     assert new["rows"] == 1 and new["worst"] == "0.97x" and new["met"] is False
-    assert targets["fwd+bwd >= Liger where it ran (bf16 and the autocast mix) (row_sums)"]["met"] is True
+    assert targets[f"fwd+bwd >= Liger where it ran (bf16 and the autocast mix) ({other})"]["met"] is True
     assert targets["bf16 fwd+bwd >= torch.compile on every shape"]["met"] is True and len(targets) == 5
 
 
+def test_a_table_recorded_under_another_default_renders_its_variant_column(bench):
+    """The H200 table at 7722722 was recorded while "slices" was the default, its other column
+    ``addnorm_row_sums``: it renders from its JSON byte for byte whatever the default is now, that
+    column's speeds and targets included."""
+    recorded = Path(__file__).resolve().parents[1] / "benchmarks/results/h200-2026-11-28-7722722"
+    report = json.loads((recorded / "add_norm_h200.json").read_text())
+    md = bench.to_markdown(report)
+    assert md == (recorded / "add_norm_h200.md").read_text()
+    assert "| addnorm_row_sums speed vs compiled |" in md
+    assert "| bf16 fwd+bwd >= torch.compile on every shape (row_sums) | 56 |" in md
+
+
 def test_add_norm_times_each_backward_variant_in_one_run(bench, tmp_path, monkeypatch):
-    """The op's default backward and its variant "row_sums" in one run, in columns of their own: the
-    variant is selected around its own calls only (its row-sums pre-pass runs there and nowhere else)
-    and the default again after each."""
+    """The op's default backward and the other variant in one run, in columns of their own: each
+    column's backward launches run with its own variant selected (the other one selected around that
+    column's calls only), the row-sums pre-pass runs exactly where "row_sums" is selected, the default
+    is selected again after the run, and the table has both columns."""
     if importlib.util.find_spec("triton") is None or not interpreting():
         pytest.skip("needs triton and TRITON_INTERPRET=1")
     from addnorm.ops import launch_config as lc
     from addnorm.ops import triton_launch
 
-    kernel, selected_at_launch = triton_launch.bwd_sums_kernel, []
+    default = lc.BWD_VARIANT
+    other, column = _other_variant()
+    timing, launched = [None], []  # the timer running; (timer, variant selected, pre-pass sums given)
+    real_interleaved, kernel = bench.interleaved, triton_launch.bwd_kernel
+
+    def named(key, fn):
+        def run():
+            timing[0] = key
+            try:
+                return fn()
+            finally:
+                timing[0] = None
+
+        return run
+
+    def interleaved(timers, *args, **kwargs):
+        return real_interleaved({k: named(k, f) for k, f in timers.items()}, *args, **kwargs)
 
     class Spy:
         def __getitem__(self, grid):
-            selected_at_launch.append(lc.BWD_VARIANT)
-            return kernel[grid]
+            def launch(*args, **kwargs):
+                launched.append((timing[0], lc.BWD_VARIANT, args[11] is not None))  # args[11]: SUMS
+                return kernel[grid](*args, **kwargs)
 
-    monkeypatch.setattr(triton_launch, "bwd_sums_kernel", Spy())
-    argv = ["--cpu", "--impls", "addnorm", "addnorm_row_sums", "--hidden", "2048", "--elements", "4096"]
+            return launch
+
+    monkeypatch.setattr(bench, "interleaved", interleaved)
+    monkeypatch.setattr(triton_launch, "bwd_kernel", Spy())
+    argv = ["--cpu", "--impls", "addnorm", column, "--hidden", "2048", "--elements", "4096"]
     argv += ["--norms", "rmsnorm", "--prenorm", "on", "--dropout", "0.1", "--reps", "2", "--warmup", "1"]
     report = bench.main([*argv, "--out", str(tmp_path)])
     (row,) = report["results"]
-    assert {"addnorm_fwd_bwd", "addnorm_row_sums_fwd_bwd"} <= set(row["ms"])
-    assert row[bench.speed_key("addnorm", "addnorm_row_sums")] > 0
-    assert selected_at_launch and set(selected_at_launch) == {"row_sums"} and lc.BWD_VARIANT == "slices"
-    assert "addnorm_row_sums fwd+bwd ms" in (tmp_path / "add_norm_cpu.md").read_text()
+    assert {"addnorm_fwd_bwd", f"{column}_fwd_bwd"} <= set(row["ms"])
+    assert row[bench.speed_key("addnorm", column)] > 0
+    by_timer = {}
+    for key, variant, sums in launched:
+        by_timer.setdefault(key, set()).add(variant)
+        assert sums == (variant == "row_sums"), (key, variant)  # hidden 2048 with dropout: it engages
+    assert by_timer == {"addnorm_fwd_bwd": {default}, f"{column}_fwd_bwd": {other}}
+    assert lc.BWD_VARIANT == default
+    assert report["bwd_variants"] == {"addnorm": default, column: other}
+    md = (tmp_path / "add_norm_cpu.md").read_text()
+    assert f"{column} fwd+bwd ms" in md and f'addnorm: the default backward variant "{default}"' in md
 
 
 def test_host_overhead_benchmark_runs_and_files_runs_by_label(bench_module, tmp_path):
