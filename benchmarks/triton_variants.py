@@ -19,10 +19,11 @@ registered op's statistics (mean and rstd apart, where the eager path packs them
 one-pass backward from s keeps none and recomputes them) and hidden sizes that are not multiples of 16
 (no aligned-vector specialisation). The widest configuration also compiles with dropout on given row
 indices (a DTensor's row shard) and with the seed an i64 value (a host seed, ``ops/seeds.py``). The
-backward's variant "row_sums" (``launch_config.BWD_VARIANTS``,
-selectable beside the default) joins with its slices (kernel ``bwd`` given the pre-pass's sums) and its
-pre-pass (kernel ``bwd_sums``, the forward's tiles) at every configuration the heavy variants launch it
-with, every path with every option (``full``: the same additions as the others). The tensor-parallel
+backward's variant "row_sums" (``launch_config.BWD_VARIANTS``, the default; the backward's
+configurations above are those of "slices", which stays selectable, and of the narrower rows either
+takes in one pass) joins with its slices (kernel ``bwd`` given the pre-pass's sums) and its pre-pass
+(kernel ``bwd_sums``, the forward's tiles) at every configuration the heavy variants launch it with,
+every path with every option (``full``: the same additions as the others). The tensor-parallel
 kernels (``ops/triton_tp_kernels.py``:
 statistics, normalise, row sums, gradients of a column shard) join with every option and row indices, at
 the widest tile and the column-chunk configuration (``full``: every configuration).

@@ -102,20 +102,27 @@ MIN_BLOCK_N = 16
 # another, ~1 us of GPU time each, hidden behind the host time of a call this small.
 BWD_ONE_PROGRAM_TILES = 16
 
-# The backward's variants for wide rows, both selectable (BWD_VARIANT, :func:`use_bwd_variant`); the
-# default stays the measured one until a GPU session times both side by side (``bench_add_norm.py``'s
-# "addnorm" and "addnorm_row_sums" columns, one run) and the numbers choose:
-# - "slices" (default): the rules above. Each slice's program reads the row's other slices for the row
+# The backward's variants for wide rows, both selectable (BWD_VARIANT, :func:`use_bwd_variant`). The
+# default is the one the measurements chose: an H200 timed both side by side in one run at 7722722
+# (``results/h200-2026-11-28-7722722/add_norm_h200.md``, bf16; ``bench_add_norm.py``'s column
+# "addnorm", then "slices", beside "addnorm_row_sums"). On the 28 shapes where "row_sums" engages
+# (hidden >= 4096, or >= 2048 with dropout) its fwd+bwd beat "slices"'s on 27 (0.96x-4.26x; Post-LN
+# RMSNorm with dropout at 16384 3.86 -> 1.07 ms) and torch.compile's on 25 (on the others both run the
+# same kernels); over all 56 shapes its column's fwd+bwd was no slower than torch.compile's on 44,
+# "slices"'s on 25. "slices" stays selectable, and ``bench_add_norm.py`` times it beside the default in
+# every run (column ``addnorm_slices``: each variant that is not the default gets a column).
+# - "slices": the rules above. Each slice's program reads the row's other slices for the row
 #   sums, so with n_slices slices a row is read n_slices times (once from DRAM if its siblings run in
 #   step, the rest from L2) and, where s is recomputed (Post-LN from x and residual), the dropout mask
 #   hashed n_slices + 1 times per element (8 + 1 at 16384 columns in 2048-wide slices). The H200
-#   (``results/add_norm_h200.md``) timed it at 0.15x-0.94x torch.compile's fwd+bwd from 4096 columns,
-#   about twice as slow with dropout.
-# - "row_sums": rows of at least BWD_ROW_SUMS_MIN columns (BWD_ROW_SUMS_MIN_HEAVY for dropout or a
-#   gate) go in two kernels. A pre-pass with the forward's tiles (:func:`bwd_sums_config`) reads dy and
-#   x_hat's source once and writes each row's sum(x_hat * w dy) and sum(w dy) (8 bytes a row); then
-#   the sliced kernel (BWD_ROW_SUMS_SLICE, its program's dweight / dbias / dgate sums in registers over
-#   its rows, written once: deterministic, no atomics) reads only its own slice. Per element from DRAM:
+#   (``results/add_norm_h200.md``, fb82146) timed it at 0.15x-0.94x torch.compile's fwd+bwd from 4096
+#   columns, about twice as slow with dropout.
+# - "row_sums" (default): rows of at least BWD_ROW_SUMS_MIN columns (BWD_ROW_SUMS_MIN_HEAVY for dropout
+#   or a gate) go in two kernels (narrower ones in one pass, as in "slices"). A pre-pass with the
+#   forward's tiles (:func:`bwd_sums_config`) reads dy and x_hat's source once and writes each row's
+#   sum(x_hat * w dy) and sum(w dy) (8 bytes a row); then the sliced kernel (BWD_ROW_SUMS_SLICE, its
+#   program's dweight / dbias / dgate sums in registers over its rows, written once: deterministic, no
+#   atomics) reads only its own slice. Per element from DRAM:
 #   dy and x_hat's source twice (pre-pass, then the gradients), ds and x once, dresidual and dx written
 #   once; no L2 re-reads; the mask hashed once per element (in the gradients' tile, shared by s and dx),
 #   twice where s is recomputed from x and residual (the pre-pass needs s too). Bytes per element,
@@ -124,7 +131,7 @@ BWD_ONE_PROGRAM_TILES = 16
 #   10 + 6 x (n_slices - 1) from L2, "row_sums" 16. Registers (sm_80 / sm_90, no spill):
 #   ``results/kernel_compile_full.md``.
 BWD_VARIANTS = ("slices", "row_sums")
-BWD_VARIANT = "slices"
+BWD_VARIANT = "row_sums"
 BWD_ROW_SUMS_MIN = 4096
 BWD_ROW_SUMS_MIN_HEAVY = 2048
 BWD_ROW_SUMS_SLICE = Launch(1, 2048, True, 8)

@@ -30,12 +30,13 @@ not the gradients), each while that slice's own program reads it, so the row's d
 once and from L2 after; per element the backward then reads dy, x_hat's source (s, y, or x and
 residual) and the gradient at s once, writes dresidual (and dx) once, and reads back no partial sum.
 The dropout mask is regenerated from the seed with the hash of
-:func:`addnorm.ops.reference.dropout_keep_mask`, bit for bit.
+:func:`addnorm.ops.reference.dropout_keep_mask`, bit for bit. That is the backward's variant "slices"
+(``launch_config.BWD_VARIANTS``), which stays selectable.
 
-The backward's variant "row_sums" (``launch_config.BWD_VARIANTS``, selectable beside that default)
-gives the row sums to the slices instead: a pre-pass (:data:`bwd_sums_kernel`, in the forward's tiles)
-reads dy and x_hat's source once and writes each row's sum(x_hat * w dy) and sum(w dy) to ``SUMS``,
-and the backward given them reads its own slice only. Per element from DRAM: dy and x_hat's source
+The default variant, "row_sums" (an H200 timed both in one run and chose it: ``launch_config``), gives
+the row sums to the slices instead: a pre-pass (:data:`bwd_sums_kernel`, in the forward's tiles) reads
+dy and x_hat's source once and writes each row's sum(x_hat * w dy) and sum(w dy) to ``SUMS``, and the
+backward given them reads its own slice only. Per element from DRAM: dy and x_hat's source
 twice (pre-pass, gradients), ds and x once, no re-read from L2; the dropout mask hashed once (the
 gradients' tile: s and dx share it), twice where s is recomputed from x and residual (the pre-pass
 needs s too).
