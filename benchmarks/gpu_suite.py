@@ -20,8 +20,12 @@ group when it runs over; the next step still runs):
    eager and torch.compile (the fused model through each compile path), with the profiler's removable
    time and the share the fused step realises (``bench_lm_step.py``);
 6. ``hf_step``: the Hugging Face Llama step at 134M and at a GPU-bound size, plain / ``addnorm.hf.fuse``
-   / Liger, eager, with the removable time, and at 134M plain and fused again with each diagnostic
+   / Liger, eager, with the removable time, and at 134M plain and fused also with each diagnostic
    switch (the backward on the calling thread, the garbage collector off: ``bench_hf_step.py``).
+
+Both step benchmarks build a row's variants side by side and step them in alternation (a host-bound
+step timed one variant after another moved 25% between runs on the H200), ratios the median of the
+rounds' paired ratios.
 
 **Budgets.** Each step's limit is in ``plan()``; with ``STARTUP_S`` for the suite's own start (Python,
 torch, the device query, optional wheels) they sum to at most ``CALL_S`` = 480 s, and ``--dry-run``
@@ -108,14 +112,16 @@ def plan(py: str = sys.executable) -> list[Step]:
     step eager 37 s) and the CPU measurements of compile cost in ``bench_add_norm.py`` and
     ``bench_lm_step.py`` (cached compiles ~10x cheaper than cold): the op table's 56 shapes compile in
     8 processes at once, then time from the caches; the LM step's four compiled cells compile in 4
-    processes at once."""
+    processes at once. Resized from the H200 run at 7722722 (``results/h200-2026-11-28-7722722``): the
+    GPU tests (51 s of pytest) and host time ran past 65 and 25 s, the trace took 42 s of 55, the op
+    table 101 s of 125; the HF step, now interleaved, times 16 steps of each variant where it timed 6."""
     b = str(BENCH)
     # fmt: off
     return [
         Step(
             "gpu_tests", "pytest -m gpu: the tests that need CUDA",
-            [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", "tests"],
-            65, needs=("pytest",),
+            [py, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *gpu_test_files()],
+            75, needs=("pytest",),
         ),
         Step(
             "trace",
@@ -124,27 +130,28 @@ def plan(py: str = sys.executable) -> list[Step]:
             "GPU busy, idle gaps and the host frames in them, launches, syncs, addnorm's Python",
             [py, f"{b}/bench_step_trace.py", "--runs", "hf", "lm", "hf-gpu-bound", "--steps", "2",
              "--warmup", "2", "--out", OUT_TOKEN],
-            55, tables=("step_trace",), needs=("transformers",),
+            50, tables=("step_trace",), needs=("transformers",),
         ),
         Step(
             "ops",
             "op table: bf16, LayerNorm/RMSNorm, Pre-/Post-LN, dropout 0/0.1, hidden 256-16384; eager, "
             "torch.compile, Liger, addnorm's kernels with each backward variant (addnorm: the default; "
             "addnorm_<variant>: each other one); fwd and fwd+bwd vs copy",
-            [py, f"{b}/bench_add_norm.py", "--budget", "110", "--warm", "8", "--warm-timeout", "50",
+            [py, f"{b}/bench_add_norm.py", "--budget", "100", "--warm", "8", "--warm-timeout", "50",
              "--reps", "30", "--min-reps", "5", "--out", OUT_TOKEN],
-            125, tables=("add_norm",),
+            115, tables=("add_norm",),
         ),
         Step(
             "host_overhead", "host time per call with real launches",
             [py, f"{b}/bench_host_overhead.py", "--label", "gpu", "--samples", "8", "--out", OUT_TOKEN],
-            25, tables=("host_overhead",),
+            30, tables=("host_overhead",),
         ),
         Step(
             "lm_step",
             "LM step, Pre-LN: gelu (LayerNorm+GELU, dropout 0.1) and llama (RMSNorm+SwiGLU); default, "
-            "fused=False and fused (the op wherever the model can); eager and torch.compile, the fused "
-            "model compiled through each compile path; removable time",
+            "fused=False and fused (the op wherever the model can), stepped in alternation (paired "
+            "ratios); eager and torch.compile, the fused model compiled through each compile path; "
+            "removable time",
             [py, f"{b}/bench_lm_step.py", "--models", "gelu", "llama", "--placements", "pre",
              "--modes", "eager", "compile", "--columns", "default", "fused=False", "fused", "--compile-paths",
              "both", "--steps", "5", "--warmup", "2", "--profile", "--profile-steps", "2",
@@ -153,14 +160,22 @@ def plan(py: str = sys.executable) -> list[Step]:
         ),
         Step(
             "hf_step", "HF Llama step, 134M and GPU-bound (hidden 2048 x 4 layers, seq 4096): plain / "
-            "addnorm.hf.fuse / Liger, eager; removable time; at 134M plain and fused again with each "
-            "diagnostic switch (backward on the calling thread, gc off)",
+            "addnorm.hf.fuse / Liger, eager, stepped in alternation (paired ratios); removable time; at "
+            "134M plain and fused also with each diagnostic switch (backward on the calling thread, gc off)",
             [py, f"{b}/bench_hf_step.py", "--gpu", "--setups", "134m", "gpu-bound", "--modes", "eager",
-             "--reps", "6", "--warmup", "3", "--profile", "--diagnose", "--out", OUT_TOKEN],
-            55, tables=("hf_step",), needs=("transformers",),
+             "--reps", "16", "--warmup", "3", "--profile", "--diagnose", "--out", OUT_TOKEN],
+            60, tables=("hf_step",), needs=("transformers",),
         ),
     ]
     # fmt: on
+
+
+def gpu_test_files() -> list[str]:
+    """The test files with a test marked ``gpu`` (relative to the repository root): ``pytest -m gpu``
+    collects only those: collecting all of ``tests`` imports every test module first (15 s against 8 s
+    on this project's 2-core CI machine), which the step's budget pays for."""
+    tests = ROOT / "tests"
+    return sorted(f"tests/{p.name}" for p in tests.glob("test_*.py") if "mark.gpu" in p.read_text())
 
 
 def install_wheels(wheels: Path, py: str) -> tuple[str | None, str]:

@@ -541,6 +541,14 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     assert suite.CALL_S == 480 and suite.STARTUP_S + sum(s.timeout_s for s in steps) <= suite.CALL_S
     assert all(f"[{s.name}] <= {s.timeout_s} s" in out for s in steps) and "nothing run" in out
     assert steps[0].argv[2:5] == ["pytest", "-m", "gpu"]
+    # only the files with a GPU test are collected: every one of them, and none without
+    marked = {
+        f"tests/{p.name}"
+        for p in (suite.ROOT / "tests").glob("test_*.py")
+        if "pytest.mark.gpu" in p.read_text()
+    }
+    files = [a for a in steps[0].argv if a.startswith("tests/")]
+    assert "tests/test_ops_add_norm.py" in files and set(files) == marked
     trace, ops, lm, hf = (steps[names.index(n)].argv for n in ("trace", "ops", "lm_step", "hf_step"))
     # the inner budget of the op table leaves its process time to start and write before its limit
     assert float(ops[ops.index("--budget") + 1]) < steps[names.index("ops")].timeout_s - 10
