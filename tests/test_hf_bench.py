@@ -1,5 +1,6 @@
 """benchmarks/bench_hf_step.py runs end to end on a tiny Llama on the CPU, and its GPU table (tokens/s and
-peak memory of plain, fused and Liger) reads the rows a GPU session produces."""
+peak memory of plain, fused and Liger) reads the rows a GPU session produces; its rows step the variants
+in alternation and leave transformers as they found it."""
 
 from __future__ import annotations
 
@@ -160,3 +161,97 @@ def test_gpu_table_reports_each_diagnostic_against_the_step_without_it(bench):
     assert "| 134m eager | backward on the calling thread | 171 | 195 | 1.140x | 0.950x | 1.500x |" in md
     assert "| 134m eager | gc off in the step | 180 | 130 | 0.722x | 1.000x | 1.000x |" in md
     assert "gpu-bound eager | backward" not in md
+
+
+def test_hf_row_interleaves_every_variant_and_switch(bench, monkeypatch):
+    """``run_row`` (the GPU rows' code, run on the CPU): every variant and diagnostic switch built side
+    by side and stepped in alternation, the order reversed every other round; the pairs' ratios have
+    one ratio per timed round; the diagnostics come from the same rounds."""
+    import torch
+
+    calls = []
+    make_step = bench.make_step
+
+    def recording(model, tokens, **kw):
+        step = make_step(model, tokens, **kw)
+        name = kw.get("variant", "plain") + (f", {kw['switch']}" if kw.get("switch") else "")
+
+        def timed():
+            calls.append(name)
+            return step()
+
+        timed.optimizer = step.optimizer
+        return timed
+
+    monkeypatch.setattr(bench, "make_step", recording)
+    setup = bench.Setup(**TINY)
+    tokens = bench.tokens_for(setup, torch.device("cpu"))
+    reps, warmup = 3, 1
+    row = bench.run_row(
+        "tiny", setup, "eager", ["plain", "fused"], tokens, reps=reps, warmup=warmup, diagnose=True
+    )
+    names = ["plain", "fused"] + [f"{v}, {s}" for s in bench.SWITCHES for v in ("plain", "fused")]
+    expected = names * warmup
+    for i in range(reps):
+        expected += names if i % 2 == 0 else names[::-1]
+    assert calls == expected
+    assert set(row["ms"]) == {"plain", "fused"} and row["paired"]["fused/plain"]["n"] == reps
+    assert set(row["diagnostics"]) == set(bench.SWITCHES)
+    assert "peak_gib" not in row  # CPU: no allocator counters
+    md = bench.report({"tiny": setup}, [row], "a CPU", gpu=False, reps=reps, warmup=warmup, rounds=1)
+    pair = row["paired"]["fused/plain"]
+    assert f"{pair['median']:.3f}x [{pair['q1']:.3f}-{pair['q3']:.3f}]" in md
+
+
+def test_hf_targets_read_the_paired_ratio(bench):
+    """A row whose medians' tokens/s say 1.20x but whose paired rounds say 1.03x is judged 1.03x."""
+    row = {
+        "setup": "134m", "mode": "eager", "params": 1,
+        "tokens_per_s": {"plain": 100.0, "fused": 120.0, "liger": 110.0},
+        "paired": {"fused/plain": {"median": 1.03, "q1": 0.9, "q3": 1.2, "n": 8},
+                   "liger/plain": {"median": 1.02, "q1": 0.9, "q3": 1.1, "n": 8},
+                   "fused/liger": {"median": 0.99, "q1": 0.9, "q3": 1.1, "n": 8}},
+        "peak_gib": {"plain": 8.0, "fused": 7.9, "liger": 8.0},
+    }  # fmt: skip
+    targets = {t["target"]: t for t in bench.check_targets([row], gpu=True)}
+    assert targets["fused / plain >= 1.1"]["value"] == 1.03 and not targets["fused / plain >= 1.1"]["met"]
+    assert targets["fused / Liger >= 1.0"]["value"] == 0.99
+    md = bench.report({"134m": bench.GPU}, [row], "NVIDIA H200", gpu=True, reps=8, warmup=2, rounds=1)
+    assert "| eager | fused / plain >= 1.1 | 1.030 | NO |" in md and "1.030x [0.900-1.200]" in md
+    assert "timed step by step in alternation" in md
+
+
+def test_liger_variant_leaves_transformers_llama_as_it_was(bench, monkeypatch):
+    """Liger's patch replaces ``modeling_llama.LlamaRMSNorm`` in transformers itself; the benchmark puts
+    it back, so that a "plain" model built after the "liger" one (the next row, the variants built side
+    by side) keeps transformers' own RMSNorm. Liger is faked here (it needs a GPU): its patch as
+    Liger-Kernel 0.8.5 makes it, the module's class replaced and the model's norms swapped."""
+    import sys
+    import types
+
+    import torch
+    from transformers.models.llama import modeling_llama
+
+    own = modeling_llama.LlamaRMSNorm
+
+    class FakeLigerRMSNorm(own):
+        pass
+
+    def apply_liger_kernel_to_llama(*, rms_norm, model, **_):
+        assert rms_norm
+        modeling_llama.LlamaRMSNorm = FakeLigerRMSNorm
+        modeling_llama.added_by_the_patch = True
+        for m in model.modules():
+            if type(m) is own:
+                m.__class__ = FakeLigerRMSNorm
+
+    fake = types.ModuleType("liger_kernel.transformers")
+    fake.apply_liger_kernel_to_llama = apply_liger_kernel_to_llama
+    monkeypatch.setitem(sys.modules, "liger_kernel", types.ModuleType("liger_kernel"))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers", fake)
+    setup = bench.Setup(**TINY)
+    liger = bench.build("liger", setup, torch.device("cpu"))
+    plain = bench.build("plain", setup, torch.device("cpu"))
+    norms = lambda m: {type(x) for x in m.modules() if "RMSNorm" in type(x).__name__}  # noqa: E731
+    assert norms(liger) == {FakeLigerRMSNorm} and norms(plain) == {own}
+    assert modeling_llama.LlamaRMSNorm is own and not hasattr(modeling_llama, "added_by_the_patch")
