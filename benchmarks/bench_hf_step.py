@@ -377,7 +377,8 @@ def report(
         what += (
             f", float32, one torch thread; {warmup} warmup + {reps} timed steps interleaved, median, best of "
             f"{rounds} rounds; tokens/s from wall time, and the process's CPU time per step (which time "
-            "spent descheduled while other work runs does not inflate)."
+            "spent descheduled while other work runs does not inflate); fused/plain is the median over all "
+            "rounds of plain's step time / fused's in the same round, [quartiles]."
         )
     variants = list(dict.fromkeys(v for r in rows for v in r["tokens_per_s"]))
     head = [f"{v} tokens/s" for v in variants] + [f"{v}/plain" for v in variants if v != "plain"]
@@ -495,6 +496,8 @@ def main(argv: list[str] | None = None) -> dict:
         setups = {name: Setup(**{**asdict(s), **args.setup}) for name, s in setups.items()}
     reps = args.reps or (20 if args.gpu else 30)
     warmup = args.warmup if args.warmup is not None else 5
+    if not args.gpu:
+        torch.set_num_threads(1)  # before the machine is described: the line names the threads used
     machine = _machine(args.gpu)
     name = f"hf_step_{device_slug(machine['device'])}"
 
