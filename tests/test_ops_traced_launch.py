@@ -97,16 +97,16 @@ def test_a_shards_launch_passes_its_row_ids(recorded):
 @pytest.mark.parametrize("path", ["kernel", "composite"])
 def test_gpu_compiled_step_equals_eager_on_each_compile_path(path):
     """torch.compile through each compile path ("kernel": Inductor launches the registered op's Triton
-    kernels, the launches these tests check above), forward and backward, on a narrow row and a wide
-    one (column slices, the row-sums pre-pass of the default backward), Pre-LN then Post-LN with a
-    seeded dropout: the eager Triton path's outputs and gradients."""
+    kernels, the launches these tests check above), forward and backward, on wide rows (column slices,
+    the row-sums pre-pass of the default backward), Pre-LN then Post-LN with a seeded dropout: the eager
+    Triton path's outputs and gradients (narrow rows compiled: ``test_gpu_compile_fullgraph``)."""
     from addnorm.ops import add_norm, policy
 
     def f(x, r, w, b):
         y, s = add_norm(x, r, w, b, prenorm=True, dropout_p=0.1, seed=9)
         return add_norm(y, s, w, None, norm="rmsnorm", dropout_p=0.1, seed=11)
 
-    for hidden in (256, 8192):
+    for hidden in (8192,):
         gen = torch.Generator(device="cuda").manual_seed(0)
         x, r = (torch.randn(4, 16, hidden, device="cuda", generator=gen) for _ in range(2))
         w, b = torch.rand(hidden, device="cuda", generator=gen) + 0.5, torch.randn(hidden, device="cuda")
