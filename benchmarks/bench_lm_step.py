@@ -16,8 +16,9 @@ rows come from) and ``nn.TransformerEncoder`` (the same LM on torch's layers).
 
 Per (model, placement, mode) row: tokens/s of the median step (forward + cross-entropy + backward +
 AdamW) and, on a GPU, peak memory, in ``eager`` or ``compile`` (``torch.compile``; ``reduce-overhead``:
-CUDA graphs). Under ``torch.compile`` the op hands Inductor its traceable composite (the default) or the
-registered Triton kernels: ``--compile-paths both`` adds a ``fused`` column for the non-default one.
+CUDA graphs); the columns stepped in alternation and compared by their paired ratios (:func:`run_cells`).
+Under ``torch.compile`` the op hands Inductor its traceable composite (the default) or the registered
+Triton kernels: ``--compile-paths both`` adds a ``fused`` column for the non-default one.
 
 ``--profile``: the removable time (``step_profile.py``): the torch profiler over a few steps of the
 ``fused=False`` model, the time of the dropout, add and norm ops that the fused op replaces; the fused
