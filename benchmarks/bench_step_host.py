@@ -7,7 +7,8 @@ addnorm's LM with ``fused=False``) and ``fused`` (``addnorm.hf.fuse``; addnorm's
 it can fuse, whatever the device policy says). The fused one runs the op's CUDA path on CPU tensors:
 Triton's driver faked, every kernel "compiled" to a launch that does no work
 (:mod:`fake_launch`), so what is left of a fused call is the Python, autograd and allocations of
-``add_norm``'s eager Triton path, its direct launch included. The plain step's torch ops compute on
+``add_norm``'s eager Triton path, its direct launch included, and its backward on several programs as
+at the GPU's sizes (:func:`gpu_sized_backward`). The plain step's torch ops compute on
 tensors so small (batch 1 x seq 16, hidden 64) that their compute is next to nothing. On a GPU each
 kernel launch costs the host more than a CPU op's dispatch: the modelled host work per step is the CPU
 time plus ``launches`` x L, the same L for every launch of either step, L taken from the H200's table
@@ -38,13 +39,14 @@ Targets (issue 38): fused / plain host work <= 0.9 for the HF family, <= 1.0 for
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import json
 import os
 import pstats
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from fake_launch import faked_launches, require_jit
 
@@ -212,12 +214,34 @@ def aten_launches(step: Callable[[], None]) -> int:
     return count
 
 
+@contextlib.contextmanager
+def gpu_sized_backward() -> Iterator[None]:
+    """The op's backward on several programs, as the H200's steps run it (8 x 1024 rows a call: more
+    than ``launch_config.BWD_ONE_PROGRAM_TILES`` row tiles), each program writing partial parameter
+    gradients that one aten sum each (weight, bias) adds up after the kernel; the proxy's 16 rows would
+    otherwise take the one-program backward, which writes the sums itself and launches none (the H200's
+    trace at 7722722: 48 more ``aten::sum`` a step in the fused LM, two per add & norm)."""
+    from addnorm.ops import launch_config as lc
+    from addnorm.ops import triton_launch as tl
+
+    previous = lc.BWD_ONE_PROGRAM_TILES
+    lc.BWD_ONE_PROGRAM_TILES = 0
+    lc.clear_caches()
+    tl.clear_caches()
+    try:
+        yield
+    finally:
+        lc.BWD_ONE_PROGRAM_TILES = previous
+        lc.clear_caches()
+        tl.clear_caches()
+
+
 def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS) -> dict:
     """Plain and fused (the op forced wherever the model can fuse), interleaved: CPU ms per step (the
     median of ``reps``, best of ``rounds``), Python calls and kernel launches of one step."""
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    with policy.fusion("always"), faked_launches() as launches:
+    with policy.fusion("always"), faked_launches() as launches, gpu_sized_backward():
         steps = {"plain": make_step(name, build(name, False, layers), tokens)}
         steps["fused"] = make_step(name, build(name, True, layers), tokens)
         steps[FLOOR] = make_step(name, floored(build(name, True, layers)), tokens)
@@ -236,12 +260,15 @@ def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS
             _, cpu = interleaved(timers, reps, warmup)
             for k, v in cpu.items():
                 cpu_rounds[k].append(statistics.median(v) * 1e3)
+    launched = {k: aten[k] + (0 if k == "plain" else triton_launches) for k in steps}
+    launched[FLOOR] = launched["fused"]  # the floor stands in for the fused op: its launches counted
     return {
         "model": name,
         "cpu_ms": {k: min(v) for k, v in cpu_rounds.items()},
         "cpu_rounds_ms": cpu_rounds,
         "python_calls": calls,
-        "launches": {k: aten[k] + (0 if k == "plain" else triton_launches) for k in steps},
+        "aten_launches": aten,
+        "launches": launched,
         "triton_launches": triton_launches,
         "layers": layers,
     }
@@ -303,7 +330,7 @@ def _child(name: str, variant: str, layers: int, steps: int, folder: str) -> Non
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, VOCAB, (BATCH, SEQ + 1), generator=gen)
-    with policy.fusion("always"), faked_launches():
+    with policy.fusion("always"), faked_launches(), gpu_sized_backward():
         model = build(name, variant != "plain", layers)
         step = make_step(name, floored(model) if variant == FLOOR else model, tokens)
         for _ in range(3):
@@ -373,7 +400,9 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
         f"{layers} layers, hidden {HIDDEN}, {HEADS} heads, FFN {4 * HIDDEN}, vocab {VOCAB}, batch {BATCH} x "
         f"seq {SEQ}, float32, one torch thread; step = forward + loss + backward + fused AdamW. Fused: the "
         "op wherever the model can fuse, on its CUDA path (direct launch included) on CPU tensors, "
-        "Triton's driver faked and each kernel a launch that does no work. CPU ms: this process's CPU "
+        "Triton's driver faked and each kernel a launch that does no work; its backward on several "
+        "programs, their partial parameter gradients summed after it (an aten sum each), as at the H200's "
+        "sizes (`gpu_sized_backward`). CPU ms: this process's CPU "
         f"time, median of {reps} interleaved steps, best of {rounds} rounds. Python calls: cProfile's count "
         "in one step. Launches: kernels a GPU would launch (aten ops that run a kernel, plus the op's Triton "
         f"launches). Host work: CPU ms + launches x L, L = {launch_us:.1f} us a launch ({how}). Target "

@@ -106,6 +106,12 @@ def test_host_work_proxy_runs_the_gpu_path_with_its_launches_counted(tmp_path):
         # launches nothing itself (the fused step's launches counted for it) and calls less Python
         assert r["launches"]["floor"] == r["launches"]["fused"]
         assert r["python_calls"]["floor"] < r["python_calls"]["fused"]
+    # the op's backward on several programs, as at the GPU's sizes: its partial parameter gradients
+    # summed after it, one aten sum per affine parameter (RMSNorm: weight; LayerNorm: weight, bias) and
+    # fused add, which the floor does not launch
+    for model, params in (("hf", 1), ("lm-llama", 1), ("lm-gelu", 2)):
+        aten = rows[model]["aten_launches"]
+        assert aten["fused"] - aten["floor"] == params * 2 * 4, (model, aten)
     # with dropout, the seeds drawn on the host launch nothing; the previous source, timed beside, one
     # randint per fused add
     gelu = rows["lm-gelu"]["launches"]
