@@ -80,6 +80,7 @@ MODELS = {
 # on that GPU ran faster fused); "fused": the op wherever the model can fuse (set_fusion("always")),
 # the measurement the policy's rows are made from
 COLUMNS = ("nn.TransformerEncoder", "fused=False", "default", "fused")
+PROFILED = ("fused=False", "fused")  # the columns --profile profiles: what realised() compares
 
 
 def llama_ff(d_model: int) -> int:
@@ -257,7 +258,7 @@ def run_cells(cfg, placement, mode, cols, device, args) -> tuple[dict, dict]:
     allocated between steps, which that subtraction cannot tell apart."""
     if mode == "reduce-overhead" and device == "cuda":
         return _one_at_a_time(cfg, placement, mode, cols, device, args), {}
-    profiled = {"fused=False", "fused"} if args.profile else set()
+    profiled = PROFILED if args.profile else ()
     torch._dynamo.reset()  # the previous row's graphs go
     prepared = {col: prepare(cfg, placement, mode, col, device, args) for col in cols}
     timers = {col: (lambda step=s: time_steps(step, device, 0, 1)[0]) for col, (s, _) in prepared.items()}
@@ -287,7 +288,7 @@ def _one_at_a_time(cfg, placement, mode, cols, device, args) -> dict:
         torch.cuda.reset_peak_memory_stats()
         times = time_steps(step, device, args.warmup, args.steps)
         out[col] = cell(times, cfg, torch.cuda.max_memory_allocated() / 2**20)
-        if col in {"fused=False", "fused"} and args.profile:
+        if col in PROFILED and args.profile:
             out[col]["profile"] = _profile(step, model, cfg, mode, device, args)
         del step, model
         torch.cuda.empty_cache()

@@ -224,16 +224,17 @@ def gpu_sized_backward() -> Iterator[None]:
     from addnorm.ops import launch_config as lc
     from addnorm.ops import triton_launch as tl
 
+    def use(tiles: int) -> None:  # as launch_config asks after a change: its caches, specs and plans
+        lc.BWD_ONE_PROGRAM_TILES = tiles
+        tl.clear_caches()
+        policy.invalidate()
+
     previous = lc.BWD_ONE_PROGRAM_TILES
-    lc.BWD_ONE_PROGRAM_TILES = 0
-    lc.clear_caches()
-    tl.clear_caches()
+    use(0)
     try:
         yield
     finally:
-        lc.BWD_ONE_PROGRAM_TILES = previous
-        lc.clear_caches()
-        tl.clear_caches()
+        use(previous)
 
 
 def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS) -> dict:

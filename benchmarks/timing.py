@@ -64,9 +64,7 @@ def paired_speedup(wall: dict[str, list[float]], base: str, other: str) -> dict[
     ``base``'s time / ``other``'s time in that round (the two steps ran next to each other, under the
     same load), then the median and the quartiles of those ratios (> 1: ``other`` faster)."""
     ratios = [b / o for b, o in zip(wall[base], wall[other], strict=True)]
-    if len(ratios) < 2:
-        return {"median": statistics.median(ratios), "q1": ratios[0], "q3": ratios[0], "n": len(ratios)}
-    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    q1, _, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3  # one round: its own
     return {"median": statistics.median(ratios), "q1": q1, "q3": q3, "n": len(ratios)}
 
 
