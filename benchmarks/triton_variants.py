@@ -73,6 +73,7 @@ class Variant(NamedTuple):
     op_stats: bool = False
     row_sums: bool = False  # the backward's slices given the pre-pass's row sums (variant "row_sums")
     seed_value: bool = False  # the dropout seed an i64 value (a host seed: ``ops/seeds.py``), not a pointer
+    kernel_sums: bool = False  # the partial sums added up in the kernel (variant "kernel_sums")
 
     @property
     def recomputes_stats(self) -> bool:
@@ -102,6 +103,7 @@ class Variant(NamedTuple):
         parts += ["statistics recomputed"] if self.recomputes_stats else []
         parts += ["row ids"] if self.row_ids else []
         parts += ["host seed"] if self.seed_value else []
+        parts += ["in-kernel sums"] if self.kernel_sums else []
         return ", ".join(parts + ([] if self.aligned else ["unaligned"]))
 
 
@@ -174,7 +176,28 @@ def variants(full: bool = False) -> list[Variant]:
                     )
                     out += [v._replace(aligned=a) for v in _light(base) for a in aligned]
     out += _row_sums_variants(full)
+    out += _kernel_sums_variants(full)
     out += _tensor_parallel_variants(full)
+    return out
+
+
+def _kernel_sums_variants(full: bool) -> list[Variant]:
+    """The backward's variant "kernel_sums" (the partial sums added up in the kernel): at every
+    configuration the heavy variants launch it with (one pass, and slices given the pre-pass's row sums),
+    from s and from x and residual with every option; ``full``: every path, and the other options."""
+    from addnorm.ops.launch_config import bwd_config
+
+    out = []
+    configs: dict = {}
+    for h in HIDDEN_SIZES:
+        configs.setdefault(bwd_config(h, True, "kernel_sums"), []).append(h)
+    for cfg, hidden in configs.items():
+        for path in ("from_s", "from_y", "from_xr") if full else ("from_s", "from_xr"):
+            base = Variant(
+                "bwd", *cfg, "layernorm", path, "fp32", True, True, 2, True, True, tuple(hidden),
+                row_sums=cfg.chunked, kernel_sums=True,
+            )  # fmt: skip
+            out += [base, *(_other_options(base) if full else [])]
     return out
 
 
@@ -236,6 +259,8 @@ def _dtypes(v: Variant) -> dict:
 
 def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
     """(signature, constexprs, attrs) of the ASTSource for ``v``, as a launch would specialise it."""
+    from addnorm.ops import launch_config
+
     d = _dtypes(v)
     fwd = v.kernel in ("fwd", "tp_stats")  # reads x and residual
     tp = v.kernel in TP_KERNELS
@@ -264,6 +289,11 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "ROWS": "i64" if v.row_ids and v.dropout else None,  # the rows' global indices (dropout on a shard)
         "STATS": "fp32",
         "SUMS": "fp32" if v.kernel != "bwd" or v.row_sums else None,  # the row sums (TP, row-sums pre-pass)
+        # the in-kernel sums' gradients and counters (variant "kernel_sums")
+        "DW": d["w"] if v.kernel_sums and v.weight else None,
+        "DB": d["w"] if v.kernel_sums and v.bias else None,
+        "DG": "fp32" if v.kernel_sums and v.gate else None,
+        "COUNT": "i32" if v.kernel_sums else None,
     }
     if not fwd and not (recompute or v.gate):
         ptr["X"] = None
@@ -286,6 +316,7 @@ def _signature(v: Variant, arg_names: list[str]) -> tuple[dict, dict, dict]:
         "RECOMPUTE": v.path == "from_y" and (v.weight or v.bias),
         "WRITE_DX": True,
         "ROW_IDS": v.row_ids and v.dropout,
+        "FINISH_GROUP": launch_config.BWD_FINISH_GROUP if v.kernel_sums else 0,
     }
     floats = {"eps", "alpha", "drop_scale", "inv_hidden"}
     signature, constexprs, attrs = {}, {}, {}

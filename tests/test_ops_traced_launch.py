@@ -30,12 +30,12 @@ class Recorder:
 
 @pytest.fixture
 def recorded(monkeypatch):
-    from addnorm.ops import triton_launch
+    from addnorm.ops import triton_launch, triton_op_launch
 
-    monkeypatch.setattr(triton_launch, "wrap_triton", Recorder)
-    monkeypatch.setattr(triton_launch, "interpreting", lambda: False)  # the GPU's path: wrap_triton
+    monkeypatch.setattr(triton_op_launch, "wrap_triton", Recorder)
+    monkeypatch.setattr(triton_op_launch, "interpreting", lambda: False)  # the GPU's path: wrap_triton
     Recorder.calls = []
-    yield triton_launch
+    yield triton_op_launch
     triton_launch.clear_caches()
 
 
@@ -46,7 +46,7 @@ def _missing(arg_names, args, kwargs) -> set[str]:
 
 @pytest.mark.parametrize("hidden", [256, 8192])  # one pass; sliced, with the row-sums pre-pass (row_sums)
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
-@pytest.mark.parametrize("variant", ["slices", "row_sums"])
+@pytest.mark.parametrize("variant", ["slices", "row_sums", "kernel_sums"])
 def test_traced_launches_pass_every_kernel_parameter(recorded, hidden, dropout, variant):
     from addnorm.ops import launch_config as lc
     from addnorm.ops.args import XHAT_FROM_S, BwdArgs, FwdArgs
@@ -71,10 +71,12 @@ def test_traced_launches_pass_every_kernel_parameter(recorded, hidden, dropout, 
         lc.use_bwd_variant(previous)
     names = [c[0] for c in Recorder.calls]
     assert names[0] == "_add_norm_fwd_kernel" and names[-1] == "_add_norm_bwd_kernel"
-    assert ("_add_norm_bwd_sums_kernel" in names) == (variant == "row_sums" and hidden == 8192)
+    assert ("_add_norm_bwd_sums_kernel" in names) == (variant != "slices" and hidden == 8192)
     for name, arg_names, args, kwargs in Recorder.calls:
         assert not _missing(arg_names, args, kwargs), (name, _missing(arg_names, args, kwargs))
         assert kwargs["ROW_IDS"] is False and kwargs["ROWS"] is None
+        if name == "_add_norm_bwd_kernel":  # traced: torch sums the partials (no in-kernel sums)
+            assert kwargs["FINISH_GROUP"] == 0 and kwargs["COUNT"] is None
 
 
 def test_a_shards_launch_passes_its_row_ids(recorded):

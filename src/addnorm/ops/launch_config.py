@@ -18,6 +18,9 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "BWD_CANDIDATES",
+    "BWD_FINISH_GROUP",
+    "BWD_FINISH_ROWS",
     "BWD_MAX_ONE_PASS",
     "BWD_MAX_ONE_PASS_HEAVY",
     "BWD_ONE_PROGRAM_TILES",
@@ -130,8 +133,26 @@ BWD_ONE_PROGRAM_TILES = 16
 #   (n_slices - 1) from L2, "row_sums" 14; Post-LN from x and residual (dy, x, r) 10 minimal, "slices"
 #   10 + 6 x (n_slices - 1) from L2, "row_sums" 16. Registers (sm_80 / sm_90, no spill):
 #   ``results/kernel_compile_full.md``.
-BWD_VARIANTS = ("slices", "row_sums")
+# - "kernel_sums" (made without a GPU, 2026-11-28: a hypothesis until a GPU times it beside "row_sums";
+#   not the default until then): "row_sums"'s kernels, and the programs' partial parameter gradients
+#   added up inside the backward kernel (``triton_tiles.finish_col_sums``): the last program of each
+#   group of BWD_FINISH_GROUP to finish adds its group's rows up, the last group's finisher the groups'
+#   rows into the gradients (in the parameters' dtypes), in fixed groups and order (deterministic), with
+#   int32 counters per device and stream that the kernel sets back to zero
+#   (:func:`addnorm.ops.param_grads.counters`). It removes the aten sum per parameter (and the cast of
+#   a bf16 one) after every backward of more than one program: a launch each, the largest host cost of
+#   the op's backward at the GPU's sizes in the CPU proxy (``bench_step_host.py``). Its GPU cost is a
+#   tail: the last finisher reads BWD_FINISH_GROUP rows, then one row per group (at 8192 rows of 768,
+#   1171 programs: 32 + 37 rows of 3 KB per parameter, from L2), where the aten sums read all 1171
+#   rows in a kernel of their own each.
+BWD_VARIANTS = ("slices", "row_sums", "kernel_sums")
 BWD_VARIANT = "row_sums"
+# the variants that the GPU suite times beside the default in every run (``bench_add_norm.py``'s
+# ``addnorm_<variant>`` columns) until a measurement decides; "slices" lost to "row_sums" on 27 of 28
+# shapes at 7722722 and stays selectable, no longer timed each run
+BWD_CANDIDATES = ("kernel_sums",)
+BWD_FINISH_GROUP = 32
+BWD_FINISH_ROWS = 8  # partial-sum rows a finishing program loads at once (Triton reads it at import)
 BWD_ROW_SUMS_MIN = 4096
 BWD_ROW_SUMS_MIN_HEAVY = 2048
 BWD_ROW_SUMS_SLICE = Launch(1, 2048, True, 8)
@@ -163,7 +184,7 @@ def bwd_config(n: int, heavy: bool = False, variant: str = "slices") -> Launch:
     more registers) in narrower slices. ``variant`` "row_sums": from ``BWD_ROW_SUMS_MIN`` columns
     (``BWD_ROW_SUMS_MIN_HEAVY`` for the heavy variants) the slices of ``BWD_ROW_SUMS_SLICE`` after the
     row-sums pre-pass (see ``BWD_VARIANTS``)."""
-    if variant == "row_sums" and n >= (BWD_ROW_SUMS_MIN_HEAVY if heavy else BWD_ROW_SUMS_MIN):
+    if variant != "slices" and n >= (BWD_ROW_SUMS_MIN_HEAVY if heavy else BWD_ROW_SUMS_MIN):
         return BWD_ROW_SUMS_SLICE
     if n <= (BWD_MAX_ONE_PASS_HEAVY if heavy else BWD_MAX_ONE_PASS):
         return _one_pass(n, 256, tile=1)

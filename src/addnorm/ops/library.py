@@ -41,18 +41,18 @@ def _on_triton(
 
 TRITON_OP = use_triton_op()
 if TRITON_OP:  # imported here, so that triton_op's analysis of the op bodies finds the kernels
-    from .triton_launch import add_norm_bwd_triton, add_norm_fwd_triton
+    from .triton_op_launch import add_norm_bwd_triton, add_norm_fwd_triton
 else:  # imported on first use: only where the Triton backend runs (the CPU interpreter)
 
     def add_norm_fwd_triton(a: FwdArgs, *, traceable: bool = False) -> tuple[Tensor, ...]:
-        from . import triton_launch
+        from . import triton_op_launch
 
-        return triton_launch.add_norm_fwd_triton(a, traceable=traceable)
+        return triton_op_launch.add_norm_fwd_triton(a, traceable=traceable)
 
     def add_norm_bwd_triton(a: BwdArgs, *, traceable: bool = False) -> tuple[Tensor, ...]:
-        from . import triton_launch
+        from . import triton_op_launch
 
-        return triton_launch.add_norm_bwd_triton(a, traceable=traceable)
+        return triton_op_launch.add_norm_bwd_triton(a, traceable=traceable)
 
 
 def _fwd_body(a: FwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:

@@ -58,6 +58,7 @@ import triton.language as tl
 from .triton_tiles import (
     chunk_stream,
     col_tile,
+    finish_col_sums,
     hash_rows,
     input_grads,
     load_row_sums,
@@ -168,6 +169,11 @@ def _add_norm_bwd_kernel(
     SPLIT: tl.constexpr,  # rows wider than BLOCK_N: n_slices programs per row tile, one slice each
     ROWS=None,  # the rows' indices for the dropout hash (int64, one per row) where ROW_IDS
     ROW_IDS: tl.constexpr = False,
+    DW=None,  # with FINISH_GROUP: the gradients, which the last programs add the partial sums up into
+    DB=None,
+    DG=None,
+    COUNT=None,  # with FINISH_GROUP: int32 counters, zero (finish_col_sums)
+    FINISH_GROUP: tl.constexpr = 0,  # > 0: the partial sums added up in the kernel, in groups of this size
 ):  # fmt: skip
     # program (j, pid): column slice j of the rows of pid's run of tiles. Its slice's dweight / dbias /
     # dgate accumulate in registers over the run and are written once (row pid of the partial sums).
@@ -219,6 +225,10 @@ def _add_norm_bwd_kernel(
             stride_ds, stride_x, alpha, drop_scale, IS_RMS, GATE, DROPOUT, HAS_DS, WRITE_DX,
         )  # fmt: skip
     store_col_sums(DW_PART, DB_PART, DG_PART, pid, j, N, dw_acc, db_acc, dg_acc, HAS_W, HAS_B, GATE, BLOCK_N)
+    if FINISH_GROUP > 0:
+        finish_col_sums(
+            DW_PART, DB_PART, DG_PART, DW, DB, DG, COUNT, pid, j, N, HAS_W, HAS_B, GATE, FINISH_GROUP, BLOCK_N
+        )
 
 
 @triton.jit(do_not_specialize=["SEED"])  # a host seed is a value: see addnorm.ops.seeds

@@ -5,10 +5,10 @@ and launch :mod:`addnorm.ops.triton_kernels`' kernels with the configuration
 :mod:`addnorm.ops.launch_config` gives the hidden size.
 
 The eager path (:mod:`addnorm.ops.triton_eager`) calls a spec's launcher directly; the registered
-op's body calls :func:`add_norm_fwd_triton` / :func:`add_norm_bwd_triton` (through ``wrap_triton``
-where it may be traced, so torch.compile launches the kernels itself). The tensor-parallel launchers
-(:mod:`addnorm.ops.triton_sharded`) share :func:`as_rows`, :func:`dropout_args`, :data:`S_CODES`
-and :func:`param_grads`.
+op's body calls :mod:`addnorm.ops.triton_op_launch`'s (through ``wrap_triton`` where it may be traced,
+so torch.compile launches the kernels itself). The tensor-parallel launchers
+(:mod:`addnorm.ops.triton_sharded`) share :func:`as_rows`, :func:`dropout_args` and :data:`S_CODES`
+(and :mod:`addnorm.ops.param_grads`).
 
 This module imports triton at import time: import it lazily (only ``ops/triton*`` modules do).
 """
@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
-from torch.library import wrap_triton
 from triton.runtime.jit import JITFunction
 
 from . import launch_config as lc
-from .args import XHAT_FROM_XR, XHAT_FROM_Y, BwdArgs, FwdArgs, bwd_plan, gate_code, interpreting
+from .args import XHAT_FROM_Y, bwd_plan
+from .param_grads import counters, param_grads
 from .reference import dropout_threshold
 from .triton_direct import SUPPORTED as DIRECT
 from .triton_direct import DirectLaunch, defaults_of, int_kind
@@ -37,8 +37,6 @@ __all__ = [
     "BwdSpec",
     "FwdSpec",
     "SumsSpec",
-    "add_norm_bwd_triton",
-    "add_norm_fwd_triton",
     "as_rows",
     "bwd_kernel",
     "bwd_spec",
@@ -50,7 +48,6 @@ __all__ = [
     "kernels_are_interpreted",
     "launch_bwd",
     "launch_fwd",
-    "param_grads",
 ]
 
 # the stream's dtype as the kernels' S_CODE constexpr (the rounding of s, ``triton_tiles.round_to``)
@@ -129,6 +126,7 @@ class BwdSpec(NamedTuple):
     options: dict
     sums: SumsSpec | None = None
     launch: Callable | None = None  # the launcher for this spec (:func:`launch_bwd`'s body)
+    finish: int = 0  # variant "kernel_sums": the in-kernel sums' group size (0: torch sums the partials)
 
 
 def dropout_args(p: float, dropout: bool) -> tuple[int, float]:
@@ -144,12 +142,18 @@ def _required_params(kernel) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.default is inspect.Parameter.empty)
 
 
+def _defaults(kernel) -> dict:
+    params = inspect.signature(kernel.fn).parameters.values()
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
+
+
 _FWD_PARAMS = _required_params(fwd_kernel)
 _BWD_PARAMS = _required_params(bwd_kernel)
 _SUMS_PARAMS = _required_params(bwd_sums_kernel)
 _FWD_DEFAULTS = defaults_of(fwd_kernel)
 _BWD_DEFAULTS = defaults_of(bwd_kernel)
 _SUMS_DEFAULTS = defaults_of(bwd_sums_kernel)
+_FWD_KW, _BWD_KW, _SUMS_KW = (_defaults(k) for k in (fwd_kernel, bwd_kernel, bwd_sums_kernel))
 
 
 def _tail(params: tuple[str, ...], scalars: tuple, constexprs: dict) -> tuple:
@@ -217,7 +221,7 @@ def _bwd_spec(
         "SPLIT": cfg.chunked,
     }  # fmt: skip
     sums = None
-    if variant == "row_sums" and cfg.chunked:  # the pre-pass: the same options, the forward's tiles
+    if variant != "slices" and cfg.chunked:  # the pre-pass: the same options, the forward's tiles
         pre = lc.bwd_sums_config(n)
         pre_const = {k: v for k, v in constexprs.items() if k not in ("HAS_DS", "WRITE_DX", "SPLIT")}
         pre_const |= {"BLOCK_M": pre.block_m, "BLOCK_N": pre.block_n}
@@ -227,6 +231,7 @@ def _bwd_spec(
         n, -(-n // cfg.block_n), cfg.chunked, norm == "rmsnorm", xhat_from, bp.recompute, bp.keep_x,
         need_dx, x_dtype, res_dtype, (cfg.block_m, cfg.block_n),
         _tail(_BWD_PARAMS, (eps, alpha, *dropout_args(p, p > 0)), constexprs), cfg.options, sums,
+        finish=lc.BWD_FINISH_GROUP if variant == "kernel_sums" else 0,
     )  # fmt: skip
     return sp._replace(launch=_bwd_launcher(sp))
 
@@ -249,23 +254,19 @@ def _dtype(t: Tensor | None) -> torch.dtype | None:
     return None if t is None else t.dtype
 
 
-def param_grads(
-    dw: Tensor | None, db: Tensor | None, dg: Tensor | None, summed: bool, weight, bias, gate
-) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """dweight, dbias, dgate from a backward kernel's fp32 buffers: per-program partial sums (programs,
-    n), summed here, or (``summed``, one program) the sums themselves; in the parameters' dtypes, a
-    one-element gate's gradient summed over the columns too."""
-    if not summed:
-        dw = None if dw is None else dw.sum(0)
-        db = None if db is None else db.sum(0)
-        dg = None if dg is None else dg.sum(0)
-    if dw is not None and weight.dtype is not _F32:
-        dw = dw.to(weight.dtype)
-    if db is not None and bias.dtype is not _F32:
-        db = db.to(bias.dtype)
-    if dg is not None:
-        dg = (dg.sum() if gate.numel() == 1 else dg).reshape(gate.shape).to(gate.dtype)
-    return dw, db, dg
+def _finish_kw(outs: tuple, count: Tensor, group: int) -> dict:
+    """The in-kernel sums' keywords (variant "kernel_sums"): the gradients, the counters, the group."""
+    return {"DW": outs[0], "DB": outs[1], "DG": outs[2], "COUNT": count, "FINISH_GROUP": group}
+
+
+def _summed(alloc, n: int, weight, bias, gate) -> tuple:
+    """The gradients the in-kernel sums write (variant "kernel_sums"): dweight and dbias in the
+    parameters' dtypes, dgate per column in fp32 (a one-element gate's summed after)."""
+    return (
+        None if weight is None else alloc(n, dtype=weight.dtype),
+        None if bias is None else alloc(n, dtype=bias.dtype),
+        None if gate is None else alloc(n, dtype=_F32),
+    )
 
 
 def _empty_like(t: Tensor, contiguous: bool, dtype: torch.dtype) -> Tensor:
@@ -276,17 +277,17 @@ def _empty_like(t: Tensor, contiguous: bool, dtype: torch.dtype) -> Tensor:
     return torch.empty(t.shape, dtype=dtype, device=t.device)
 
 
-def _with_row_ids(options: dict, row_ids: Tensor) -> dict:
-    """A launch's keywords with the row indices for the dropout hash (a shard,
-    :mod:`addnorm.ops.sharded`); without them a call passes :func:`_no_row_ids`'s dict, made once."""
-    return {**options, "ROWS": row_ids.reshape(-1), "ROW_IDS": True}
+def _with_row_ids(full: dict, row_ids: Tensor) -> dict:
+    """A launch's keywords (``full``, :func:`_given_defaults`'s) with the row indices for the dropout hash
+    (a shard, :mod:`addnorm.ops.sharded`)."""
+    return {**full, "ROWS": row_ids.reshape(-1), "ROW_IDS": True}
 
 
-def _no_row_ids(options: dict) -> dict:
-    """A launch's keywords with the kernels' defaulted parameters given (``ROWS=None, ROW_IDS=False``):
+def _given_defaults(options: dict, defaults: dict) -> dict:
+    """A launch's keywords with the kernel's defaulted parameters given (``defaults``, name -> default):
     Inductor's launcher of a ``wrap_triton`` kernel takes every parameter the kernel declares, so a call
-    leaving defaults out came two short (torch 2.11: "launcher() missing ... '_grid_1' and '_grid_2'")."""
-    return {**options, "ROWS": None, "ROW_IDS": False}
+    leaving defaults out came short (torch 2.11: "launcher() missing ... '_grid_1' and '_grid_2'")."""
+    return {**options, **defaults}
 
 
 def launch_fwd(sp: FwdSpec, x, residual, weight, bias, gate, seed, kernel=None, row_ids=None):
@@ -333,7 +334,7 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
     keep_x, keep_r, save_y, prenorm = keep or (False, False, False, False)
     empty_like = torch.empty_like
     direct = DirectLaunch(_FWD_DEFAULTS)  # this launcher's compiled kernels, by specialisation
-    full = _no_row_ids(options)
+    full = _given_defaults(options, _FWD_KW)
 
     def launch(ctx, x, residual, weight, bias, gate=None, seed=None, kernel=None, row_ids=None):
         x_in, r_in, x_dtype = x, residual, x.dtype
@@ -381,7 +382,7 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
             else:  # the same arguments (the direct launch's test compares them with run()'s)
                 k[grid](
                     x, residual, weight, bias, gate, seed, y, s, mean, rstd, stride_x, stride_r, rows, n,
-                    n_chunks, *tail, **(full if row_ids is None else _with_row_ids(options, row_ids)),
+                    n_chunks, *tail, **(full if row_ids is None else _with_row_ids(full, row_ids)),
                 )  # fmt: skip
         if ctx is None:
             return y, s, mean, rstd
@@ -412,7 +413,7 @@ def _sums_launcher(sp: BwdSpec) -> Callable | None:
     n, (block_m, n_chunks, tail, options) = sp.n, sp.sums
     per_row = 1 if sp.is_rms else 2
     direct = DirectLaunch(_SUMS_DEFAULTS)
-    full = _no_row_ids(options)
+    full = _given_defaults(options, _SUMS_KW)
 
     def pre(dy, saved, x, residual, weight, bias, gate, seed, mean, rstd, stride_dy, stride_x, stride_r, rows,
             kernel, row_ids):  # fmt: skip
@@ -438,7 +439,7 @@ def _sums_launcher(sp: BwdSpec) -> Callable | None:
             )  # fmt: skip
             direct.launch(k, key, grid, args, options)
         else:
-            k[grid](*args, **(full if row_ids is None else _with_row_ids(options, row_ids)))
+            k[grid](*args, **(full if row_ids is None else _with_row_ids(full, row_ids)))
         return sums
 
     return pre
@@ -453,8 +454,10 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
     one_program_rows = lc.BWD_ONE_PROGRAM_TILES * block_m  # bwd_grid's one program, without its frame
     empty_like = torch.empty_like
     direct = DirectLaunch(_BWD_DEFAULTS)
-    full = _no_row_ids(options)
-    pre = _sums_launcher(sp)  # the row-sums pre-pass (variant "row_sums"), or None
+    full = _given_defaults(options, _BWD_KW)
+    pre = _sums_launcher(sp)  # the row-sums pre-pass (variants "row_sums", "kernel_sums"), or None
+    finish = sp.finish  # "kernel_sums": the partial sums added up in the kernel (its launches: direct_sum)
+    direct_sum = DirectLaunch(())  # their arguments given in full (the defaulted ones too)
 
     def launch(
         dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, kernel=None, row_ids=None,
@@ -474,6 +477,14 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
         else:
             programs, per_program = lc.bwd_grid(rows, n, dy.device, block)
             part = (programs, n)
+        # "kernel_sums" on several programs, eager (a traced launch's partials are summed by torch, which
+        # Inductor fuses): the counters (None while a graph is captured without any made), the gradients
+        count = (
+            counters(dy, n_slices * (-(-programs // finish) + 1))
+            if finish and programs > 1 and not kernel
+            else None
+        )
+        outs = None if count is None else _summed(dy.new_empty, n, weight, bias, gate)
         # per-program partial sums of dweight / dbias / dgate in fp32 (each program writes its slice of
         # its row once), summed below; one program (few rows) writes the sums themselves
         alloc = dy.new_empty
@@ -534,67 +545,19 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
                     db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices,
                     per_program, *tail,
                 )  # fmt: skip
-                direct.launch(k, key, grid, args, options)
+                if count is None:
+                    direct.launch(k, key, grid, args, options)
+                else:
+                    direct_sum.launch(k, key, grid, (*args, None, False, *outs, count, finish), options)
             else:  # the same arguments (the direct launch's test compares them with run()'s)
+                kw = full if row_ids is None else _with_row_ids(full, row_ids)
                 k[grid](
                     dy, ds, saved, x, residual, weight, bias, gate, seed, mean, rstd, sums, dx, dres, dw_part,
                     db_part, dg_part, stride_dy, stride_ds, stride_x, stride_r, rows, n, n_slices,
-                    per_program, *tail, **(full if row_ids is None else _with_row_ids(options, row_ids)),
+                    per_program, *tail, **(kw if count is None else kw | _finish_kw(outs, count, finish)),
                 )  # fmt: skip
+        if count is not None:  # the kernel added the partial sums up
+            return (dx, dres, *param_grads(*outs, True, weight, bias, gate))
         return (dx, dres, *param_grads(dw_part, db_part, dg_part, programs == 1, weight, bias, gate))
 
     return launch
-
-
-# --- the registered op's launchers (FwdArgs / BwdArgs on (..., hidden) tensors) -----------------------
-
-
-def add_norm_fwd_triton(a: FwdArgs, *, traceable: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Forward on (..., hidden) inputs; same contract as ``torch_path.add_norm_fwd_torch``."""
-    n = a.x.shape[-1]
-    dropout = a.dropout
-    sp = fwd_spec(
-        n, a.norm, a.eps, a.alpha, a.dropout_p if dropout else 0.0, a.weight is not None,
-        a.bias is not None, gate_code(a.gate), a.store_s, a.s_dtype, a.y_dtype,
-    )  # fmt: skip
-    # through wrap_triton where the call may be traced (the registered op's body: torch.compile then
-    # launches the kernel itself; named here, where triton_op's analysis of the body finds it)
-    kernel = wrap_triton(fwd_kernel) if traceable and not interpreting() else None
-    seed, row_ids = (a.seed, a.rows) if dropout else (None, None)
-    y, s, mean, rstd = launch_fwd(sp, a.x, a.residual, a.weight, a.bias, a.gate, seed, kernel, row_ids)
-    dev, lead = a.x.device, a.x.shape[:-1]
-    return (
-        y,
-        a.x.new_empty((0,), dtype=a.s_dtype, device=dev) if s is None else s,
-        a.x.new_empty((0,), dtype=_F32, device=dev) if mean is None else mean.reshape(lead),
-        rstd.reshape(lead),
-    )
-
-
-def add_norm_bwd_triton(
-    a: BwdArgs, *, traceable: bool = False
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Backward on (..., hidden) inputs; same contract as ``torch_path.add_norm_bwd_torch``."""
-    n = a.dy.shape[-1]
-    dropout = a.dropout
-    sp = bwd_spec(
-        n, a.norm, a.alpha, a.dropout_p if dropout else 0.0, a.weight is not None, a.bias is not None,
-        gate_code(a.gate), a.ds is not None, a.xhat_from, a.s_dtype, a.x_dtype, a.res_dtype, a.need_dx,
-    )  # fmt: skip
-    wrap = traceable and not interpreting()
-    kernel = wrap_triton(bwd_kernel) if wrap else None
-    sums_kernel = wrap_triton(bwd_sums_kernel) if wrap and sp.sums is not None else None
-    dx, dres, dw, db, dg = launch_bwd(
-        sp, a.dy, a.ds, a.saved if a.xhat_from != XHAT_FROM_XR else None, a.x, a.residual, a.weight,
-        a.bias, a.gate, a.seed if dropout else None, a.mean if a.norm != "rmsnorm" else None, a.rstd,
-        kernel, a.rows if dropout else None, sums_kernel,
-    )  # fmt: skip
-    # the op returns every slot, an empty tensor of its own where there is no gradient (outputs of a
-    # custom op may not alias each other)
-    return (
-        dres.new_empty(0) if dx is None else dx,
-        dres,
-        dres.new_empty(0) if dw is None else dw,
-        dres.new_empty(0) if db is None else db,
-        dres.new_empty(0) if dg is None else dg,
-    )

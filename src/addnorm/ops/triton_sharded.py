@@ -15,7 +15,8 @@ from torch import Tensor
 
 from . import launch_config as lc
 from .args import gate_code
-from .triton_launch import S_CODES, as_rows, dropout_args, param_grads
+from .param_grads import param_grads
+from .triton_launch import S_CODES, as_rows, dropout_args
 from .triton_tp_kernels import tp_bwd_kernel, tp_norm_kernel, tp_stats_kernel, tp_sums_kernel
 
 __all__ = ["grads", "normalise", "stats", "sums"]

@@ -10,6 +10,7 @@ kernels (:mod:`addnorm.ops.triton_kernels`) and the tensor-parallel ones
     ds = rstd * (w dy - x_hat * mean(x_hat * w dy) - mean(w dy))        dsum_tile (RMSNorm: no last term)
     dresidual = alpha * ds, dx = dropout'(g * ds), dgate = sum(ds * dropout(x))   store_dx
     dweight = sum(dy * x_hat), dbias = sum(dy), dgate over a slice's rows   param_sums, input_grads
+    the programs' partial sums added up in the kernel ("kernel_sums")      finish_col_sums
 
 A program's rows (:func:`row_tile`) and a chunk or slice of its columns (:func:`col_tile`) are found the
 same way in every kernel; tiles of s, y and the gradients load and store with :func:`load_tile` and
@@ -28,6 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch_config import BWD_FINISH_ROWS
 from .reference import HASH_COL, HASH_M1, HASH_M2, HASH_ROW
 
 # Triton kernels read module globals only as constexpr
@@ -35,6 +37,7 @@ _M1 = tl.constexpr(HASH_M1)
 _M2 = tl.constexpr(HASH_M2)
 _ROW = tl.constexpr(HASH_ROW)
 _COL = tl.constexpr(HASH_COL)
+FINISH_ROWS = tl.constexpr(BWD_FINISH_ROWS)  # partial-sum rows a finishing program loads at once
 
 
 @triton.jit
@@ -459,3 +462,81 @@ def load_row_sums(SUMS, rows64, row_ok, IS_RMS: tl.constexpr):
         c1 = tl.load(SUMS + 2 * rows64, mask=row_ok, other=0.0)
         c2 = tl.load(SUMS + 2 * rows64 + 1, mask=row_ok, other=0.0)
     return c1, c2
+
+
+@triton.jit
+def sum_part_rows(PART, row0, count, step, cols, ok, N, BLOCK_N: tl.constexpr):
+    # sum over rows row0, row0 + step, ... (count of them) of the (programs, N) fp32 partial sums, at the
+    # columns cols: FINISH_ROWS rows per load (their loads in flight together), added in a fixed order
+    # (deterministic); read past L1 (".cg"): other programs wrote them
+    acc = tl.zeros((BLOCK_N,), tl.float32)
+    ks = tl.arange(0, FINISH_ROWS)
+    for k0 in range(0, count, FINISH_ROWS):
+        k = k0 + ks
+        at = (row0 + k * step).to(tl.int64)[:, None] * N + cols[None, :]
+        v = tl.load(PART + at, mask=(k < count)[:, None] & ok[None, :], other=0.0, cache_modifier=".cg")
+        acc += tl.sum(v, axis=0)
+    return acc
+
+
+@triton.jit
+def sum_parts(
+    DW_PART, DB_PART, DG_PART, DW, DB, DG, row0, count, step, to_row, j, N, HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr, GATE: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # slice j's partial sums of rows row0, row0 + step, ... added up: into row to_row of the partial sums
+    # (DW None: a group's sum, left for the last group) or into the gradients DW / DB / DG themselves
+    # (to_row then unused)
+    cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < N
+    out = to_row.to(tl.int64) * N + cols
+    if HAS_W:
+        dw = sum_part_rows(DW_PART, row0, count, step, cols, ok, N, BLOCK_N)
+        if DW is None:
+            tl.store(DW_PART + out, dw, mask=ok)
+        else:
+            tl.store(DW + cols, dw, mask=ok)
+    if HAS_B:
+        db = sum_part_rows(DB_PART, row0, count, step, cols, ok, N, BLOCK_N)
+        if DB is None:
+            tl.store(DB_PART + out, db, mask=ok)
+        else:
+            tl.store(DB + cols, db, mask=ok)
+    if GATE != 0:
+        dg = sum_part_rows(DG_PART, row0, count, step, cols, ok, N, BLOCK_N)
+        if DG is None:
+            tl.store(DG_PART + out, dg, mask=ok)
+        else:
+            tl.store(DG + cols, dg, mask=ok)
+
+
+@triton.jit
+def finish_col_sums(
+    DW_PART, DB_PART, DG_PART, DW, DB, DG, COUNT, pid, j, N, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
+    GATE: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    # the backward's variant "kernel_sums": programs (j, 0..P-1) each wrote row pid of slice j's partial
+    # sums. The last of each group of GROUP programs to get here adds its group's rows up into the group's
+    # first row; the last group to finish adds those rows up into the gradients. Fixed groups and orders:
+    # deterministic. COUNT holds per slice a counter per group and one for the groups (int32, zero before
+    # the launch); whoever read a counter last sets it back to zero, so it is zero after the launch too.
+    programs = tl.num_programs(1)
+    n_groups = tl.cdiv(programs, GROUP)
+    g = pid // GROUP
+    first = g * GROUP
+    size = tl.minimum(GROUP, programs - first)
+    counters = COUNT + j * (n_groups + 1)
+    tl.debug_barrier()  # every thread's partial sums stored before the release below
+    if tl.atomic_add(counters + g, 1, sem="acq_rel", scope="gpu") == size - 1:
+        tl.store(counters + g, 0)
+        sum_parts(
+            DW_PART, DB_PART, DG_PART, None, None, None, first, size, 1, first, j, N, HAS_W, HAS_B, GATE,
+            BLOCK_N,
+        )  # fmt: skip
+        tl.debug_barrier()  # the group's sum stored before the release below
+        if tl.atomic_add(counters + n_groups, 1, sem="acq_rel", scope="gpu") == n_groups - 1:
+            tl.store(counters + n_groups, 0)
+            sum_parts(
+                DW_PART, DB_PART, DG_PART, DW, DB, DG, 0, n_groups, GROUP, first, j, N, HAS_W, HAS_B, GATE,
+                BLOCK_N,
+            )  # fmt: skip
