@@ -55,23 +55,27 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
-from machine import machine_info, machine_line, write_results  # noqa: E402
+from machine import machine_info, write_results  # noqa: E402
 from results_path import RESULTS, add_out_argument  # noqa: E402
+from step_host_report import (  # noqa: E402
+    BATCH,
+    FLOOR,
+    HEADS,
+    HIDDEN,
+    KERNEL_SUMS,
+    LAYERS,
+    MODELS,
+    PREVIOUS,
+    SEEDED,
+    SEQ,
+    VOCAB,
+    to_markdown,
+)  # fmt: skip
 from timing import interleaved  # noqa: E402
 
 import addnorm as an  # noqa: E402
 from addnorm.ops import policy, seeds  # noqa: E402
 
-LAYERS, HIDDEN, HEADS, BATCH, SEQ, VOCAB = 12, 64, 4, 1, 16, 256
-TARGETS = {"hf": 0.9, "lm-gelu": 1.0, "lm-llama": 1.0}
-SEEDED = ("lm-gelu",)  # the models with dropout: their fused step also timed with the previous seeds
-PREVIOUS = "fused (randint seeds)"
-FLOOR = "floor"  # the fused model with a do-nothing autograd.Function in the op's place (see floored)
-MODELS = {
-    "hf": "Hugging Face Llama (addnorm.hf.fuse)",
-    "lm-gelu": "addnorm LM, LayerNorm + GELU, dropout 0.1",
-    "lm-llama": "addnorm LM, RMSNorm + SwiGLU",
-}
 # aten ops that launch no kernel on a GPU: views, metadata and allocations
 _NO_KERNEL = frozenset(
     "view _unsafe_view reshape _reshape_alias t transpose permute expand expand_as unsqueeze squeeze "
@@ -246,6 +250,8 @@ def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS
         steps = {"plain": make_step(name, build(name, False, layers), tokens)}
         steps["fused"] = make_step(name, build(name, True, layers), tokens)
         steps[FLOOR] = make_step(name, floored(build(name, True, layers)), tokens)
+        # the backward's partial sums added up in its kernel (a candidate variant), beside the default
+        steps[KERNEL_SUMS] = with_variant(make_step(name, build(name, True, layers), tokens), "kernel_sums")
         if name in SEEDED:  # the dropout seeds' previous source (a randint launch per call), beside
             steps[PREVIOUS] = with_seed_source(make_step(name, build(name, True, layers), tokens), "randint")
         for step in steps.values():
@@ -344,23 +350,26 @@ def _child(name: str, variant: str, layers: int, steps: int, folder: str) -> Non
         wait("exit")
 
 
-def host_work(row: dict, launch_us: float, cpu_ms: dict[str, float] | None = None) -> dict[str, float]:
-    """Modelled host work per step (ms) of each variant: CPU time + launches x ``launch_us``; the CPU
-    times ``cpu_ms`` (default the row's best-of-rounds ones)."""
-    cpu = row["cpu_ms"] if cpu_ms is None else cpu_ms
-    return {k: cpu[k] + n * launch_us / 1e3 for k, n in row["launches"].items() if k in cpu}
+def with_variant(step: Callable[[], None], variant: str) -> Callable[[], None]:
+    """``step`` with the op's backward variant ``variant`` (``launch_config.BWD_VARIANTS``), its call plans
+    kept apart from the default's: selecting a variant makes every plan anew (``use_bwd_variant``), which
+    in steps that alternate would time plan building, so each call swaps in this step's own plan cache
+    and the variant, and puts back the others' after (no plan rebuilt once both are warm)."""
+    from addnorm.ops import functional
+    from addnorm.ops import launch_config as lc
 
+    own = {"plans": {}, "last": (None, None)}
 
-def round_ratios(row: dict, launch_us: float) -> list[float]:
-    """Fused / plain host work in each round, from that round's medians (the two variants timed in the
-    same interleaved round: a paired ratio, which load that drifts between rounds moves less than the
-    best-of-rounds ratio of the table)."""
-    per_round = row["cpu_rounds_ms"]
-    out = []
-    for p, f in zip(per_round["plain"], per_round["fused"], strict=True):
-        work = host_work(row, launch_us, {"plain": p, "fused": f})
-        out.append(work["fused"] / work["plain"])
-    return out
+    def run() -> None:
+        plans, last, previous = functional._PLANS, functional._last, lc.BWD_VARIANT
+        functional._PLANS, functional._last, lc.BWD_VARIANT = own["plans"], own["last"], variant
+        try:
+            step()
+        finally:
+            own["last"] = functional._last
+            functional._PLANS, functional._last, lc.BWD_VARIANT = plans, last, previous
+
+    return run
 
 
 def with_seed_source(step: Callable[[], None], source: str) -> Callable[[], None]:
@@ -382,124 +391,6 @@ def _timer(step: Callable[[], None]) -> Callable[[], float]:
         return time.perf_counter() - t0
 
     return timer
-
-
-def _section(title: str, prose: str, head: str) -> list[str]:
-    """A Markdown section's opening lines: its title, its prose and its table's head (``head`` the
-    columns, ``|``-separated)."""
-    columns = head.count("|") + 1
-    return ["", f"## {title}", "", prose, "", f"| {head} |", "| --- " * columns + "|"]
-
-
-def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_us: float, how: str) -> str:
-    layers = rows[0]["layers"]
-    lines = [
-        "# Host work per training step, plain vs fused: the GPU path's Python on the CPU",
-        "",
-        machine_line(machine),
-        "",
-        f"{layers} layers, hidden {HIDDEN}, {HEADS} heads, FFN {4 * HIDDEN}, vocab {VOCAB}, batch {BATCH} x "
-        f"seq {SEQ}, float32, one torch thread; step = forward + loss + backward + fused AdamW. Fused: the "
-        "op wherever the model can fuse, on its CUDA path (direct launch included) on CPU tensors, "
-        "Triton's driver faked and each kernel a launch that does no work; its backward on several "
-        "programs, their partial parameter gradients summed after it (an aten sum each), as at the H200's "
-        "sizes (`gpu_sized_backward`). CPU ms: this process's CPU "
-        f"time, median of {reps} interleaved steps, best of {rounds} rounds. Python calls: cProfile's count "
-        "in one step. Launches: kernels a GPU would launch (aten ops that run a kernel, plus the op's Triton "
-        f"launches). Host work: CPU ms + launches x L, L = {launch_us:.1f} us a launch ({how}). Target "
-        "(issue 38): fused / plain host work <= 0.9 (HF), <= 1.0 (LM).",
-        "",
-        "| model | plain CPU ms | fused CPU ms | CPU fused / plain | plain launches | fused launches | "
-        "plain host work ms | fused host work ms | host work fused / plain | target | met | plain Python "
-        "calls | fused Python calls | calls fused / plain |",
-        "| --- " * 14 + "|",
-    ]
-    for r in rows:
-        c, calls, la = r["cpu_ms"], r["python_calls"], r["launches"]
-        work = host_work(r, launch_us)
-        ratio = work["fused"] / work["plain"]
-        target = TARGETS[r["model"]]
-        lines.append(
-            f"| {MODELS[r['model']]} | {c['plain']:.2f} | {c['fused']:.2f} | "
-            f"{c['fused'] / c['plain']:.3f}x | "
-            f"{la['plain']} | {la['fused']} | {work['plain']:.2f} | {work['fused']:.2f} | {ratio:.3f}x | "
-            f"<= {target} | {'yes' if ratio <= target else 'NO'} | {calls['plain']} | {calls['fused']} | "
-            f"{calls['fused'] / calls['plain']:.3f}x |"
-        )
-    lines += _section(
-        "Round by round",
-        f"Host work fused / plain in each of the {rounds} rounds (each round's own medians, the variants "
-        "interleaved in it): how far the machine's noise moves the ratio, and in how many rounds the "
-        "target holds.",
-        "model | min | median | max | rounds within target",
-    )
-    for r in rows:
-        per = round_ratios(r, launch_us)
-        met = sum(x <= TARGETS[r["model"]] for x in per)
-        lines.append(
-            f"| {MODELS[r['model']]} | {min(per):.3f}x | {statistics.median(per):.3f}x | {max(per):.3f}x | "
-            f"{met} of {len(per)} |"
-        )
-    floor = [r for r in rows if FLOOR in r["cpu_ms"]]
-    if floor:
-        lines += _section(
-            "The floor: a do-nothing Python op in the op's place",
-            "The fused model with each fused add & norm replaced by an `autograd.Function` that only "
-            "allocates its outputs and gradients (`_Floor`: nothing computed, the fused step's launches "
-            "counted for it): the least any Python op can cost this step. Fused over floor: the op's own "
-            "host code, beyond what calling a Python op at all costs.",
-            "model | floor CPU ms | floor host work / plain | fused host work / plain | "
-            "fused / floor CPU time | floor Python calls",
-        )
-        for r in floor:
-            work, c = host_work(r, launch_us), r["cpu_ms"]
-            lines.append(
-                f"| {MODELS[r['model']]} | {c[FLOOR]:.2f} | {work[FLOOR] / work['plain']:.3f}x | "
-                f"{work['fused'] / work['plain']:.3f}x | {c['fused'] / c[FLOOR]:.3f}x | "
-                f"{r['python_calls'][FLOOR]} |"
-            )
-    seeded = [r for r in rows if PREVIOUS in r["cpu_ms"]]
-    if seeded:
-        lines += _section(
-            "The dropout seed's source, side by side",
-            "The fused step as above (dropout seeds drawn on the host from the generator's Philox state, "
-            "`addnorm.ops.seeds`) and with the previous source (`set_seed_source('randint')`: a one-element "
-            "`torch.randint` on the device per dropout call), timed in the same interleaved rounds.",
-            "model | seeds | CPU ms | launches | host work ms | host work / plain",
-        )
-        for r in seeded:
-            work = host_work(r, launch_us)
-            for k, label in (("fused", "host (default)"), (PREVIOUS, "randint (previous)")):
-                lines.append(
-                    f"| {MODELS[r['model']]} | {label} | {r['cpu_ms'][k]:.2f} | {r['launches'][k]} | "
-                    f"{work[k]:.2f} | {work[k] / work['plain']:.3f}x |"
-                )
-    counted = [r for r in rows if r.get("instructions")]
-    if counted:
-        lines += _section(
-            "Instructions per step (valgrind's callgrind; the same count whatever the machine's load)",
-            "Each variant in its own process under callgrind, counters zeroed after 3 warmup steps, 5 steps "
-            "counted. Host work in instructions: instructions + launches x L x r, r = the plain step's "
-            "instructions per us of its CPU time above.",
-            "model | plain M instr/step | fused M instr/step | fused / plain | host work fused / plain | "
-            "target | met | floor M instr/step | host work floor / plain",
-        )
-        for r in counted:
-            ins, la = r["instructions"], r["launches"]
-            rate = ins["plain"] / (r["cpu_ms"]["plain"] * 1e3)
-            work = {k: ins[k] + la[k] * launch_us * rate for k in ins}
-            ratio, target = work["fused"] / work["plain"], TARGETS[r["model"]]
-            lines.append(
-                f"| {MODELS[r['model']]} | {ins['plain'] / 1e6:.1f} | {ins['fused'] / 1e6:.1f} | "
-                f"{ins['fused'] / ins['plain']:.3f}x | {ratio:.3f}x | <= {target} | "
-                f"{'yes' if ratio <= target else 'NO'} | "
-                + (
-                    f"{ins[FLOOR] / 1e6:.1f} | {work[FLOOR] / work['plain']:.3f}x |"
-                    if FLOOR in ins
-                    else "- | - |"
-                )
-            )
-    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
