@@ -2,7 +2,8 @@
 Shard(1), Shard(-1), Replicate; mixtures on 2-D meshes; uneven shards) gives, gathered, the outputs and
 gradients of the single-process op, on both backends; the sequence-sharded path communicates nothing,
 the hidden-sharded one exactly one collective of the per-row statistics each way; dropout drops the
-whole tensor's elements; bad placements are one clear error.
+whole tensor's elements; bad placements are one clear error. A rank with no columns, and a rank that
+fails inside the collectives: ``test_ops_sharded_faults.py``.
 
 Oracle: the op in this process on the whole tensors (itself tested against float64 in
 ``test_ops_add_norm.py``), and the float64 formula for the cancellation case. Every distributed case
@@ -13,42 +14,33 @@ Triton kernels run through the interpreter where ``TRITON_INTERPRET=1``.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import sys
 import tempfile
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
+from _sharded_cases import (
+    BACKENDS,
+    BENCHMARKS,
+    CONFIGS,
+    SHAPE,
+    TOL,
+    WORLD,
+    _data,
+    _got,
+    _kwargs,
+    single_process,
+)
 from procs import run_jobs, run_spawned  # benchmarks/procs.py
 
 from addnorm.ops import add_norm, add_norm_reference, dropout_keep_mask
 from addnorm.ops import library as lib
-from addnorm.ops.args import XHAT_FROM_S, interpreting
+from addnorm.ops.args import XHAT_FROM_S
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
 
-WORLD = 2
-SHAPE = (2, 5, 9)  # Shard(1) and Shard(-1) split unevenly over 2 ranks (3 + 2 rows, 5 + 4 columns)
-TOL = {"atol": 2e-5, "rtol": 2e-5}
-BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
-
-
-def _triton_interpreted() -> bool:
-    return importlib.util.find_spec("triton") is not None and interpreting()
-
-
-BACKENDS = ["torch"] + (["triton"] if _triton_interpreted() else [])
-
-# the options: Post-LN; Pre-LN with dropout, a ReZero gate and alpha != 1; DeepNorm-like Post-LN with
-# dropout and a LayerScale gate
-CONFIGS = {
-    "post": {"prenorm": False, "dropout_p": 0.0, "gate": None, "alpha": 1.0},
-    "pre-dropout-rezero": {"prenorm": True, "dropout_p": 0.3, "gate": "scalar", "alpha": 0.8},
-    "post-dropout-layerscale": {"prenorm": False, "dropout_p": 0.2, "gate": "vector", "alpha": 1.5},
-}
 # placements of x and residual per mesh: (mesh shape, x placements as (kind, dim))
 LAYOUTS = {
     "Shard(0)": ((2,), [("S", 0)]),
@@ -92,45 +84,6 @@ def _cases() -> dict[str, dict]:
 
 
 CASES = _cases()
-
-
-def _data(case: dict, dtype=torch.float32, offset: float = 3.0, shape: tuple = SHAPE) -> dict:
-    """The case's whole tensors (the same in every process: a fixed generator)."""
-    g = torch.Generator().manual_seed(7)
-    h = shape[-1]
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
-
-    gate = CONFIGS[case["config"]]["gate"]
-    t = {
-        "x": rnd(*shape),
-        "r": rnd(*shape) + offset,
-        "w": 1 + 0.5 * rnd(h),
-        "b": 0.5 * rnd(h),
-        "g": None if gate is None else (rnd(1) if gate == "scalar" else rnd(h)),
-        "dy": rnd(*shape),
-        "ds": rnd(*shape),
-    }
-    return {k: None if v is None else v.to(dtype) for k, v in t.items()}
-
-
-def _kwargs(case: dict) -> dict:
-    c = CONFIGS[case["config"]]
-    return {"norm": case["norm"], "prenorm": c["prenorm"], "alpha": c["alpha"], "dropout_p": c["dropout_p"]}
-
-
-def single_process(case: dict, data: dict) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(outputs, gradients of x, r, w, b, g) of the op on the whole tensors in one process."""
-    names = [n for n in ("x", "r", "w", "b", "g") if data[n] is not None]
-    leaves = {n: data[n].clone().requires_grad_(True) for n in names}
-    out = add_norm(
-        leaves["x"], leaves["r"], leaves["w"], leaves["b"], gate=leaves.get("g"), seed=11,
-        backend=case["backend"], **_kwargs(case),
-    )  # fmt: skip
-    outs = list(out) if isinstance(out, tuple) else [out]
-    grads = torch.autograd.grad(outs, [leaves[n] for n in names], [data["dy"], data["ds"]][: len(outs)])
-    return [o.detach() for o in outs], list(grads)
 
 
 # --- what each rank runs --------------------------------------------------------------------------------
@@ -348,12 +301,6 @@ def results():
         yield torch.load(out, weights_only=False)
 
 
-def _got(results, name):
-    got = results[name]
-    assert not isinstance(got, str), f"{name}: {got}"
-    return got
-
-
 # --- the distributed cases ------------------------------------------------------------------------------
 
 
@@ -543,147 +490,3 @@ def test_the_communication_benchmark_runs_and_counts_bytes(bench_module, tmp_pat
         assert r["fwd_ms"] > 0 and r["fwd+bwd_ms"] > 0
     md = (tmp_path / "sharded_cpu.md").read_text()
     assert "| shape (B, T, H) |" in md and "gather from Shard(-1)" in md
-
-
-# --- a rank with no columns, and a rank that fails inside the collectives ---------------------------------
-
-# hidden sizes whose column shards over 2 ranks leave one rank with nothing (1: 1 + 0, as 5 or 6 over 4
-# ranks do) or uneven (3: 2 + 1)
-EMPTY_SHARDS = {
-    f"{backend}-h{h}-{norm}-{config}": {"backend": backend, "norm": norm, "config": config, "hidden": h}
-    for backend in BACKENDS
-    for h in (1, 3)
-    for norm in ("layernorm", "rmsnorm")
-    for config in ("pre-dropout-rezero", "post-dropout-layerscale")
-}
-FAULTS = ("a rank's columns disagree with its shard", "forward fails on rank 0", "backward fails on rank 1")
-
-
-def run_empty_shard(case: dict) -> dict:
-    """x, residual, weight, bias and gate sharded on the hidden dimension of (2, 3, hidden): the gathered
-    outputs and gradients."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    mesh = init_device_mesh("cpu", (2,))
-    shape = (2, 3, case["hidden"])
-    data = _data(case, shape=shape)
-    names = [n for n in ("x", "r", "w", "b", "g") if data[n] is not None]
-    leaves = {}
-    for n in names:
-        pl = [Shard(2)] if n in ("x", "r") else [Replicate() if data[n].numel() == 1 else Shard(0)]
-        leaves[n] = distribute_tensor(data[n], mesh, pl).requires_grad_(True)
-    out = add_norm(
-        leaves["x"], leaves["r"], leaves["w"], leaves["b"], gate=leaves.get("g"), seed=11,
-        backend=case["backend"], **_kwargs(case),
-    )  # fmt: skip
-    outs = list(out) if isinstance(out, tuple) else [out]
-    dout = [distribute_tensor(data[k], mesh, [Shard(2)]) for k in ("dy", "ds")][: len(outs)]
-    grads = torch.autograd.grad(outs, [leaves[n] for n in names], dout)
-    return {"outs": [o.full_tensor() for o in outs], "grads": [g.full_tensor() for g in grads]}
-
-
-def run_fault(name: str) -> list[str]:
-    """Every rank's error (type: first line) for a call that fails on one rank only, then a good call on
-    the same group (which must still work: every rank left the failed call after the same collective)."""
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-
-    from addnorm.ops import sharded
-
-    rank = dist.get_rank()
-    mesh = init_device_mesh("cpu", (2,))
-    data = _data({"config": "post"})
-    x, r = (distribute_tensor(data[k], mesh, [Shard(2)]).requires_grad_(True) for k in ("x", "r"))
-    norm = "rmsnorm" if name == "forward fails on rank 0" else "layernorm"
-
-    def fail(*args):
-        raise RuntimeError(f"injected on rank {rank}")
-
-    saved = sharded._stats_torch, sharded._sums_torch
-    try:
-        if name == "a rank's columns disagree with its shard":  # 5 + 4 columns, rank 1 holding 3
-            local = x.to_local()[..., :3] if rank == 1 else x.to_local()
-            stride = torch.empty(SHAPE, device="meta").stride()
-            x = DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=SHAPE, stride=stride)
-            r = DTensor.from_local(local, mesh, [Shard(2)], run_check=False, shape=SHAPE, stride=stride)
-        elif name == "forward fails on rank 0" and rank == 0:
-            sharded._stats_torch = fail
-        elif name == "backward fails on rank 1" and rank == 1:
-            sharded._sums_torch = fail
-        y = add_norm(x, r, None, norm=norm, backend="torch")
-        y.to_local().sum().backward()
-        error = "no error"
-    except Exception as e:  # the test reads every rank's type and message
-        error = f"{type(e).__name__}: {str(e).splitlines()[0]}"
-    finally:
-        sharded._stats_torch, sharded._sums_torch = saved
-    errors = [None, None]
-    dist.all_gather_object(errors, error)
-    x, r = (distribute_tensor(data[k], mesh, [Shard(2)]) for k in ("x", "r"))
-    good = add_norm(x, r, None, norm=norm, backend="torch").full_tensor()
-    torch.testing.assert_close(good, add_norm(data["x"], data["r"], None, norm=norm, backend="torch"))
-    return errors
-
-
-def _fault_worker(rank: int, port: int, out: str) -> None:
-    import datetime
-
-    torch.set_num_threads(1)
-    warnings.simplefilter("ignore")
-    sys.path.insert(0, BENCHMARKS)
-    import torch.distributed as dist
-
-    # a rank left waiting in a collective errors after this long instead of gloo's 30 minutes (what the
-    # tests see without the fix; with it, no rank waits for one that has left)
-    timeout = datetime.timedelta(seconds=90)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD, timeout=timeout
-    )
-    jobs = {name: (lambda c=case: run_empty_shard(c)) for name, case in EMPTY_SHARDS.items()}
-    jobs.update({name: (lambda n=name: run_fault(n)) for name in FAULTS})
-    run_jobs(jobs, rank, out, barrier=False)  # a fault leaves a rank out of any barrier
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def fault_results():
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "results.pt")
-        run_spawned(_fault_worker, out, nprocs=WORLD, deadline=900.0)
-        yield torch.load(out, weights_only=False)
-
-
-@pytest.mark.parametrize("name", list(EMPTY_SHARDS))
-def test_a_rank_with_no_columns_takes_part_and_the_call_equals_one_process(fault_results, name):
-    """Hidden 1 over 2 ranks (one rank holds no column, as hidden 5 or 6 over 4 ranks leaves one) and 3
-    over 2 (2 + 1), both backends, forward and backward: the one-process op's outputs and gradients, to
-    within twice the one-process fp32 op's own distance from the float64 op (LayerNorm of one column is
-    degenerate: x_hat is 0 and rstd 1 / sqrt(eps) magnifies rounding)."""
-    case = EMPTY_SHARDS[name]
-    got = _got(fault_results, name)
-    shape = (2, 3, case["hidden"])
-    outs, grads = single_process(case, _data(case, shape=shape))
-    outs64, grads64 = single_process({**case, "backend": "torch"}, _data(case, torch.float64, shape=shape))
-    for a, b, ref in zip(got["outs"] + got["grads"], outs + grads, outs64 + grads64, strict=True):
-        err, base = (a.double() - ref).abs().max().item(), (b.double() - ref).abs().max().item()
-        assert err <= 2 * base + TOL["atol"] * max(1.0, ref.abs().max().item()), (err, base)
-
-
-@pytest.mark.parametrize("name", FAULTS)
-def test_a_rank_that_fails_inside_the_collectives_is_an_error_on_every_rank(fault_results, name):
-    """A failure on one rank before a collective (its columns not DTensor's shard; a failure injected
-    into the forward's statistics or the backward's row sums) is that rank's own error and, on the other
-    rank, an error naming it, after the same collective; the group then runs a good call."""
-    errors = _got(fault_results, name)
-    failing = {"a rank's columns disagree with its shard": 1, "forward fails on rank 0": 0}.get(name, 1)
-    own = {
-        "a rank's columns disagree with its shard": "ValueError: x: this rank holds 3 of the 9 columns",
-        "forward fails on rank 0": "RuntimeError: injected on rank 0",
-        "backward fails on rank 1": "RuntimeError: injected on rank 1",
-    }[name]
-    assert errors[failing].startswith(own), errors
-    other = errors[1 - failing]
-    assert other.startswith("RuntimeError: add_norm: "), errors
-    assert ("another rank" if name != "a rank's columns disagree with its shard" else "rank 1") in other
