@@ -7,7 +7,8 @@ by transformers' own ``tp_plan`` and then fused train like the unfused TP model;
 TP+SP step are exactly those of the tensor-parallel sublayers and every add runs fused on the sequence
 shards (CommDebugMode); a gathered state dict of a TP model loads into a plain one; context parallel
 where torch can run it. All cases run in one spawn of 2 processes (1 thread each, a free loopback
-port, a bounded wait).
+port, a bounded wait). The models: ``_tp_models.py``; the positions context parallel relies on:
+``test_tensor_parallel_positions.py``.
 """
 
 from __future__ import annotations
@@ -23,13 +24,25 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tp_models import (
+    LAYERS,
+    VOCAB,
+    WORLD,
+    fsdp_over_tp,
+    lm,
+    meta_built,
+    off_on_rank_1,
+    parallel,
+    perturbed,
+    tp_mesh,
+)
 from procs import run_spawned  # benchmarks/procs.py
 from torch import nn
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
 
-WORLD, STEPS, VOCAB, BATCH, SEQ, TOL = 2, 3, 50, 4, 9, 1e-5
-LAYERS = 3
+STEPS, BATCH, SEQ, TOL = 3, 4, 9, 1e-5
+
 # Qwen3: per-head q/k norms; Gemma 2: sandwich norms; Phi-1/2, Cohere: parallel blocks
 HF_TYPES = ["llama", "qwen3", "gemma2", "phi", "cohere"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,78 +57,6 @@ def _has_transformers() -> bool:
 
 
 # --- the models --------------------------------------------------------------------------------------
-
-
-def lm(
-    placement: str = "pre", norm: str = "layernorm", *, tie: bool = False, device=None, **options
-) -> nn.Module:
-    """addnorm's LanguageModel, its 1-D parameters (norm gains and biases, gates) moved off their
-    initial values so that a norm or gate applied wrongly shows."""
-    from addnorm.model import LanguageModel, TransformerConfig
-
-    torch.manual_seed(0)
-    sizes = {"d_model": 16, "n_heads": 2, "d_ff": 32, "n_layers": LAYERS, "max_len": 16, "dropout": 0.0}
-    cfg = TransformerConfig(placement=placement, norm=norm, **(sizes | options))
-    model = LanguageModel(cfg, VOCAB, tie_embeddings=tie, device=device)
-    return model if device == "meta" else perturbed(model)
-
-
-def perturbed(model: nn.Module) -> nn.Module:
-    """Noise on every 1-D parameter (norm gains and biases, gates), in place."""
-    gen = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.add_(0.3 * torch.randn(p.shape, generator=gen))
-    return model
-
-
-def off_on_rank_1(model: nn.Module) -> nn.Module:
-    """On rank 1, every parameter and buffer changed (a model built differently there)."""
-    if torch.distributed.get_rank() == 1:
-        with torch.no_grad():
-            for t in (*model.parameters(), *model.buffers()):
-                t.add_(0.5)
-    return model
-
-
-def tp_mesh():
-    from torch.distributed.device_mesh import init_device_mesh
-
-    return init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
-
-
-def parallel(model: nn.Module, **options) -> nn.Module:
-    from addnorm import parallelize
-
-    return parallelize(model, tp_mesh(), **options)
-
-
-def fsdp_over_tp(model: nn.Module) -> nn.Module:
-    """TP on the mesh's "tp" dimension, then FSDP2 (per layer and root) on its "dp" dimension."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from addnorm import parallelize
-
-    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
-    parallelize(model, mesh)
-    for layer in model.layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    return fully_shard(model, mesh=mesh["dp"])
-
-
-def meta_built(placement: str) -> nn.Module:
-    """Built on the meta device, parallelized, ``to_empty`` on the CPU, its position table recomputed,
-    then the reference's weights loaded as a full state dict (each rank keeps its shards)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    from addnorm.model import reset_buffers
-
-    model = parallel(lm(placement, device="meta"))
-    reset_buffers(model.to_empty(device="cpu"))
-    set_model_state_dict(model, lm(placement).state_dict(), options=StateDictOptions(full_state_dict=True))
-    return model
 
 
 # name -> (the one-process reference, the model each rank trains)
@@ -562,41 +503,6 @@ def test_context_parallel_trains_like_one_process_where_torch_runs_it(results):
     reference = train(lm("pre"), batch())[0]
     for losses in got:
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), atol=TOL, rtol=0)
-
-
-def test_positions_pick_rows_of_the_position_table():
-    """What context parallel relies on: a sequence shard embedded at its own positions is those rows of
-    the whole sequence's embedding (each kind of position encoding)."""
-    ids = torch.randint(0, VOCAB, (2, 10), generator=torch.Generator().manual_seed(2))
-    chunks = torch.tensor([0, 1, 8, 9, 2, 3, 6, 7])  # load-balanced shards: chunks from both ends
-    for kind in ("sinusoidal", "learned", "none"):
-        model = lm(positional=kind).eval()
-        whole = model.embed(ids, "tokens")
-        torch.testing.assert_close(
-            model.embed(ids[:, chunks], "tokens", chunks), whole[:, chunks], atol=0, rtol=0
-        )
-        per_row = chunks.expand(2, -1)
-        torch.testing.assert_close(
-            model.embed(ids[:, chunks], "tokens", per_row), whole[:, chunks], atol=0, rtol=0
-        )
-        torch.testing.assert_close(model(ids, positions=torch.arange(10)), model(ids), atol=0, rtol=0)
-
-
-@pytest.mark.parametrize(
-    ("positions", "message"),
-    [
-        (
-            torch.arange(9),
-            r"^positions: expected integer positions of shape \(seq,\) or \(batch, seq\) like the "
-            r"tokens' \(2, 10\), got dtype torch.int64, shape \(9,\)$",
-        ),
-        (torch.arange(10.0), r"^positions: expected integer positions .* got dtype torch.float32"),
-        (torch.arange(10) + 10, r"^positions: position 19 is outside the table of 16 positions \(max_len=16"),
-    ],
-)
-def test_bad_positions_are_one_line_errors(positions, message):
-    with pytest.raises(ValueError, match=message):
-        lm()(torch.zeros(2, 10, dtype=torch.long), positions=positions)
 
 
 def test_the_readme_example_runs_under_torchrun():
