@@ -23,10 +23,9 @@ backward, median time per call (CUDA events) of
   norm in one kernel) where it imports;
 - ``addnorm``: the fused op's Triton kernels (``backend="triton"``: the table times the kernels, not
   the policy's choice, which for some shapes is the torch path), its default backward variant
-  (``launch_config.BWD_VARIANT``); ``addnorm_<variant>``: the same with each backward variant that is
-  not the default (``launch_config.BWD_VARIANTS``: "slices", each column slice reading the row's other
-  slices for the row sums, or "row_sums", a row-sums pre-pass, then column slices reading only their
-  own columns; with "row_sums" the default the column is ``addnorm_slices``), selected around its
+  (``launch_config.BWD_VARIANT``); ``addnorm_<variant>``: the same with each candidate backward variant
+  (``launch_config.BWD_CANDIDATES``: today "kernel_sums", the partial parameter gradients added up in
+  the kernel; recorded tables also hold "slices" and "row_sums", earlier defaults), selected around its
   calls only (the plans made again outside the timed call), so the default and the variant it
   replaced are timed in one run and the targets judged for each, and a later change of default needs
   no edit here; ``--impls ... addnorm_compiled``: the op under torch.compile with its Triton kernels
@@ -98,9 +97,9 @@ DTYPES = {
 # every backward variant's column (launch_config.BWD_VARIANTS) as a report may hold it: one recorded
 # under an earlier default has another than this run's (the H200 tables at 7722722: addnorm_row_sums)
 VARIANT_COLUMNS = {f"addnorm_{v}": v for v in lc.BWD_VARIANTS}
-# the op's eager columns and the backward variant each times: "addnorm" the default, then each other
-# variant in its own column, so that whichever is the default the others stay timed beside it
-OPS = {"addnorm": lc.BWD_VARIANT} | {k: v for k, v in VARIANT_COLUMNS.items() if v != lc.BWD_VARIANT}
+# the op's eager columns and the backward variant each times: "addnorm" the default, then each candidate
+# (launch_config.BWD_CANDIDATES) in its own column, timed beside the default until a measurement decides
+OPS = {"addnorm": lc.BWD_VARIANT} | {f"addnorm_{v}": v for v in lc.BWD_CANDIDATES if v != lc.BWD_VARIANT}
 IMPLS = (*OPS, "eager", "compiled", "liger", "flash_attn", "addnorm_compiled")
 GPU_IMPLS = (*OPS, "eager", "compiled", "liger", "flash_attn")
 # a report's columns in table order, the variant columns of earlier defaults included

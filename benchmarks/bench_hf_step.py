@@ -38,6 +38,7 @@ import torch
 from machine import device_slug, machine_info, machine_line, package_version, write_results
 from results_path import add_out_argument
 from timing import interleaved, paired_speedup, peak_apart, resident_bytes
+from variant_plans import BackwardVariant
 
 import addnorm.hf as anhf
 from addnorm.ops import policy
@@ -122,10 +123,14 @@ def _gc_off():
 # time the fused (and Liger's) eager step lost on the H200 with its kernels idle half the step: the
 # backward of a Python autograd.Function runs on the CUDA device's autograd thread, which must take the
 # GIL (the plain step's backward is all C++ nodes); a garbage collection inside the step (the fused
-# step makes more Python objects, autograd contexts among them)
+# step makes more Python objects, autograd contexts among them); the aten sums of the backward's
+# partial parameter gradients (a launch each)
 SWITCHES = {
     "backward on the calling thread": lambda: torch.autograd.set_multithreading_enabled(False),
     "gc off in the step": _gc_off,
+    # the candidate backward variant (launch_config.BWD_CANDIDATES): the partial parameter gradients added
+    # up in the kernel, no aten sum per parameter after it (plain runs no add & norm: its row is a control)
+    'backward "kernel_sums"': BackwardVariant("kernel_sums"),
 }
 
 

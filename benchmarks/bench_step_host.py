@@ -72,6 +72,7 @@ from step_host_report import (  # noqa: E402
     to_markdown,
 )  # fmt: skip
 from timing import interleaved  # noqa: E402
+from variant_plans import BackwardVariant  # noqa: E402
 
 import addnorm as an  # noqa: E402
 from addnorm.ops import policy, seeds  # noqa: E402
@@ -282,36 +283,48 @@ def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS
 
 
 def instructions(name: str, layers: int, steps: int = 5) -> dict[str, float]:
-    """Instructions per step (plain, fused, the floor) as valgrind's callgrind counts them: each variant in a
-    process of its own under callgrind, its counters zeroed after the warmup steps and dumped after
-    ``steps`` more (``callgrind_control``), so imports and building are not counted. The same count for
-    the same code and inputs whatever else the machine is doing: the host work that CPU time measures
-    only as well as the machine is quiet."""
+    """Instructions per step (plain, fused, the floor, the fused step with the backward variant
+    "kernel_sums") as valgrind's callgrind counts them: each variant in a process of its own under
+    callgrind (as many at once as the machine has cores: a count does not depend on the load), its
+    counters zeroed after the warmup steps and dumped after ``steps`` more (``callgrind_control``), so
+    imports and building are not counted. The same count for the same code and inputs whatever else
+    the machine is doing: the host work that CPU time measures only as well as the machine is quiet."""
     import shutil
     import subprocess
     import tempfile
 
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise SystemExit("--instructions: needs valgrind (callgrind and callgrind_control)")
+    variants = ["plain", "fused", FLOOR, KERNEL_SUMS]
     out = {}
-    for variant in ("plain", "fused", FLOOR):
-        with tempfile.TemporaryDirectory() as tmp:
-            env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
-            argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={tmp}/cg.%p", sys.executable,
-                    __file__, "--child", name, variant, str(layers), str(steps), tmp]  # fmt: skip
-            proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-            _reached(proc, f"{tmp}/warm", variant)
-            subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
-            open(f"{tmp}/go", "w").close()
-            _reached(proc, f"{tmp}/done", variant)
-            subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
-            open(f"{tmp}/exit", "w").close()
-            proc.wait()
-            (dump,) = [f for f in os.listdir(tmp) if f.startswith("cg.") and f.endswith(".1")]
-            with open(f"{tmp}/{dump}") as f:
-                summary = next(line for line in f if line.startswith("summary:"))
-            out[variant] = int(summary.split()[1]) / steps
+    with tempfile.TemporaryDirectory() as tmp:
+        while variants:
+            batch, variants = variants[: os.cpu_count() or 1], variants[os.cpu_count() or 1 :]
+            procs = {}
+            for i, variant in enumerate(batch):
+                folder = f"{tmp}/{i}-{len(variants)}"
+                os.mkdir(folder)
+                env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
+                argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={folder}/cg.%p",
+                        sys.executable, __file__, "--child", name, variant, str(layers), str(steps),
+                        folder]  # fmt: skip
+                procs[variant] = (
+                    folder,
+                    subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+                )
+            for variant, (folder, proc) in procs.items():
+                _reached(proc, f"{folder}/warm", variant)
+                subprocess.run(["callgrind_control", "-z", str(proc.pid)], check=True, capture_output=True)
+                open(f"{folder}/go", "w").close()
+            for variant, (folder, proc) in procs.items():
+                _reached(proc, f"{folder}/done", variant)
+                subprocess.run(["callgrind_control", "-d", str(proc.pid)], check=True, capture_output=True)
+                open(f"{folder}/exit", "w").close()
+                proc.wait()
+                (dump,) = [f for f in os.listdir(folder) if f.startswith("cg.") and f.endswith(".1")]
+                with open(f"{folder}/{dump}") as f:
+                    summary = next(line for line in f if line.startswith("summary:"))
+                out[variant] = int(summary.split()[1]) / steps
     return out
 
 
@@ -337,6 +350,10 @@ def _child(name: str, variant: str, layers: int, steps: int, folder: str) -> Non
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, VOCAB, (BATCH, SEQ + 1), generator=gen)
+    if variant == KERNEL_SUMS:
+        from addnorm.ops import launch_config as lc
+
+        lc.use_bwd_variant("kernel_sums")
     with policy.fusion("always"), faked_launches(), gpu_sized_backward():
         model = build(name, variant != "plain", layers)
         step = make_step(name, floored(model) if variant == FLOOR else model, tokens)
@@ -351,23 +368,13 @@ def _child(name: str, variant: str, layers: int, steps: int, folder: str) -> Non
 
 
 def with_variant(step: Callable[[], None], variant: str) -> Callable[[], None]:
-    """``step`` with the op's backward variant ``variant`` (``launch_config.BWD_VARIANTS``), its call plans
-    kept apart from the default's: selecting a variant makes every plan anew (``use_bwd_variant``), which
-    in steps that alternate would time plan building, so each call swaps in this step's own plan cache
-    and the variant, and puts back the others' after (no plan rebuilt once both are warm)."""
-    from addnorm.ops import functional
-    from addnorm.ops import launch_config as lc
-
-    own = {"plans": {}, "last": (None, None)}
+    """``step`` with the op's backward variant ``variant``, its call plans kept apart from the default's
+    (:class:`variant_plans.BackwardVariant`: no plan rebuilt in a timed step)."""
+    switch = BackwardVariant(variant)
 
     def run() -> None:
-        plans, last, previous = functional._PLANS, functional._last, lc.BWD_VARIANT
-        functional._PLANS, functional._last, lc.BWD_VARIANT = own["plans"], own["last"], variant
-        try:
+        with switch:
             step()
-        finally:
-            own["last"] = functional._last
-            functional._PLANS, functional._last, lc.BWD_VARIANT = plans, last, previous
 
     return run
 

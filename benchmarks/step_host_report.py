@@ -182,21 +182,21 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
             "counted. Host work in instructions: instructions + launches x L x r, r = the plain step's "
             "instructions per us of its CPU time above.",
             "model | plain M instr/step | fused M instr/step | fused / plain | host work fused / plain | "
-            "target | met | floor M instr/step | host work floor / plain",
+            'target | met | floor M instr/step | host work floor / plain | "kernel_sums" M instr/step | '
+            'host work "kernel_sums" / plain',
         )
         for r in counted:
             ins, la = r["instructions"], r["launches"]
             rate = ins["plain"] / (r["cpu_ms"]["plain"] * 1e3)
             work = {k: ins[k] + la[k] * launch_us * rate for k in ins}
             ratio, target = work["fused"] / work["plain"], TARGETS[r["model"]]
+            extra = [
+                f"{ins[k] / 1e6:.1f} | {work[k] / work['plain']:.3f}x |" if k in ins else "- | - |"
+                for k in (FLOOR, KERNEL_SUMS)
+            ]
             lines.append(
                 f"| {MODELS[r['model']]} | {ins['plain'] / 1e6:.1f} | {ins['fused'] / 1e6:.1f} | "
                 f"{ins['fused'] / ins['plain']:.3f}x | {ratio:.3f}x | <= {target} | "
-                f"{'yes' if ratio <= target else 'NO'} | "
-                + (
-                    f"{ins[FLOOR] / 1e6:.1f} | {work[FLOOR] / work['plain']:.3f}x |"
-                    if FLOOR in ins
-                    else "- | - |"
-                )
+                f"{'yes' if ratio <= target else 'NO'} | " + " ".join(extra)
             )
     return "\n".join(lines) + "\n"

@@ -60,12 +60,14 @@ def backend_env(monkeypatch):
     policy.read_backend_env()
 
 
-@pytest.fixture(params=["slices", "row_sums"])
+@pytest.fixture(params=["slices", "row_sums", "kernel_sums"])
 def small_chunks(request, monkeypatch):
     """Launch configurations that chunk rows wider than 32 columns (fwd) / 16 (bwd, the register-heavy
     variants too), so the chunked kernels run on small shapes in the interpreter; once per backward
     variant (``launch_config.BWD_VARIANTS``: the slices reading each other for the row sums, or the
-    row-sums pre-pass, in tiles of two rows, then slices of two rows). Yields ``launch_config``."""
+    row-sums pre-pass, in tiles of two rows, then slices of two rows; or that with the partial sums
+    added up in the kernel, in groups of two programs, so that there are several groups). Yields
+    ``launch_config``."""
     from addnorm.ops import launch_config as k
     from addnorm.ops import policy, triton_launch
 
@@ -79,6 +81,7 @@ def small_chunks(request, monkeypatch):
     monkeypatch.setattr(k, "BWD_ROW_SUMS_MIN_HEAVY", 16)
     monkeypatch.setattr(k, "BWD_ROW_SUMS_SLICE", k.Launch(2, 16, True, 4))
     monkeypatch.setattr(k, "BWD_ONE_PROGRAM_TILES", 0)  # several programs and their partial sums
+    monkeypatch.setattr(k, "BWD_FINISH_GROUP", 2)  # "kernel_sums": the interpreter's 4 programs, 2 groups
     previous = k.use_bwd_variant(request.param)  # invalidates the cached call plans: they hold specs
     triton_launch.clear_caches()
     yield k

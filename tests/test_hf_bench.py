@@ -125,24 +125,30 @@ def test_diagnostic_switches_are_on_during_the_step_only(bench):
 
     import torch
 
+    from addnorm.ops import launch_config as lc
+
+    default = lc.BWD_VARIANT
     setup = bench.Setup(**TINY)
     model = bench.build("plain", setup, torch.device("cpu"))
     tokens = bench.tokens_for(setup, torch.device("cpu"))
     seen = []
     param = next(model.parameters())
-    param.register_hook(lambda g: seen.append((torch._C._is_multithreading_enabled(), gc.isenabled())))
+    param.register_hook(
+        lambda g: seen.append((torch._C._is_multithreading_enabled(), gc.isenabled(), lc.BWD_VARIANT))
+    )
     expected = {
-        None: (True, True),
-        "backward on the calling thread": (False, True),
-        "gc off in the step": (True, False),
+        None: (True, True, default),
+        "backward on the calling thread": (False, True, default),
+        "gc off in the step": (True, False, default),
+        'backward "kernel_sums"': (True, True, "kernel_sums"),
     }
     assert set(expected) - {None} == set(bench.SWITCHES)
-    for switch, (threads, collector) in expected.items():
+    for switch, state in expected.items():
         seen.clear()
         step = bench.make_step(model, tokens, gpu=False, compiled=False, switch=switch)
         assert step() > 0
-        assert seen == [(threads, collector)]
-        assert torch._C._is_multithreading_enabled() and gc.isenabled()
+        assert seen == [state]
+        assert torch._C._is_multithreading_enabled() and gc.isenabled() and lc.BWD_VARIANT == default
 
 
 def test_gpu_table_reports_each_diagnostic_against_the_step_without_it(bench):
