@@ -11,7 +11,7 @@ group when it runs over; the next step still runs):
    them, launches, synchronisations, addnorm's own Python) and kept as one gzipped Chrome trace;
 3. ``ops``: the op table (``bench_add_norm.py``: bf16, LayerNorm and RMSNorm, Pre-LN and Post-LN,
    dropout 0 and 0.1, hidden 256 ... 16384; eager, torch.compile, Liger where it imports, addnorm with
-   its default backward variant and, in a column of its own, each other one; fwd and fwd+bwd as % of
+   its default backward variant and, in a column of its own, each candidate (``BWD_CANDIDATES``); fwd and fwd+bwd as % of
    the same run's copy bandwidth), shapes compiled first in parallel processes and reps sized to the
    step's budget;
 4. ``host_overhead``: host time per call with real launches (``bench_host_overhead.py``);
@@ -136,7 +136,7 @@ def plan(py: str = sys.executable) -> list[Step]:
             "ops",
             "op table: bf16, LayerNorm/RMSNorm, Pre-/Post-LN, dropout 0/0.1, hidden 256-16384; eager, "
             "torch.compile, Liger, addnorm's kernels with each backward variant (addnorm: the default; "
-            "addnorm_<variant>: each other one); fwd and fwd+bwd vs copy",
+            "addnorm_<variant>: each candidate, today kernel_sums); fwd and fwd+bwd vs copy",
             [py, f"{b}/bench_add_norm.py", "--budget", "100", "--warm", "8", "--warm-timeout", "50",
              "--reps", "30", "--min-reps", "5", "--out", OUT_TOKEN],
             115, tables=("add_norm",),
