@@ -29,6 +29,8 @@ uninterrupted study's (every run's status, final numbers and per-step metrics, e
   too big for the memory and evaluation beyond the held-out data: one line, exit 2.
 
 Writes ``benchmarks/results/fault_trials.md`` and ``.json`` (tried / held per fault, the machine).
+The study the trials run and what they read back from it: ``fault_trial_study.py``; the storage trials:
+``fault_trial_storage.py``.
 """
 
 from __future__ import annotations
@@ -38,8 +40,6 @@ import contextlib
 import http.server
 import os
 import random
-import re
-import resource
 import shutil
 import signal
 import socket
@@ -50,12 +50,25 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from fault_trial_storage import full_disk, read_only, storage  # noqa: E402
+from fault_trial_study import (  # noqa: E402
+    OTHER,
+    RUNS,
+    SPEC,
+    TINY,
+    Context,
+    finished,
+    report_whole,
+    resume_equals_reference,
+    signature,
+    stored_values_match,
+    summary,
+)
 from procs import alive, children, free_port, parent, pool_workers  # noqa: E402
 from results_path import add_record_argument, out_dir  # noqa: E402
 from study_faults import (  # noqa: E402
@@ -63,117 +76,18 @@ from study_faults import (  # noqa: E402
     SPEC_ERRORS,
     NotHeld,
     addnorm,
-    break_storage,
     check,
     check_interrupted,
     interrupt,
     no_orphans,
     one_line,
     study_cmd,
-    unprivileged,
     wait_for,
     write_spec,
 )
 
-TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=30, batch_size=4, seq_len=16, eval_every=10)
-RUNS = 6
-SPEC = {"name": "faults", "base": TINY, "experiments": {"main": {"sweep": {"seed": list(range(RUNS))}}}}
-OTHER = {"name": "other", "base": TINY, "experiments": {"side": {"sweep": {"seed": [10, 11, 12]}}}}
 TWO_RANKS = {**TINY, "steps": 2000, "eval_every": 0, "distributed": {"strategy": "ddp", "nproc": 2}}
 WAIT = 30.0  # seconds any single wait of a trial may take before it counts as not held
-
-
-# --- helpers ---------------------------------------------------------------------------------------
-def finished(db: Path) -> set[str]:
-    """Run ids stored as done or diverged (read-only, while a study may be writing)."""
-    if not db.is_file():
-        return set()
-    for _ in range(50):
-        try:
-            con = sqlite3.connect(f"{db.absolute().as_uri()}?mode=ro", uri=True, timeout=5)
-            try:
-                rows = con.execute("SELECT id FROM runs WHERE status IN ('done', 'diverged')").fetchall()
-                return {r[0] for r in rows}
-            finally:
-                con.close()
-        except sqlite3.OperationalError:  # the schema not written yet, or a moment's lock
-            time.sleep(0.05)
-    return set()
-
-
-def signature(db: Path) -> dict:
-    """What an uninterrupted study must equal: per stored run its status, final numbers and every
-    per-step and per-layer metric (no wall times, dates or provenance)."""
-    con = sqlite3.connect(f"{db.absolute().as_uri()}?mode=ro", uri=True)
-    try:
-        out = {}
-        for row in con.execute(
-            "SELECT id, status, steps_done, diverged_step, final_train_loss, final_val_loss, "
-            "final_val_metric FROM runs"
-        ):
-            metrics = con.execute(
-                "SELECT step, name, value FROM metrics WHERE run_id = ? ORDER BY step, name", (row[0],)
-            ).fetchall()
-            layers = con.execute(
-                "SELECT step, layer, sublayer, metric, param, value FROM layer_metrics WHERE run_id = ? "
-                "ORDER BY step, layer, sublayer, metric, param",
-                (row[0],),
-            ).fetchall()
-            out[row[0]] = (row[1:], metrics, layers)
-        return out
-    finally:
-        con.close()
-
-
-def summary(stdout: str) -> tuple[int, int, int]:
-    """(runs, already stored, run now) from the study's summary line."""
-    m = re.search(r"(\d+) runs \((\d+) already stored, (\d+) run now", stdout)
-    check(m is not None, f"no summary line in {stdout[-300:]!r}")
-    return int(m[1]), int(m[2]), int(m[3])
-
-
-def report_whole(out: Path) -> None:
-    report = out / "report.html"
-    if report.exists():
-        text = report.read_text(errors="replace")
-        check(text.rstrip().endswith("</html>"), "report.html is not whole")
-
-
-@dataclass
-class Context:
-    root: Path
-    reference: dict = field(default_factory=dict)
-    reference_other: dict = field(default_factory=dict)
-    spec: Path | None = None
-    other: Path | None = None
-
-
-def resume_equals_reference(ctx: Context, out: Path, stored: set[str], *extra: str) -> str:
-    """The same command again: it reports the runs stored at the fault as already stored, trains
-    only the rest, exits 0, and its database equals the uninterrupted study's."""
-    again = subprocess.run(
-        study_cmd(ctx.spec, out, "--quiet", *extra), env=ENV, capture_output=True, text=True, timeout=600
-    )
-    check(again.returncode == 0, f"resume exit {again.returncode}: {again.stderr[-400:]}")
-    total, skipped, ran = summary(again.stdout)
-    check(
-        (total, skipped, ran) == (RUNS, len(stored), RUNS - len(stored)),
-        f"resume: {skipped} already stored and {ran} run now, but {len(stored)} were stored",
-    )
-    check(
-        signature(out / "study.sqlite") == ctx.reference,
-        "the resumed database differs from an uninterrupted one",
-    )
-    report_whole(out)
-    return f"{len(stored)} stored at the fault"
-
-
-def stored_values_match(ctx: Context, out: Path) -> set[str]:
-    stored = finished(out / "study.sqlite")
-    got = signature(out / "study.sqlite") if stored else {}
-    for run_id in stored:
-        check(got[run_id] == ctx.reference[run_id], f"stored run {run_id} differs from the uninterrupted one")
-    return stored
 
 
 # --- the trials -------------------------------------------------------------------------------------
@@ -336,153 +250,6 @@ def dead_worker(ctx: Context, out: Path) -> str:
     check(summary(stdout)[2] == RUNS, "not every run ran")
     check(signature(out / "study.sqlite") == ctx.reference, "database differs")
     return "pool replaced, every run done"
-
-
-def storage(ctx: Context, out: Path, fault: str) -> str:
-    def finished_study() -> None:
-        done = subprocess.run(study_cmd(ctx.spec, out, "--quiet"), env=ENV, capture_output=True, timeout=600)
-        check(done.returncode == 0, "setup failed")
-
-    if fault == "locked database":
-        out.mkdir()
-        finished_study()
-        holder = sqlite3.connect(out / "study.sqlite", timeout=0)
-        holder.execute("BEGIN EXCLUSIVE")
-        try:
-            start = time.monotonic()
-            result = subprocess.run(
-                study_cmd(ctx.spec, out, "--quiet"), env=ENV, capture_output=True, text=True, timeout=600
-            )
-            took = time.monotonic() - start
-        finally:
-            holder.rollback()
-            holder.close()
-        line = one_line(result.stderr, "error: storage fault: ")
-        check(result.returncode == 4, f"exit {result.returncode}")
-        check(signature(out / "study.sqlite") == ctx.reference, "the stored study changed")
-        return f"{line[len('error: ') :][:90]} ({took:.1f} s)"
-    break_storage(out, fault, finished_study)
-    result = subprocess.run(
-        study_cmd(ctx.spec, out, "--quiet"), env=ENV, capture_output=True, text=True, timeout=600
-    )
-    check(result.returncode == 4, f"exit {result.returncode}: {result.stderr[-300:]}")
-    line = one_line(result.stderr, "error: storage fault: ")
-    return line[len("error: ") :][:100]
-
-
-def read_only(ctx: Context, out: Path) -> str:
-    first = subprocess.run(study_cmd(ctx.spec, out, "--quiet"), env=ENV, capture_output=True, timeout=600)
-    check(first.returncode == 0, "setup failed")
-    out.chmod(0o555)
-    how = unprivileged(out, ctx.spec) or {}
-    try:
-        again = addnorm("study", ctx.spec, "--out", out, "--quiet", **how)
-        dry = addnorm("study", ctx.spec, "--out", out, "--dry-run", **how)
-        export = addnorm("export", out, "--to", out.parent / "csv", **how)
-    finally:
-        out.chmod(0o755)
-    check(again.returncode == 4, f"study exit {again.returncode}")
-    one_line(again.stderr, "error: storage fault: ")
-    check(dry.returncode == 0 and f"{RUNS} already stored" in dry.stdout, f"dry-run exit {dry.returncode}")
-    check(export.returncode == 0, f"export exit {export.returncode}: {export.stderr[-200:]}")
-    check(signature(out / "study.sqlite") == ctx.reference, "database changed")
-    return "study exit 4 in one line; --dry-run and export work"
-
-
-@contextlib.contextmanager
-def small_disk(folder: Path, size: int):
-    """``folder`` on a tmpfs of ``size`` bytes (unmounted after); yields a function that resizes it,
-    or None for the file-size limit used instead where this process may not mount."""
-    folder.mkdir(parents=True)
-    mounted = (
-        subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True
-        ).returncode
-        == 0
-    )
-    try:
-        if mounted:
-            yield lambda new: subprocess.run(
-                ["mount", "-o", f"remount,size={new}", str(folder)], check=True, capture_output=True
-            )
-        else:
-            yield None
-    finally:
-        if mounted:
-            subprocess.run(["umount", "-l", str(folder)], capture_output=True)
-
-
-def file_size_limit(size: int) -> Callable[[], None]:
-    def limit() -> None:
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-
-    return limit
-
-
-def full_disk(ctx: Context, out: Path, when: str) -> str:
-    """A disk that fills while runs are stored (then space freed and the study resumed), or while the
-    report is written (the previous report must stay whole)."""
-    disk = out.parent / "disk"
-    reference_db = ctx.root / "reference" / "study.sqlite"
-    db_size = reference_db.stat().st_size
-    with small_disk(disk, 4 * 2**20) as resize:
-        out = disk / "out"
-        if when == "while runs are stored":
-            # room for the database about twice its final size: its write-ahead log outgrows that
-            # after a few runs (on a file size limit: the log may not grow past the final size)
-            limit = db_size
-            if resize is not None:
-                resize(2 * limit)
-                run = subprocess.run(
-                    study_cmd(ctx.spec, out, "--quiet"), env=ENV, capture_output=True, text=True, timeout=600
-                )
-            else:
-                run = subprocess.run(
-                    study_cmd(ctx.spec, out, "--quiet"),
-                    env=ENV,
-                    capture_output=True,
-                    text=True,
-                    timeout=600,
-                    preexec_fn=file_size_limit(limit),
-                )
-            check(run.returncode == 4, f"exit {run.returncode}: {run.stderr[-300:]}")
-            line = one_line(run.stderr, "error: storage fault: ")
-            stored = stored_values_match(ctx, out)
-            kept = len(list((out / "unsaved").glob("*.pkl"))) if (out / "unsaved").is_dir() else 0
-            if resize is not None:
-                resize(64 * 2**20)  # space freed
-            again = subprocess.run(
-                study_cmd(ctx.spec, out, "--quiet"), env=ENV, capture_output=True, text=True, timeout=600
-            )
-            check(again.returncode == 0, f"resume exit {again.returncode}: {again.stderr[-300:]}")
-            total, skipped, ran = summary(again.stdout)
-            check(
-                skipped == len(stored) + kept and ran == RUNS - skipped,
-                f"resume: {skipped} already stored, {ran} run now; {len(stored)} stored + {kept} kept aside",
-            )
-            check(signature(out / "study.sqlite") == ctx.reference, "database differs after the resume")
-            how = "tmpfs" if resize is not None else "file size limit"
-            return f"{how}: {line[len('error: ') :][:70]}; {len(stored)} stored, {kept} kept aside, resumed"
-        # while the report is written: a whole study, then the disk filled up to less than a report
-        first = subprocess.run(study_cmd(ctx.spec, out, "--quiet"), env=ENV, capture_output=True, timeout=600)
-        check(first.returncode == 0, "setup failed")
-        good = (out / "report.html").read_bytes()
-        if resize is not None:
-            filler = disk / "filler"
-            with open(filler, "wb") as fh, contextlib.suppress(OSError):
-                while True:
-                    fh.write(b"\0" * 65536)
-                    fh.flush()
-            os.truncate(filler, max(os.path.getsize(filler) - len(good) // 2, 0))
-            result = addnorm("report", out)
-        else:
-            result = addnorm("report", out, preexec_fn=file_size_limit(len(good) // 2))
-        check(result.returncode == 4, f"report exit {result.returncode}")
-        one_line(result.stderr, "error: storage fault: ")
-        check((out / "report.html").read_bytes() == good, "the previous report was damaged")
-        check(not [p for p in out.iterdir() if p.name.endswith(".tmp")], "a temporary file left")
-        return "exit 4 in one line, the previous report whole"
 
 
 def tracker(ctx: Context, out: Path, fault: str) -> str:
