@@ -1,0 +1,165 @@
+"""``make gpu-bench``'s suite (``gpu_suite.py``): its plan fits one device call and passes only flags its
+scripts take, a step past its budget leaves a line and the next one runs, tables are named by device and
+bundled, and a step's trace is copied as it is."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+
+def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module, monkeypatch, capsys):
+    """make gpu-bench's plan: the GPU tests, the step trace, the op table, host time, the LM steps and the
+    HF step (with its GPU-bound setup), with budgets that sum, with the suite's start-up, to at most one
+    8-minute device call; every flag it passes exists in its script; a dry run starts no process; --only
+    keeps the steps named."""
+    import subprocess
+
+    suite = bench_module("gpu_suite")
+
+    def no_process(*args, **kwargs):
+        raise AssertionError("the dry run started a process")
+
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    monkeypatch.setattr(subprocess, "run", no_process)
+    assert suite.main(["--dry-run"]) == 0
+    out = capsys.readouterr().out
+    steps = suite.plan()
+    names = [s.name for s in steps]
+    assert names == ["gpu_tests", "trace", "ops", "host_overhead", "lm_step", "hf_step"]
+    assert suite.CALL_S == 480 and suite.STARTUP_S + sum(s.timeout_s for s in steps) <= suite.CALL_S
+    assert all(f"[{s.name}] <= {s.timeout_s} s" in out for s in steps) and "nothing run" in out
+    assert steps[0].argv[2:5] == ["pytest", "-m", "gpu"]
+    # only the files with a GPU test are collected: every one of them, and none without
+    marked = {
+        f"tests/{p.name}"
+        for p in (suite.ROOT / "tests").glob("test_*.py")
+        if "pytest.mark.gpu" in p.read_text()
+    }
+    files = [a for a in steps[0].argv if a.startswith("tests/")]
+    assert "tests/test_ops_add_norm.py" in files and set(files) == marked
+    trace, ops, lm, hf = (steps[names.index(n)].argv for n in ("trace", "ops", "lm_step", "hf_step"))
+    # the inner budget of the op table leaves its process time to start and write before its limit
+    assert float(ops[ops.index("--budget") + 1]) < steps[names.index("ops")].timeout_s - 10
+    assert {"gelu", "llama", "eager", "compile", "--profile", "fused", "both"} <= set(lm)
+    assert "--gpu" in hf and "--profile" in hf and "gpu-bound" in hf and "--diagnose" in hf
+    assert {"hf", "lm", "hf-gpu-bound"} <= set(trace)
+    for s in steps[1:]:
+        source = Path(s.argv[1]).read_text()
+        flags = [a for a in s.argv[2:] if a.startswith("--")]
+        assert flags and all(f'"{f}"' in source or f == "--out" for f in flags), (s.name, flags)
+        assert suite.OUT_TOKEN in s.argv  # each step writes into its own folder
+    assert suite.main(["--dry-run", "--only", "ops", "hf_step"]) == 0
+    out = capsys.readouterr().out
+    assert "[ops]" in out and "[hf_step]" in out and "[lm_step]" not in out
+    with pytest.raises(SystemExit, match="--only: expected step names"):
+        suite.main(["--dry-run", "--only", "nope"])
+    needs = suite.STARTUP_S + sum(s.timeout_s for s in steps)
+    with pytest.raises(SystemExit, match=f"--budget: the plan needs {needs} s, more than the budget of 300"):
+        suite.main(["--dry-run", "--budget", "300"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def test_gpu_suite_step_past_its_budget_leaves_a_line_and_the_next_step_runs(bench_module, tmp_path):
+    """Fake steps on the CPU: one writes a row and sleeps past its limit (its table keeps the row and
+    gains "timed out after 2 s"; the grandchild it started dies with it), one times out before writing
+    (a table of one line), one needs a module that is not installed (one line, never run), one writes its
+    table (copied, named by device); the summary and the bundle hold them all, and --unpack writes them."""
+    import sys
+
+    suite = bench_module("gpu_suite")
+    py = sys.executable
+    pid_file = tmp_path / "grandchild.pid"
+    partial = (
+        "import pathlib, subprocess, sys, time; out = pathlib.Path(sys.argv[1]); "
+        "(out / 'slow_cuda.md').write_text('# slow\\n\\n| a |\\n| 1 |\\n'); "
+        f"p = subprocess.Popen(['sleep', '60']); pathlib.Path({str(pid_file)!r}).write_text(str(p.pid)); "
+        "time.sleep(60)"
+    )
+    quick = "import pathlib, sys; pathlib.Path(sys.argv[1], 'quick_gpu.md').write_text('# quick\\n')"
+    steps = [
+        suite.Step("slow", "writes a row, then hangs", [py, "-c", partial, suite.OUT_TOKEN], 2, ("slow",)),
+        suite.Step("silent", "hangs", [py, "-c", "import time; time.sleep(60)"], 1, ("silent",)),
+        suite.Step("extra", "needs a missing extra", [py, "-c", "0"], 5, ("extra",), ("no_such_module_x",)),
+        suite.Step("quick", "writes a table", [py, "-c", quick, suite.OUT_TOKEN], 30, ("quick",)),
+    ]
+    report = {
+        "device": "NVIDIA H100 80GB HBM3", "torch": "t", "triton": "3", "commit": "abc",
+        "commit_source": "--commit", "date": "2026-01-01", "budget_s": 480, "startup_s": 1.0,
+        "wheels": "none", "missing": {"liger-kernel": "not installed"},
+    }  # fmt: skip
+    out = tmp_path / "out"
+    import time
+
+    suite.run_suite(
+        steps, out=out, slug="h100", report=report, env=dict(os.environ), budget=120, start=time.monotonic()
+    )
+    slow = (out / "slow_h100.md").read_text()
+    assert "| 1 |" in slow and "**slow: timed out after 2 s** (the rows above are those it finished)" in slow
+    assert not _alive(int(pid_file.read_text()))
+    assert "**silent: timed out after 1 s** before writing a table." in (out / "silent_h100.md").read_text()
+    assert "**extra: not installed: no_such_module_x**" in (out / "extra_h100.md").read_text()
+    assert (out / "quick_h100.md").read_text() == "# quick\n"
+    summary = (out / "gpu_suite_h100.md").read_text()
+    for line in (
+        "| slow | writes a row, then hangs | timed out after 2 s |",
+        "| quick | writes a table | ok |",
+        "| extra | needs a missing extra | not installed: no_such_module_x |",
+        "- liger-kernel: not installed",
+        "commit abc (--commit)",
+    ):
+        assert line in summary
+    bundle = json.loads((out / "gpu_suite_h100.json").read_text())
+    assert set(bundle["files"]) == {f"{n}_h100.md" for n in ("slow", "silent", "extra", "quick", "gpu_suite")}
+    assert len(list(out.iterdir())) <= 8  # what one device call brings back
+    again = tmp_path / "unpacked"
+    suite.main(["--unpack", str(out / "gpu_suite_h100.json"), "--out", str(again)])
+    assert (again / "slow_h100.md").read_text() == slow
+
+
+def test_gpu_suite_writes_to_out_env_and_names_tables_by_device(bench_module, monkeypatch):
+    suite = bench_module("gpu_suite")
+    machine = bench_module("machine")
+    monkeypatch.setenv("OUT", "/tmp/device-out")
+    assert suite.default_out() == Path("/tmp/device-out")
+    monkeypatch.delenv("OUT")
+    assert suite.default_out() == suite.RESULTS
+    assert suite.table_name("host_overhead_cuda.json", "h200") == "host_overhead_h200.json"
+    assert suite.table_name("hf_step_gpu.md", "h100") == "hf_step_h100.md"
+    assert suite.table_name("lm_step_h100.md", "h100") == "lm_step_h100.md"
+    slug = machine.device_slug
+    assert (slug("NVIDIA H100 80GB HBM3"), slug("NVIDIA H200"), slug("NVIDIA A100-SXM4-80GB")) == (
+        "h100",
+        "h200",
+        "a100",
+    )
+    assert slug("cpu") == "cpu"
+
+
+def test_gpu_suite_copies_a_step_s_trace_as_it_is_and_bundles_its_tables(bench_module, tmp_path):
+    """A step's Markdown goes to the output folder and into the bundle; its gzipped trace is copied byte
+    for byte beside them and noted, never read as text into the bundle."""
+    suite = bench_module("gpu_suite")
+    scratch, out = tmp_path / "scratch", tmp_path / "out"
+    scratch.mkdir()
+    out.mkdir()
+    (scratch / "step_trace_h200.md").write_text("# table\n")
+    blob = bytes(range(256)) * 3
+    (scratch / "step_trace_h200.json.gz").write_bytes(blob)
+    step = suite.Step("trace", "what", [], 10, tables=("step_trace",))
+    step.result = {"rc": 0}
+    files, binaries = {}, {}
+    suite.collect(step, scratch, out, "h200", "header", files, binaries)
+    assert set(files) == {"step_trace_h200.md"} and binaries == {"step_trace_h200.json.gz": len(blob)}
+    assert (out / "step_trace_h200.json.gz").read_bytes() == blob
+    assert (out / "step_trace_h200.md").read_text() == "# table\n"
