@@ -182,16 +182,20 @@ def variants(full: bool = False) -> list[Variant]:
 
 
 def _kernel_sums_variants(full: bool) -> list[Variant]:
-    """The backward's variant "kernel_sums" (the partial sums added up in the kernel): at every
-    configuration the heavy variants launch it with (one pass, and slices given the pre-pass's row sums),
-    from s and from x and residual with every option; ``full``: every path, and the other options."""
+    """The backward's variant "kernel_sums" (the partial sums added up in the kernel): at the widest
+    one-pass configuration the heavy variants launch it with and at their slices given the pre-pass's
+    row sums (``full``: every configuration), from s and from x and residual with every option;
+    ``full``: every path, and the other options."""
     from addnorm.ops.launch_config import bwd_config
 
     out = []
     configs: dict = {}
     for h in HIDDEN_SIZES:
         configs.setdefault(bwd_config(h, True, "kernel_sums"), []).append(h)
+    widest = max((c for c in configs if not c.chunked), key=lambda c: c.block_n)
     for cfg, hidden in configs.items():
+        if not (full or cfg.chunked or cfg == widest):
+            continue
         for path in ("from_s", "from_y", "from_xr") if full else ("from_s", "from_xr"):
             base = Variant(
                 "bwd", *cfg, "layernorm", path, "fp32", True, True, 2, True, True, tuple(hidden),

@@ -44,9 +44,13 @@ def test_launch_configurations_cover_the_hidden_sizes_with_few_variants(bench_mo
             assert cfg.chunked == (h >= (2048 if heavy else 4096))
             for path in ("from_s", "from_y", "from_xr") if cfg.chunked else ():
                 assert ("bwd", *cfg, path) in sliced and ("bwd_sums", *bwd_sums_config(h), path) in sliced
+    # the candidate "kernel_sums" (its partial sums added up in the kernel) one pass and in slices
+    summed = {(v.block_n, v.num_warps, v.chunked) for v in vs if v.kernel_sums}
+    widest = bwd_config(1536, True, "kernel_sums")  # the widest heavy one pass: 2048 columns, 8 warps
+    assert (widest.block_n, widest.num_warps, False) in summed and any(c for *_, c in summed)
     # every forward and backward path at every configuration
     assert {v.path for v in vs} == {"store_s", "no_s", "from_s", "from_y", "from_xr"}
-    assert len(vs) == len(set(vs)) <= 100
+    assert len(vs) == len(set(vs)) <= 110
     # the seed as a value (a host seed, ops/seeds.py) on every forward and backward path
     assert {v.path for v in vs if v.seed_value} == {"store_s", "no_s", "from_s", "from_y", "from_xr"}
 
