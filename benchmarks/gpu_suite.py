@@ -11,9 +11,9 @@ group when it runs over; the next step still runs):
    them, launches, synchronisations, addnorm's own Python) and kept as one gzipped Chrome trace;
 3. ``ops``: the op table (``bench_add_norm.py``: bf16, LayerNorm and RMSNorm, Pre-LN and Post-LN,
    dropout 0 and 0.1, hidden 256 ... 16384; eager, torch.compile, Liger where it imports, addnorm with
-   its default backward variant and, in a column of its own, each candidate (``BWD_CANDIDATES``); fwd and fwd+bwd as % of
-   the same run's copy bandwidth), shapes compiled first in parallel processes and reps sized to the
-   step's budget;
+   its default backward variant and, in a column of its own, each candidate (``BWD_CANDIDATES``); fwd
+   and fwd+bwd as % of the same run's copy bandwidth), shapes compiled first in parallel processes and
+   reps sized to the step's budget;
 4. ``host_overhead``: host time per call with real launches (``bench_host_overhead.py``);
 5. ``lm_step``: the two LMs (addnorm's LayerNorm + GELU with dropout 0.1, Llama-style RMSNorm + SwiGLU
    without), Pre-LN, the policy's default, ``fused=False`` and fused (the op wherever the model can),
@@ -21,7 +21,8 @@ group when it runs over; the next step still runs):
    time and the share the fused step realises (``bench_lm_step.py``);
 6. ``hf_step``: the Hugging Face Llama step at 134M and at a GPU-bound size, plain / ``addnorm.hf.fuse``
    / Liger, eager, with the removable time, and at 134M plain and fused also with each diagnostic
-   switch (the backward on the calling thread, the garbage collector off: ``bench_hf_step.py``).
+   switch (the backward on the calling thread, the garbage collector off, the candidate backward
+   "kernel_sums": ``bench_hf_step.py``).
 
 Both step benchmarks build a row's variants side by side and step them in alternation (a host-bound
 step timed one variant after another moved 25% between runs on the H200), ratios the median of the
