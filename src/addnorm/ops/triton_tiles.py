@@ -480,34 +480,32 @@ def sum_part_rows(PART, row0, count, step, cols, ok, N, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
+def sum_part_into(PART, OUT, row0, count, step, out, cols, ok, N, BLOCK_N: tl.constexpr):
+    # one parameter's partial sums of rows row0, row0 + step, ... added up: into the partial sums at
+    # ``out`` (OUT None: a group's sum, left for the last group) or into its gradient OUT
+    v = sum_part_rows(PART, row0, count, step, cols, ok, N, BLOCK_N)
+    if OUT is None:
+        tl.store(PART + out, v, mask=ok)
+    else:
+        tl.store(OUT + cols, v, mask=ok)
+
+
+@triton.jit
 def sum_parts(
     DW_PART, DB_PART, DG_PART, DW, DB, DG, row0, count, step, to_row, j, N, HAS_W: tl.constexpr,
     HAS_B: tl.constexpr, GATE: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    # slice j's partial sums of rows row0, row0 + step, ... added up: into row to_row of the partial sums
-    # (DW None: a group's sum, left for the last group) or into the gradients DW / DB / DG themselves
-    # (to_row then unused)
+    # slice j's partial sums of every parameter, rows row0, row0 + step, ... added up: into row to_row of
+    # the partial sums (DW None: a group's sum) or into the gradients DW / DB / DG (to_row then unused)
     cols = j * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = cols < N
     out = to_row.to(tl.int64) * N + cols
     if HAS_W:
-        dw = sum_part_rows(DW_PART, row0, count, step, cols, ok, N, BLOCK_N)
-        if DW is None:
-            tl.store(DW_PART + out, dw, mask=ok)
-        else:
-            tl.store(DW + cols, dw, mask=ok)
+        sum_part_into(DW_PART, DW, row0, count, step, out, cols, ok, N, BLOCK_N)
     if HAS_B:
-        db = sum_part_rows(DB_PART, row0, count, step, cols, ok, N, BLOCK_N)
-        if DB is None:
-            tl.store(DB_PART + out, db, mask=ok)
-        else:
-            tl.store(DB + cols, db, mask=ok)
+        sum_part_into(DB_PART, DB, row0, count, step, out, cols, ok, N, BLOCK_N)
     if GATE != 0:
-        dg = sum_part_rows(DG_PART, row0, count, step, cols, ok, N, BLOCK_N)
-        if DG is None:
-            tl.store(DG_PART + out, dg, mask=ok)
-        else:
-            tl.store(DG + cols, dg, mask=ok)
+        sum_part_into(DG_PART, DG, row0, count, step, out, cols, ok, N, BLOCK_N)
 
 
 @triton.jit
