@@ -481,7 +481,7 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
         # Inductor fuses): the counters (None while a graph is captured without any made), the gradients
         count = (
             counters(dy, n_slices * (-(-programs // finish) + 1))
-            if finish and programs > 1 and not kernel
+            if finish and programs > 1 and kernel is None
             else None
         )
         outs = None if count is None else _summed(dy.new_empty, n, weight, bias, gate)
