@@ -55,11 +55,12 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
-from lm_step_report import RATIOS, to_markdown
+from lm_step_report import KERNEL_SUMS, RATIOS, to_markdown
 from machine import machine_info, record_rows
 from results_path import add_out_argument
 from timing import interleaved, paired_speedup, peak_apart, resident_bytes
 from torch import nn
+from variant_plans import BackwardVariant
 
 import addnorm as an
 from addnorm.ops import policy
@@ -79,7 +80,10 @@ MODELS = {
 # "default": the policy's choice (addnorm.ops.fusion_decision: on a GPU the op only where a recorded step
 # on that GPU ran faster fused); "fused": the op wherever the model can fuse (set_fusion("always")),
 # the measurement the policy's rows are made from
-COLUMNS = ("nn.TransformerEncoder", "fused=False", "default", "fused")
+# "fused (kernel_sums)": "fused" with the candidate backward variant "kernel_sums" (its partial parameter
+# gradients added up in the kernel: launch_config.BWD_CANDIDATES), eager only (a traced backward sums
+# with torch), its call plans apart from the others' (variant_plans.BackwardVariant)
+COLUMNS = ("nn.TransformerEncoder", "fused=False", "default", "fused", KERNEL_SUMS)
 PROFILED = ("fused=False", "fused")  # the columns --profile profiles: what realised() compares
 
 
@@ -216,9 +220,10 @@ def prepare(cfg, placement, mode, column, device, args) -> tuple[Callable[[], No
     fusion = "always" if column.startswith("fused") and column != "fused=False" else "measured"
     if path is None and fusion == "measured":
         return step, model
+    variant = BackwardVariant("kernel_sums") if column == KERNEL_SUMS else nullcontext()
 
     def on_path() -> None:
-        with policy.using_compile_path(path or policy.compile_path()), policy.fusion(fusion):
+        with policy.using_compile_path(path or policy.compile_path()), policy.fusion(fusion), variant:
             step()
 
     on_path.optimizer = step.optimizer
@@ -338,6 +343,7 @@ def cells_of(args, device: str) -> list[tuple[str, str, str, list[str]]]:
         for placement in args.placements:
             for mode in modes:
                 cols = [c for c in columns(args, model) if mode != "eager" or not _compile_path(c)]
+                cols = [c for c in cols if c != KERNEL_SUMS or mode == "eager"]
                 rows.append((model, placement, mode, cols))
     return rows
 

@@ -16,7 +16,8 @@ group when it runs over; the next step still runs):
    reps sized to the step's budget;
 4. ``host_overhead``: host time per call with real launches (``bench_host_overhead.py``);
 5. ``lm_step``: the two LMs (addnorm's LayerNorm + GELU with dropout 0.1, Llama-style RMSNorm + SwiGLU
-   without), Pre-LN, the policy's default, ``fused=False`` and fused (the op wherever the model can),
+   without), Pre-LN, the policy's default, ``fused=False`` and fused (the op wherever the model can;
+   eager also with the candidate backward "kernel_sums"),
    eager and torch.compile (the fused model through each compile path), with the profiler's removable
    time and the share the fused step realises (``bench_lm_step.py``);
 6. ``hf_step``: the Hugging Face Llama step at 134M and at a GPU-bound size, plain / ``addnorm.hf.fuse``
@@ -150,11 +151,13 @@ def plan(py: str = sys.executable) -> list[Step]:
         Step(
             "lm_step",
             "LM step, Pre-LN: gelu (LayerNorm+GELU, dropout 0.1) and llama (RMSNorm+SwiGLU); default, "
-            "fused=False and fused (the op wherever the model can), stepped in alternation (paired "
+            "fused=False and fused (the op wherever the model can; eager also with the candidate backward "
+            "kernel_sums), stepped in alternation (paired "
             "ratios); eager and torch.compile, the fused model compiled through each compile path; "
             "removable time",
             [py, f"{b}/bench_lm_step.py", "--models", "gelu", "llama", "--placements", "pre",
-             "--modes", "eager", "compile", "--columns", "default", "fused=False", "fused", "--compile-paths",
+             "--modes", "eager", "compile", "--columns", "default", "fused=False", "fused",
+             "fused (kernel_sums)", "--compile-paths",
              "both", "--steps", "5", "--warmup", "2", "--profile", "--profile-steps", "2",
              "--warm", "8", "--warm-timeout", "60", "--out", OUT_TOKEN],
             135, tables=("lm_step",),

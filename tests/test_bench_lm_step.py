@@ -19,13 +19,37 @@ def test_lm_step_benchmark_runs_on_tiny_shapes(bench_module, tmp_path):
     ]
     for r in report["rows"]:
         # nn.TransformerEncoderLayer has no RMSNorm / SwiGLU: no such column for the Llama-style LM
-        expected = {"fused=False", "default", "fused"}
+        expected = {"fused=False", "default", "fused", "fused (kernel_sums)"}
         expected |= {"nn.TransformerEncoder"} if r["model"] == "gelu" else set()
         assert set(r["cells"]) == expected
         assert all(c["tokens_per_s"] > 0 for c in r["cells"].values())
     md = (tmp_path / "lm_step_cpu.md").read_text()
     assert "## Targets" in md and "default / fused=False" in md and "RMSNorm + SwiGLU, d_ff 96" in md
-    assert "fused / fused=False" in md
+    assert "fused / fused=False" in md and "fused (kernel_sums) / fused" in md
+
+
+def test_lm_step_kernel_sums_column_steps_with_that_backward_variant(bench_module):
+    """The column "fused (kernel_sums)" steps the fused model with the candidate backward variant in
+    force (and only while it steps); it runs in eager rows only (a traced backward sums with torch)."""
+    import types
+
+    from addnorm.ops import launch_config as lc
+
+    lm = bench_module("bench_lm_step")
+    default = lc.BWD_VARIANT
+    cfg = lm.model_config(lm.TINY, "gelu")
+    args = types.SimpleNamespace(fp32=False)
+    seen = []
+    for column in ("fused", lm.KERNEL_SUMS):
+        step, model = lm.prepare(cfg, "pre", "eager", column, "cpu", args)
+        model.register_forward_pre_hook(lambda m, a: seen.append(lc.BWD_VARIANT))
+        step()
+        assert lc.BWD_VARIANT == default
+    assert seen == [default, "kernel_sums"]
+    args = types.SimpleNamespace(models=["gelu"], placements=["pre"], modes=["eager", "compile"],
+                                 columns=list(lm.COLUMNS), compile_paths="default")  # fmt: skip
+    rows = {mode: cols for _, _, mode, cols in lm.cells_of(args, "cpu")}
+    assert lm.KERNEL_SUMS in rows["eager"] and lm.KERNEL_SUMS not in rows["compile"]
 
 
 def test_lm_step_warm_compiles_each_compiled_cell_in_its_own_process(bench_module, monkeypatch, tmp_path):
