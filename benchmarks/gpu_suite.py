@@ -70,6 +70,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -392,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         steps = [s for s in steps if s.name in args.only]
     total = STARTUP_S + sum(s.timeout_s for s in steps)
     for s in steps:
-        print(f"[{s.name}] <= {s.timeout_s} s: {s.what}\n    {' '.join(s.argv)}", flush=True)
+        print(f"[{s.name}] <= {s.timeout_s} s: {s.what}\n    {shlex.join(s.argv)}", flush=True)
     print(f"start-up <= {STARTUP_S} s; {len(steps)} steps; {total} s of a {args.budget} s budget; out {out}")
     if total > args.budget:
         raise SystemExit(f"--budget: the plan needs {total} s, more than the budget of {args.budget} s")
