@@ -8,7 +8,7 @@ from __future__ import annotations
 import statistics
 
 from machine import machine_line
-from timing import paired_speedup
+from timing import pair_cell, paired_speedup
 
 LAYERS, HIDDEN, HEADS, BATCH, SEQ, VOCAB = 12, 64, 4, 1, 16, 256
 TARGETS = {"hf": 0.9, "lm-gelu": 1.0, "lm-llama": 1.0}
@@ -56,10 +56,6 @@ def round_ratios(row: dict, launch_us: float, variant: str = "fused", base: str 
     ]
 
 
-def _ratio_cell(pair: dict[str, float]) -> str:
-    return f"{pair['median']:.3f}x [{pair['q1']:.3f}-{pair['q3']:.3f}]"
-
-
 def _section(title: str, prose: str, head: str) -> list[str]:
     """A Markdown section's opening lines: its title, its prose and its table's head (``head`` the
     columns, ``|``-separated)."""
@@ -99,9 +95,9 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
         cpu = paired_speedup(r["cpu_rounds_ms"], "fused", "plain")
         target = TARGETS[r["model"]]
         lines.append(
-            f"| {MODELS[r['model']]} | {c['plain']:.2f} | {c['fused']:.2f} | {_ratio_cell(cpu)} | "
+            f"| {MODELS[r['model']]} | {c['plain']:.2f} | {c['fused']:.2f} | {pair_cell(cpu)} | "
             f"{la['plain']} | {la['fused']} | {work['plain']:.2f} | {work['fused']:.2f} | "
-            f"{_ratio_cell(pair)} | <= {target} | {'yes' if pair['median'] <= target else 'NO'} | "
+            f"{pair_cell(pair)} | <= {target} | {'yes' if pair['median'] <= target else 'NO'} | "
             f"{calls['plain']} | {calls['fused']} | {calls['fused'] / calls['plain']:.3f}x |"
         )
     lines += _section(
@@ -135,8 +131,8 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
             over_floor = paired_speedup(r["cpu_rounds_ms"], "fused", FLOOR)
             floor_pair, fused_pair = paired_ratio(r, launch_us, FLOOR), paired_ratio(r, launch_us)
             lines.append(
-                f"| {MODELS[r['model']]} | {r['cpu_ms'][FLOOR]:.2f} | {_ratio_cell(floor_pair)} | "
-                f"{_ratio_cell(fused_pair)} | {_ratio_cell(over_floor)} | {r['python_calls'][FLOOR]} |"
+                f"| {MODELS[r['model']]} | {r['cpu_ms'][FLOOR]:.2f} | {pair_cell(floor_pair)} | "
+                f"{pair_cell(fused_pair)} | {pair_cell(over_floor)} | {r['python_calls'][FLOOR]} |"
             )
     seeded = [r for r in rows if PREVIOUS in r["cpu_ms"]]
     if seeded:
@@ -152,7 +148,7 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
             for k, label in (("fused", "host (default)"), (PREVIOUS, "randint (previous)")):
                 lines.append(
                     f"| {MODELS[r['model']]} | {label} | {r['cpu_ms'][k]:.2f} | {r['launches'][k]} | "
-                    f"{work[k]:.2f} | {_ratio_cell(paired_ratio(r, launch_us, k))} |"
+                    f"{work[k]:.2f} | {pair_cell(paired_ratio(r, launch_us, k))} |"
                 )
     candidate = [r for r in rows if KERNEL_SUMS in r["cpu_ms"]]
     if candidate:
@@ -171,7 +167,7 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
                 pair = paired_ratio(r, launch_us, k)
                 lines.append(
                     f"| {MODELS[r['model']]} | {label} | {r['cpu_ms'][k]:.2f} | {r['launches'][k]} | "
-                    f"{work[k]:.2f} | {_ratio_cell(pair)} | <= {target} | "
+                    f"{work[k]:.2f} | {pair_cell(pair)} | <= {target} | "
                     f"{'yes' if pair['median'] <= target else 'NO'} |"
                 )
     counted = [r for r in rows if r.get("instructions")]

@@ -76,12 +76,17 @@ def speedup(paired: dict, tokens_per_s: dict, a: str, b: str) -> float:
     return pair["median"] if pair else tokens_per_s[a] / tokens_per_s[b]
 
 
+def pair_cell(pair: dict) -> str:
+    """A :func:`paired_speedup` record as a table shows it: its median, its quartiles in brackets
+    (``1.031x [0.962-1.104]``)."""
+    return f"{pair['median']:.3f}x [{pair['q1']:.3f}-{pair['q3']:.3f}]"
+
+
 def speedup_cell(paired: dict, tokens_per_s: dict, a: str, b: str) -> str:
     """:func:`speedup` as a table shows it: ``1.031x``, with the per-round ratios' quartiles in brackets
-    where ``paired`` has the pair (``1.031x [0.962-1.104]``)."""
+    where ``paired`` has the pair (:func:`pair_cell`)."""
     pair = paired.get(f"{a}/{b}")
-    quartiles = f" [{pair['q1']:.3f}-{pair['q3']:.3f}]" if pair else ""
-    return f"{speedup(paired, tokens_per_s, a, b):.3f}x{quartiles}"
+    return pair_cell(pair) if pair else f"{tokens_per_s[a] / tokens_per_s[b]:.3f}x"
 
 
 def resident_bytes(*tensors_or_modules) -> int:

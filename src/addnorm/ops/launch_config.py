@@ -20,7 +20,6 @@ import torch
 __all__ = [
     "BWD_CANDIDATES",
     "BWD_FINISH_GROUP",
-    "BWD_FINISH_ROWS",
     "BWD_MAX_ONE_PASS",
     "BWD_MAX_ONE_PASS_HEAVY",
     "BWD_ONE_PROGRAM_TILES",
@@ -152,7 +151,6 @@ BWD_VARIANT = "row_sums"
 # shapes at 7722722 and stays selectable, no longer timed each run
 BWD_CANDIDATES = ("kernel_sums",)
 BWD_FINISH_GROUP = 32
-BWD_FINISH_ROWS = 8  # partial-sum rows a finishing program loads at once (Triton reads it at import)
 BWD_ROW_SUMS_MIN = 4096
 BWD_ROW_SUMS_MIN_HEAVY = 2048
 BWD_ROW_SUMS_SLICE = Launch(1, 2048, True, 8)

@@ -72,10 +72,10 @@ def _active_hook(hook):
     return None if hook is None or (type(hook) is HookChain and not hook.calls) else hook
 
 
-def defaults_of(kernel) -> tuple:
-    """The defaults of a JIT kernel's trailing parameters (those with one), in order."""
+def defaults_of(kernel) -> dict:
+    """A JIT kernel's trailing parameters that have a default: name -> default, in order."""
     params = inspect.signature(kernel.fn).parameters.values()
-    return tuple(p.default for p in params if p.default is not inspect.Parameter.empty)
+    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
 
 
 def int_kind(v: int) -> int:
@@ -89,7 +89,7 @@ class DirectLaunch:
     kernel ``JITFunction.run`` launched for the first call with that key. ``launch(kernel, key, grid,
     args, options)`` launches ``kernel`` on ``grid`` (one or two dimensions) with the positional
     ``args`` (every parameter without a default, in order) and the launch ``options``; ``defaults``
-    (:func:`defaults_of` the kernel) follow ``args`` in the direct launch, as ``run`` binds them."""
+    (:func:`defaults_of` the kernel's values) follow ``args`` in the direct launch, as ``run`` binds them."""
 
     __slots__ = ("compiled", "defaults")
 

@@ -142,18 +142,11 @@ def _required_params(kernel) -> tuple[str, ...]:
     return tuple(p.name for p in params if p.default is inspect.Parameter.empty)
 
 
-def _defaults(kernel) -> dict:
-    params = inspect.signature(kernel.fn).parameters.values()
-    return {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
-
-
 _FWD_PARAMS = _required_params(fwd_kernel)
 _BWD_PARAMS = _required_params(bwd_kernel)
 _SUMS_PARAMS = _required_params(bwd_sums_kernel)
-_FWD_DEFAULTS = defaults_of(fwd_kernel)
-_BWD_DEFAULTS = defaults_of(bwd_kernel)
-_SUMS_DEFAULTS = defaults_of(bwd_sums_kernel)
-_FWD_KW, _BWD_KW, _SUMS_KW = (_defaults(k) for k in (fwd_kernel, bwd_kernel, bwd_sums_kernel))
+_FWD_KW, _BWD_KW, _SUMS_KW = (defaults_of(k) for k in (fwd_kernel, bwd_kernel, bwd_sums_kernel))
+_FWD_DEFAULTS, _BWD_DEFAULTS, _SUMS_DEFAULTS = (tuple(kw.values()) for kw in (_FWD_KW, _BWD_KW, _SUMS_KW))
 
 
 def _tail(params: tuple[str, ...], scalars: tuple, constexprs: dict) -> tuple:
@@ -484,10 +477,10 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
             if finish and programs > 1 and kernel is None
             else None
         )
-        outs = None if count is None else _summed(dy.new_empty, n, weight, bias, gate)
+        alloc = dy.new_empty
+        outs = None if count is None else _summed(alloc, n, weight, bias, gate)
         # per-program partial sums of dweight / dbias / dgate in fp32 (each program writes its slice of
         # its row once), summed below; one program (few rows) writes the sums themselves
-        alloc = dy.new_empty
         if dy_dtype is _F32:  # no keywords: a third less host time
             dw_part = None if weight is None else alloc(part)
             db_part = None if bias is None else alloc(part)

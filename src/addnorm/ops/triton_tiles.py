@@ -29,7 +29,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .launch_config import BWD_FINISH_ROWS
 from .reference import HASH_COL, HASH_M1, HASH_M2, HASH_ROW
 
 # Triton kernels read module globals only as constexpr
@@ -37,7 +36,9 @@ _M1 = tl.constexpr(HASH_M1)
 _M2 = tl.constexpr(HASH_M2)
 _ROW = tl.constexpr(HASH_ROW)
 _COL = tl.constexpr(HASH_COL)
-FINISH_ROWS = tl.constexpr(BWD_FINISH_ROWS)  # partial-sum rows a finishing program loads at once
+# partial-sum rows a program finishing the in-kernel sums loads at once ("kernel_sums": finish_col_sums);
+# with the heavy backward's 8 values per thread a row, 64 fp32 registers a thread
+FINISH_ROWS = tl.constexpr(8)
 
 
 @triton.jit
