@@ -334,14 +334,15 @@ def base_config(args, device: str) -> dict:
 
 
 def cells_of(args, device: str) -> list[tuple[str, str, str, list[str]]]:
-    """The (model, placement, mode, columns) rows of this run, in order."""
+    """The (model, placement, mode, columns) rows of this run, in order: every eager row first, so a
+    step cut off by its budget while compiling still has each model's eager row."""
     modes = args.modes or (
         ["eager", "compile", "reduce-overhead"] if device == "cuda" else ["eager", "compile"]
     )
     rows = []
-    for model in args.models:
-        for placement in args.placements:
-            for mode in modes:
+    for mode in modes:
+        for model in args.models:
+            for placement in args.placements:
                 cols = [c for c in columns(args, model) if mode != "eager" or not _compile_path(c)]
                 cols = [c for c in cols if c != KERNEL_SUMS or mode == "eager"]
                 rows.append((model, placement, mode, cols))
