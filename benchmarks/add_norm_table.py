@@ -11,11 +11,13 @@ from addnorm.ops import launch_config as lc
 # every backward variant's column (launch_config.BWD_VARIANTS) as a report may hold it: one recorded
 # under an earlier default has another than this run's (the H200 tables at 7722722: addnorm_row_sums)
 VARIANT_COLUMNS = {f"addnorm_{v}": v for v in lc.BWD_VARIANTS}
-# the op's eager columns and the backward variant each times: "addnorm" the default, then each candidate
-# (launch_config.BWD_CANDIDATES) in its own column, timed beside the default until a measurement decides
-OPS = {"addnorm": lc.BWD_VARIANT} | {f"addnorm_{v}": v for v in lc.BWD_CANDIDATES if v != lc.BWD_VARIANT}
+# the op's eager columns and the backward variant each times: "addnorm" the default, then every other
+# variant in its own column (``--impls addnorm_<variant>``); a GPU run times by default the candidates
+# (launch_config.BWD_CANDIDATES) beside the default, until a measurement decides
+OPS = {"addnorm": lc.BWD_VARIANT} | {f"addnorm_{v}": v for v in lc.BWD_VARIANTS if v != lc.BWD_VARIANT}
+CANDIDATES = tuple(f"addnorm_{v}" for v in lc.BWD_CANDIDATES if v != lc.BWD_VARIANT)
 IMPLS = (*OPS, "eager", "compiled", "liger", "flash_attn", "addnorm_compiled")
-GPU_IMPLS = (*OPS, "eager", "compiled", "liger", "flash_attn")
+GPU_IMPLS = ("addnorm", *CANDIDATES, "eager", "compiled", "liger", "flash_attn")
 # a report's columns in table order, the variant columns of earlier defaults included
 COLUMNS = ("addnorm", *VARIANT_COLUMNS, *(i for i in IMPLS if i not in OPS))
 PHASES = ("fwd", "fwd_bwd")

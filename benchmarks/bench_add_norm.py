@@ -21,16 +21,16 @@ backward, median time per call (CUDA events) of
 - ``liger``: Liger-Kernel's LayerNorm after the add, its fused add + RMSNorm (dropout before, eager),
   where ``liger_kernel`` imports; ``flash_attn``: flash-attn's Triton ``layer_norm_fn`` (add, dropout,
   norm in one kernel) where it imports;
-- ``addnorm``: the fused op's Triton kernels (``backend="triton"``: the table times the kernels, not
-  the policy's choice, which for some shapes is the torch path), its default backward variant
-  (``launch_config.BWD_VARIANT``); ``addnorm_<variant>``: the same with each candidate backward variant
-  (``launch_config.BWD_CANDIDATES``: today "kernel_sums", the partial parameter gradients added up in
-  the kernel; recorded tables also hold "slices" and "row_sums", earlier defaults), selected around its
-  calls only (the plans made again outside the timed call), so the default and the variant it
-  replaced are timed in one run and the targets judged for each, and a later change of default needs
-  no edit here; ``--impls ... addnorm_compiled``: the op under torch.compile with its Triton kernels
-  (compile path "kernel"). On the CPU ``addnorm`` is the torch path, or with ``TRITON_INTERPRET=1``
-  the interpreted kernels, as ``addnorm_<variant>`` (which needs them) is.
+- ``addnorm``: the fused op's Triton kernels (``backend="triton"``: the table times the kernels, not the
+  policy's choice, which for some shapes is the torch path), its default backward variant
+  (``launch_config.BWD_VARIANT``); ``addnorm_<variant>``: the same with another backward variant (a GPU run
+  times each candidate, ``launch_config.BWD_CANDIDATES``, by default: none pending since the H200 at 81f67f7
+  kept "row_sums"; ``--impls`` names any; recorded tables also hold "slices", "row_sums" and "kernel_sums"),
+  selected around its calls only (the plans made again outside the timed call), so the default and the variant
+  it replaced are timed in one run and the targets judged for each, and a later change of default needs no
+  edit here; ``--impls ... addnorm_compiled``: the op under torch.compile with its Triton kernels (compile
+  path "kernel"). On the CPU ``addnorm`` is the torch path, or with ``TRITON_INTERPRET=1`` the interpreted
+  kernels, as ``addnorm_<variant>`` (which needs them) is.
 
 A missing extra is one line under the table ("liger: not installed"), never a lost table.
 

@@ -128,8 +128,9 @@ def _gc_off():
 SWITCHES = {
     "backward on the calling thread": lambda: torch.autograd.set_multithreading_enabled(False),
     "gc off in the step": _gc_off,
-    # the candidate backward variant (launch_config.BWD_CANDIDATES): the partial parameter gradients added
-    # up in the kernel, no aten sum per parameter after it (plain runs no add & norm: its row is a control)
+    # the backward variant "kernel_sums": the partial parameter gradients added up in the kernel, no aten
+    # sum per parameter after it (plain runs no add & norm: its row is a control, which at 81f67f7 moved
+    # as much as the fused row did)
     'backward "kernel_sums"': BackwardVariant("kernel_sums"),
 }
 

@@ -80,9 +80,9 @@ MODELS = {
 # "default": the policy's choice (addnorm.ops.fusion_decision: on a GPU the op only where a recorded step
 # on that GPU ran faster fused); "fused": the op wherever the model can fuse (set_fusion("always")),
 # the measurement the policy's rows are made from
-# "fused (kernel_sums)": "fused" with the candidate backward variant "kernel_sums" (its partial parameter
-# gradients added up in the kernel: launch_config.BWD_CANDIDATES), eager only (a traced backward sums
-# with torch), its call plans apart from the others' (variant_plans.BackwardVariant)
+# "fused (kernel_sums)": "fused" with the backward variant "kernel_sums" (its partial parameter gradients
+# added up in the kernel; level with the default at 81f67f7, no longer in the GPU suite), eager only (a
+# traced backward sums with torch), its call plans apart from the others' (variant_plans.BackwardVariant)
 COLUMNS = ("nn.TransformerEncoder", "fused=False", "default", "fused", KERNEL_SUMS)
 PROFILED = ("fused=False", "fused")  # the columns --profile profiles: what realised() compares
 

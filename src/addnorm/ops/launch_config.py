@@ -132,24 +132,27 @@ BWD_ONE_PROGRAM_TILES = 16
 #   (n_slices - 1) from L2, "row_sums" 14; Post-LN from x and residual (dy, x, r) 10 minimal, "slices"
 #   10 + 6 x (n_slices - 1) from L2, "row_sums" 16. Registers (sm_80 / sm_90, no spill):
 #   ``results/kernel_compile_full.md``.
-# - "kernel_sums" (made without a GPU, 2026-11-28: a hypothesis until a GPU times it beside "row_sums";
-#   not the default until then): "row_sums"'s kernels, and the programs' partial parameter gradients
-#   added up inside the backward kernel (``triton_tiles.finish_col_sums``): the last program of each
-#   group of BWD_FINISH_GROUP to finish adds its group's rows up, the last group's finisher the groups'
-#   rows into the gradients (in the parameters' dtypes), in fixed groups and order (deterministic), with
-#   int32 counters per device and stream that the kernel sets back to zero
-#   (:func:`addnorm.ops.param_grads.counters`). It removes the aten sum per parameter (and the cast of
-#   a bf16 one) after every backward of more than one program: a launch each, the largest host cost of
-#   the op's backward at the GPU's sizes in the CPU proxy (``bench_step_host.py``). Its GPU cost is a
-#   tail: the last finisher reads BWD_FINISH_GROUP rows, then one row per group (at 8192 rows of 768,
-#   1171 programs: 32 + 37 rows of 3 KB per parameter, from L2), where the aten sums read all 1171
-#   rows in a kernel of their own each.
+# - "kernel_sums" (made without a GPU; timed beside "row_sums" by an H200 at 81f67f7, which kept "row_sums":
+#   ``results/h200-2026-11-28-81f67f7/``): "row_sums"'s kernels, and the programs' partial parameter gradients
+#   added up inside the backward kernel (``triton_tiles.finish_col_sums``): the last program of each group of
+#   BWD_FINISH_GROUP to finish adds its group's rows up, the last group's finisher the groups' rows into the
+#   gradients (in the parameters' dtypes), in fixed groups and order (deterministic), with int32 counters per
+#   device and stream that the kernel sets back to zero (:func:`addnorm.ops.param_grads.counters`). It removes
+#   the aten sum per parameter (and the cast of a bf16 one) after every backward of more than one program: a
+#   launch each, the largest host cost of the op's backward at the GPU's sizes in the CPU proxy
+#   (``bench_step_host.py``). Its GPU cost is a tail: the last finisher reads BWD_FINISH_GROUP rows, then one
+#   row per group (at 8192 rows of 768, 1171 programs: 32 + 37 rows of 3 KB per parameter, from L2), where the
+#   aten sums read all 1171 rows in a kernel of their own each. Measured: its fwd+bwd was slower than
+#   "row_sums"'s on 55 of the 56 shapes (median 1.06x; the finishers' tail costs more GPU time than the host
+#   time it saves at these sizes), level in the LM step (1.006x, 0.998x); selectable, no longer timed each
+#   run.
 BWD_VARIANTS = ("slices", "row_sums", "kernel_sums")
 BWD_VARIANT = "row_sums"
 # the variants that the GPU suite times beside the default in every run (``bench_add_norm.py``'s
-# ``addnorm_<variant>`` columns) until a measurement decides; "slices" lost to "row_sums" on 27 of 28
-# shapes at 7722722 and stays selectable, no longer timed each run
-BWD_CANDIDATES = ("kernel_sums",)
+# ``addnorm_<variant>`` columns) until a measurement decides: none pending. "slices" lost to "row_sums"
+# on 27 of 28 shapes at 7722722, "kernel_sums" on 55 of 56 at 81f67f7; both stay selectable
+# (``bench_add_norm.py --impls addnorm addnorm_slices addnorm_kernel_sums``)
+BWD_CANDIDATES: tuple[str, ...] = ()
 BWD_FINISH_GROUP = 32
 BWD_ROW_SUMS_MIN = 4096
 BWD_ROW_SUMS_MIN_HEAVY = 2048
