@@ -24,6 +24,37 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCHMARKS))
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--failures-to",
+        default=None,
+        metavar="DIR",
+        help="write each failing test's report to DIR/test_failures.txt as it fails (the GPU suite's "
+        "tests, whose budget can stop pytest before its summary)",
+    )
+
+
+def pytest_runtest_logreport(report):
+    """With ``--failures-to DIR``: a failing test's id, phase and report, appended to
+    ``DIR/test_failures.txt`` and printed the moment it fails, so a run stopped before pytest's summary
+    still says why (the H200 run at 81f67f7 lost a failure that way)."""
+    folder = _failures_to[0]
+    if folder is None or not report.failed:
+        return
+    text = f"FAILED {report.nodeid} ({report.when})\n{report.longreprtext[-6000:]}\n\n"
+    with open(Path(folder) / "test_failures.txt", "a") as f:
+        f.write(text)
+    sys.stdout.write("\n" + text)
+    sys.stdout.flush()
+
+
+_failures_to: list[str | None] = [None]
+
+
+def pytest_configure(config):
+    _failures_to[0] = config.getoption("--failures-to", default=None)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

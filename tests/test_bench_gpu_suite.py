@@ -44,7 +44,10 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     trace, ops, lm, hf = (steps[names.index(n)].argv for n in ("trace", "ops", "lm_step", "hf_step"))
     # the inner budget of the op table leaves its process time to start and write before its limit
     assert float(ops[ops.index("--budget") + 1]) < steps[names.index("ops")].timeout_s - 10
-    assert {"gelu", "llama", "eager", "compile", "--profile", "fused", "both"} <= set(lm)
+    assert {"gelu", "llama", "eager", "compile", "--profile", "fused"} <= set(lm)
+    assert lm[lm.index("--compile-paths") + 1] == "default"  # "kernel" failed its GPU test at 81f67f7
+    # a failing GPU test's report is written as it fails, into the step's folder (bundled)
+    assert steps[0].argv[steps[0].argv.index("--failures-to") + 1] == suite.OUT_TOKEN
     assert "--gpu" in hf and "--profile" in hf and "gpu-bound" in hf and "--diagnose" in hf
     assert {"hf", "lm", "hf-gpu-bound"} <= set(trace)
     for s in steps[1:]:
@@ -163,3 +166,26 @@ def test_gpu_suite_copies_a_step_s_trace_as_it_is_and_bundles_its_tables(bench_m
     assert set(files) == {"step_trace_h200.md"} and binaries == {"step_trace_h200.json.gz": len(blob)}
     assert (out / "step_trace_h200.json.gz").read_bytes() == blob
     assert (out / "step_trace_h200.md").read_text() == "# table\n"
+
+
+def test_failures_to_writes_a_failing_test_s_report_the_moment_it_fails(tmp_path):
+    """``--failures-to DIR`` (tests/conftest.py, which the GPU suite's tests pass): each failing test's
+    id, phase and report go to DIR/test_failures.txt and the output as it fails, before pytest's
+    summary, which a step stopped at its budget never prints; passing tests write nothing."""
+    import subprocess
+    import sys
+
+    tests = Path(__file__).resolve().parent
+    (tmp_path / "test_probe.py").write_text(
+        "def test_passes():\n    pass\n\n\ndef test_fails():\n    assert 1 + 1 == 3, 'wrong sum'\n"
+    )
+    argv = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "conftest"]
+    argv += [str(tmp_path / "test_probe.py"), "--failures-to", str(tmp_path), "-o", "addopts="]
+    env = {**os.environ, "PYTHONPATH": str(tests)}
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+    assert run.returncode == 1, run.stdout + run.stderr
+    written = (tmp_path / "test_failures.txt").read_text()
+    assert written.startswith("FAILED test_probe.py::test_fails (call)") and "wrong sum" in written
+    assert "test_passes" not in written
+    # printed before pytest's own summary of failures
+    assert run.stdout.index("FAILED test_probe.py::test_fails (call)") < run.stdout.index("= FAILURES =")

@@ -116,24 +116,26 @@ def test_gpu_targets_are_checked_on_the_rows_they_cover(bench):
 
 
 def _other_variant():
-    """The candidate backward variant (``launch_config.BWD_CANDIDATES``: one), and the op table's
-    column for it."""
+    """A backward variant other than the default (a candidate where one is pending), and the op
+    table's column for it."""
     from addnorm.ops import launch_config as lc
 
-    (other,) = [v for v in lc.BWD_CANDIDATES if v != lc.BWD_VARIANT]
-    return other, f"addnorm_{other}"
+    others = [v for v in (*lc.BWD_CANDIDATES, *lc.BWD_VARIANTS) if v != lc.BWD_VARIANT]
+    return others[0], f"addnorm_{others[0]}"
 
 
-def test_the_op_columns_are_the_default_backward_and_each_candidate(bench):
-    """The column "addnorm" times the default backward variant and each candidate gets a column of
-    its own (``addnorm_<variant>``), so a candidate is timed beside the default in every run until a
-    measurement decides."""
+def test_the_op_columns_are_the_default_backward_and_each_other_variant(bench):
+    """The column "addnorm" times the default backward variant and every other variant has a column of
+    its own (``addnorm_<variant>``, chosen with ``--impls``); a GPU run times by default the candidates
+    beside the default (none once measurements have decided), never the default's own column twice."""
     from addnorm.ops import launch_config as lc
 
-    other, column = _other_variant()
-    assert bench.OPS == {"addnorm": lc.BWD_VARIANT, column: other}
+    others = [v for v in lc.BWD_VARIANTS if v != lc.BWD_VARIANT]
+    assert bench.OPS == {"addnorm": lc.BWD_VARIANT} | {f"addnorm_{v}": v for v in others}
     assert set(lc.BWD_CANDIDATES) <= set(lc.BWD_VARIANTS)
-    assert bench.IMPLS[:2] == bench.GPU_IMPLS[:2] == ("addnorm", column)
+    candidates = [f"addnorm_{v}" for v in lc.BWD_CANDIDATES if v != lc.BWD_VARIANT]
+    assert bench.GPU_IMPLS[: 1 + len(candidates)] == ("addnorm", *candidates)
+    assert not set(bench.GPU_IMPLS[1 + len(candidates) :]) & set(bench.OPS)
     assert f"addnorm_{lc.BWD_VARIANT}" not in bench.IMPLS  # the default's column would time it twice
 
 
@@ -151,7 +153,7 @@ def test_the_op_columns_time_the_kernels_on_a_gpu(bench, monkeypatch):
     x = torch.zeros(2, 8)
     for fn in impls.values():
         fn(x, x, x[0], x[0], "layernorm", False)
-    assert backends == ["triton", "triton"] and not missing
+    assert backends == ["triton"] * len(bench.OPS) and not missing
 
 
 def test_gpu_targets_are_judged_for_each_backward_variant_timed(bench):
