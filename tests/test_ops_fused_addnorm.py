@@ -275,14 +275,14 @@ def test_encoder_decoder_and_mixed_stacks_fuse_their_pre_ln_boundaries(count_pre
 
 
 def test_fusion_asks_the_op_policy_with_the_stream_device_and_dropout(monkeypatch, count_prenorm):
-    """Every fusable add asks ops.policy.fused_op_preferred(device, dropout=..., sharded=..., numel=...)
-    with the stream's device, whether its branch dropout is active in that call, whether the stream is
-    a DTensor and its element count; where the policy declines, the model runs exactly the unfused
+    """Every fusable add asks ops.policy.fused_op_preferred(device, dropout=..., sharded=..., numel=...,
+    model=...) with the stream's device, whether its branch dropout is active in that call, whether the
+    stream is a DTensor, its element count and whose steps decide (addnorm's model: "addnorm"); where the policy declines, the model runs exactly the unfused
     modules (the same nn.Dropout masks for the same seed)."""
     asked = []
 
-    def decline(device, *, dropout, sharded, numel):
-        asked.append((device, dropout, sharded, numel))
+    def decline(device, *, dropout, sharded, numel, model):
+        asked.append((device, dropout, sharded, numel, model))
         return False
 
     monkeypatch.setattr(policy, "fused_op_preferred", decline)
@@ -299,7 +299,7 @@ def test_fusion_asks_the_op_policy_with_the_stream_device_and_dropout(monkeypatc
             torch.manual_seed(6)
             outs.append(_outputs_and_grads(m, lambda m: m(tokens)))
         assert (
-            asked == [(torch.device("cpu"), train, False, 2 * 7 * 16)] * 4
+            asked == [(torch.device("cpu"), train, False, 2 * 7 * 16, "addnorm")] * 4
         )  # 2 layers x 2 adds, fused model
         assert torch.equal(outs[0][0], outs[1][0])
         assert all(torch.equal(a, b) for a, b in zip(outs[0][1], outs[1][1], strict=True))

@@ -57,7 +57,7 @@ def test_each_measured_row_is_a_recorded_number_beyond_the_spread(row):
 def test_each_slower_row_covers_its_calls_and_no_narrower_smaller_or_other_ones(row, gpu_named):
     """At the row's bounds the eager ops are preferred; one column narrower (a row from a hidden size
     on) or one element more (a row up to a size) they are not, nor for another norm, placement,
-    dropout or execution mode than the row's."""
+    dropout, execution mode or model than the row's."""
     device = "cpu" if row.device == "cpu" else "cuda"
     if device == "cuda":
         gpu_named(row.device)
@@ -65,6 +65,7 @@ def test_each_slower_row_covers_its_calls_and_no_narrower_smaller_or_other_ones(
     numel = row.max_numel if row.max_numel is not None else hidden * 8
     call = {"scope": row.scope, "mode": row.mode or "eager", "hidden": hidden, "numel": numel}
     call |= {"norm": row.norm or "layernorm", "prenorm": bool(row.prenorm), "dropout": bool(row.dropout)}
+    call |= {"model": row.model}
     assert policy.eager_faster(device, **call) == row
     if row.min_hidden:
         assert policy.eager_faster(device, **{**call, "hidden": row.min_hidden - 1}) != row
@@ -83,6 +84,9 @@ def test_each_slower_row_covers_its_calls_and_no_narrower_smaller_or_other_ones(
         assert policy.eager_faster(device, **{**call, "dropout": not row.dropout}) != row
     if row.mode is not None:
         assert policy.eager_faster(device, **{**call, "mode": "compile"}) != row
+    if row.model is not None:
+        for other in (m for m in measured.MODELS if m != row.model):
+            assert policy.eager_faster(device, **{**call, "model": other}) != row
 
 
 def test_on_the_cpu_a_model_fuses_unless_a_recorded_step_ran_slower():
@@ -99,27 +103,68 @@ def test_on_the_cpu_a_model_fuses_unless_a_recorded_step_ran_slower():
 
 
 def test_on_a_gpu_a_model_fuses_only_where_that_gpu_ran_the_step_faster(gpu_named):
-    """Each GPU by its own rows: the H100's HF step ran faster fused without dropout (fused there, but
-    not its tiny host-bound calls, which ran slower); the H200 ran both steps slower (unfused); a GPU
-    with no recorded step, dropout on the H100 (level, no row) and compiled steps (level): unfused, the
-    reason saying so."""
+    """Each GPU by its own rows: the H100's HF step ran faster fused without dropout (fused there for
+    any model, its rows predating the model key, but not its tiny host-bound calls, which ran slower);
+    on the H200 (81f67f7) the same call fuses in a Hugging Face model (its HF step ran 1.05x faster)
+    and not in addnorm's (its LM ran 0.93x); with dropout (addnorm's LM level: no row) and compiled
+    (not timed), neither does; a GPU with no recorded step: unfused, the reason saying so."""
     big, tiny = 8 * 1024 * 768, 8 * 16 * 64
     gpu_named(H100)
-    d = policy.fusion_decision("cuda", dropout=False, numel=big)
-    assert d.fuse and d.row.source == "hf_step_gpu.md" and "1.05x faster" in str(d)
+    for model in measured.MODELS:
+        d = policy.fusion_decision("cuda", dropout=False, numel=big, model=model)
+        assert d.fuse and d.row.source == "hf_step_gpu.md" and "1.05x faster" in str(d)
     d = policy.fusion_decision(torch.device("cuda", 0), dropout=False, numel=tiny)
     assert not d.fuse and d.row.source == "host_overhead_cuda.md"
     d = policy.fusion_decision("cuda", dropout=True, numel=big)
     assert not d.fuse and d.row is None and "no recorded step on NVIDIA H100 80GB HBM3" in d.why
     assert not policy.fusion_decision("cuda", dropout=False, numel=big, compiling=True).fuse
     gpu_named(H200)  # an H100 row does not decide for an H200
-    for dropout, source in ((True, "lm_step_h200.md"), (False, "hf_step_h200.md")):
-        d = policy.fusion_decision("cuda", dropout=dropout, numel=big)
-        assert not d.fuse and d.row.source == source and "slower fused" in d.why
+    d = policy.fusion_decision("cuda", dropout=False, numel=big, model="hf")
+    assert d.fuse and d.row.source.endswith("81f67f7/hf_step_h200.md") and "1.05x faster" in d.why
+    d = policy.fusion_decision("cuda", dropout=False, numel=big)  # model="addnorm", the default
+    assert not d.fuse and d.row.source.endswith("81f67f7/lm_step_h200.md") and "1.08x slower" in d.why
+    for model in measured.MODELS:
+        d = policy.fusion_decision("cuda", dropout=True, numel=big, model=model)
+        assert not d.fuse and d.row is None and f"{model} model, eager, with dropout" in d.why
+        assert not policy.fusion_decision("cuda", dropout=False, numel=big, compiling=True, model=model).fuse
     gpu_named("NVIDIA A100-SXM4-80GB")
     d = policy.fusion_decision("cuda", dropout=False, numel=big)
     assert not d.fuse and "NVIDIA A100-SXM4-80GB" in d.why
     assert policy.fusion_decision("cuda", dropout=False, numel=big, sharded=True).fuse
+    with pytest.raises(ValueError, match="model: expected one of"):
+        policy.fusion_decision("cuda", dropout=False, model="llama")
+
+
+def test_a_connection_asks_for_its_models_rows_hugging_face_ones_for_hf(monkeypatch):
+    """A row of the HF models' steps decides for the connections addnorm.hf puts in a Hugging Face
+    model (fusion_model "hf"), not for addnorm's own model's: a CPU stand-in row, HF steps slower fused,
+    leaves the rewired Llama's adds unfused and addnorm's LM's fused; each gives its unfused model's
+    values."""
+    pytest.importorskip("transformers")
+    from addnorm import hf as anhf
+    from addnorm.hf.tiny import tiny_model
+
+    row = measured.Measured("cpu", "step", None, None, None, None, 0, None, 2.0, "", "", "hf")
+    monkeypatch.setitem(measured._BY_DEVICE, ("cpu", "step"), (row,))
+    policy.set_fusion("measured")  # forget cached decisions
+    calls = []
+    op = addnorm_module.add_norm
+    monkeypatch.setattr(addnorm_module, "add_norm", lambda *a, **k: calls.append(1) or op(*a, **k))
+    ids = torch.arange(6).reshape(1, 6)
+    plain = tiny_model("llama").eval()
+    fused = anhf.fuse(copy.deepcopy(plain))
+    conns = [m for m in fused.modules() if isinstance(m, an.AddNorm)]
+    assert conns and {c.fusion_model for c in conns} == {"hf"}
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids).logits, plain(ids).logits)
+    assert not calls
+    cfg = an.TransformerConfig(d_model=16, n_heads=2, d_ff=32, n_layers=2, dropout=0.0, placement="post")
+    lm = an.LanguageModel(cfg, vocab=40).eval()
+    assert {m.fusion_model for m in lm.modules() if isinstance(m, an.AddNorm)} == {"addnorm"}
+    lm(ids)
+    assert calls
+    monkeypatch.undo()
+    policy.set_fusion("measured")
 
 
 def test_set_fusion_overrides_the_measured_rule_and_is_checked(gpu_named):

@@ -164,6 +164,8 @@ class AddNorm(nn.Module):
     deepnorm, ...) when that is a LayerNorm or RMSNorm, or, for placements without one (pre,
     layerscale, sandwich, ...), with the norm that next reads the stream in a layer or stack
     (:mod:`addnorm.model.stream`). ``fused=False`` keeps the unfused modules, the readable reference.
+    ``conn.fusion_model`` (``"addnorm"``; ``"hf"`` in a model :mod:`addnorm.hf` rewired) names whose
+    recorded training steps the policy reads for it (:func:`addnorm.ops.fusion_decision`).
     Same function, except that the fused dropout mask comes from a counter-based hash of a seed drawn
     from torch's generator, not from ``nn.Dropout``'s RNG stream: equally distributed, but a different
     mask for the same manual seed.
@@ -225,6 +227,9 @@ class AddNorm(nn.Module):
         self.branch = ObservationPoint()
         self.stream_out = ObservationPoint()
         self.connection_role: ConnectionRole | None = None
+        # whose recorded training steps decide where this connection fuses (addnorm.ops.measured.MODELS):
+        # addnorm's and a user's models; addnorm.hf sets "hf" on the connections it puts in a HF model
+        self.fusion_model = "addnorm"
         self.fused = fused
 
     @property
@@ -318,8 +323,9 @@ class AddNorm(nn.Module):
         unfused then); None: the unfused modules. Fused when ``fused`` is on, the op computes this add
         (residual on, dropout on the branch, a scalar alpha, gate none / ReZero / LayerScale, a stream
         dtype it keeps: base's, or float32) and :func:`addnorm.ops.policy.fusion_decision` says so for
-        the stream's device, this call's dropout and its size (on a GPU: a recorded step on that GPU ran
-        faster fused; always on a DTensor stream). Hooks play no part.
+        the stream's device, this call's dropout and its size, and :attr:`fusion_model` (on a GPU: a
+        recorded step of such a model on that GPU ran faster fused; always on a DTensor stream). Hooks
+        play no part.
         """
         if not (
             self._fused
@@ -335,7 +341,9 @@ class AddNorm(nn.Module):
             return None
         dropout = self.training and self.dropout.p > 0
         sharded = type(base) is not Tensor and policy.is_dtensor(base)
-        if not policy.fused_op_preferred(base.device, dropout=dropout, sharded=sharded, numel=base.numel()):
+        if not policy.fused_op_preferred(
+            base.device, dropout=dropout, sharded=sharded, numel=base.numel(), model=self.fusion_model
+        ):
             return None
         n3 = self.output_norm
         if n3 is None:

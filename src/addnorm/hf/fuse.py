@@ -79,6 +79,7 @@ def fuse(model: nn.Module) -> nn.Module:
             for slot, path in sublayers[0].norm_paths().items():
                 _reading(getattr(conn, slot), layer.get_submodule(path), layer_reads, arch)
             conn.connection_role = role_of(arch, i)
+            conn.fusion_model = "hf"  # the HF step's recorded rows decide its fusion
             conn.train(layer.training)
             layer.add_module(block, conn)
             blocks.append(conn)

@@ -194,6 +194,7 @@ def with_placement(
                     if norm_name == arch.norm:
                         _copy_norm(getattr(conn, SECOND_NORM), theirs)
             conn.connection_role = role_of(arch, i)
+            conn.fusion_model = "hf"  # the HF step's recorded rows decide its fusion
             conn.train(layer.training)
             layer.add_module(block, conn)
             blocks.append(conn)

@@ -6,7 +6,8 @@ on one device, by its name as torch reports it (``"NVIDIA H200"``, ``"NVIDIA H10
 stands for any CPU), a ``scope`` (``"step"``: a model's training step, which decides where a model fuses;
 ``"op"``: the op alone against the eager ops it replaces, which decides the op's ``auto`` backend), the
 calls it covers (execution mode, norm, Pre-LN or not, branch dropout, hidden sizes from ``min_hidden``,
-elements per call up to ``max_numel``) and ``ratio``, the fused time over the unfused time. A row counts
+elements per call up to ``max_numel``, and ``model``: which models' step it timed, :data:`MODELS`) and
+``ratio``, the fused time over the unfused time. A row counts
 only beyond the runs' spread (:data:`SPREAD`): slower (``ratio > 1 + SPREAD``) or faster (``ratio < 1 -
 SPREAD``); a tie is no row. A GPU session that re-measures (``make gpu-bench``) edits the rows.
 
@@ -28,9 +29,15 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["MEASURED", "SCOPES", "SPREAD", "Measured", "device_name", "rows_for"]
+__all__ = ["MEASURED", "MODELS", "SCOPES", "SPREAD", "Measured", "device_name", "rows_for"]
 
 SCOPES = ("step", "op")
+# Whose training step a "step" row timed, since the host code around the op is theirs: "hf", a Hugging
+# Face model rewired by addnorm.hf (its connections say so: AddNorm.fusion_model); "addnorm", every
+# other model with AddNorm connections (addnorm's own, a user's). On the H200 at 81f67f7 the same call
+# (RMSNorm, no dropout, eager, ~8M elements) ran 1.05x faster fused in the HF Llama step and 0.93x in
+# addnorm's LM: the call alone does not decide.
+MODELS = ("hf", "addnorm")
 # identical fused=False models timed side by side differed by up to ~2% on the H100 (lm_step_cuda.md,
 # gpu_h100.md) and by 2.2% on the H200 (host_overhead_h200.md): a difference within it is a tie
 SPREAD = 0.02
@@ -51,6 +58,7 @@ class Measured(NamedTuple):
     ratio: float
     evidence: str
     source: str
+    model: str | None = None
 
     @property
     def slower(self) -> bool:
@@ -62,11 +70,15 @@ class Measured(NamedTuple):
         """The fused op ran faster than the unfused ops beyond the spread."""
         return self.ratio < 1 - SPREAD
 
-    def covers(self, mode=None, hidden=None, numel=None, norm=None, prenorm=None, dropout=None) -> bool:
+    def covers(
+        self, mode=None, hidden=None, numel=None, norm=None, prenorm=None, dropout=None, model=None
+    ) -> bool:
         """Whether a call like this falls under the row (a field the row bounds counts only where the
-        caller gives it: a row bounded in ``numel`` needs ``numel``, a LayerNorm row needs ``norm``)."""
+        caller gives it: a row bounded in ``numel`` needs ``numel``, a LayerNorm row needs ``norm``, an
+        "hf" row needs ``model``)."""
         return (
-            (self.mode is None or self.mode == mode)
+            (self.model is None or self.model == model)
+            and (self.mode is None or self.mode == mode)
             and (self.norm is None or self.norm == norm)
             and (self.prenorm is None or self.prenorm is prenorm)
             and (self.dropout is None or self.dropout is dropout)
@@ -89,12 +101,14 @@ MEASURED = (
     # HF Llama 134M (RMSNorm, no dropout, 8 x 1024 x 768 elements a call), eager: fused 1.048x plain
     Measured(_H100, "step", "eager", None, None, False, 0, None, 1 / 1.048,
              "| eager | 122162 | 128054 |", "hf_step_gpu.md"),
-    # the H200 (fb82146): the LM at d_model 1024 with dropout 0.1, eager 0.763x fused=False; HF Llama
-    # 134M without dropout 0.715x plain (the LM without dropout: 0.859x); compiled: level (no row)
-    Measured(_H200, "step", "eager", None, None, True, 0, None, 1 / 0.763,
-             "| gelu | pre | eager | 219,782 | 167,760 | 0.763x", "lm_step_h200.md"),
-    Measured(_H200, "step", "eager", None, None, False, 0, None, 1 / 0.715,
-             "| eager | 183956 | 131528 |", "hf_step_h200.md"),
+    # the H200 at 81f67f7 (each a median of paired rounds, quartiles beyond the spread), eager: HF Llama
+    # 134M (RMSNorm, no dropout) 1.051x plain, fused (the GPU-bound size: 1.074x); addnorm's LM with
+    # RMSNorm + SwiGLU, no dropout, 0.926x fused=False. Level (no row): the LM with LayerNorm and dropout
+    # 0.1 (0.999x). Not timed: compiled steps. (fb82146's rows, 0.715x-0.859x, timed older kernels.)
+    Measured(_H200, "step", "eager", None, None, False, 0, None, 1 / 1.051,
+             "| 134m eager | 154975 | 169825 |", "h200-2026-11-28-81f67f7/hf_step_h200.md", "hf"),
+    Measured(_H200, "step", "eager", None, None, False, 0, None, 1 / 0.926,
+             "| llama | pre | eager | 211,181 |", "h200-2026-11-28-81f67f7/lm_step_h200.md", "addnorm"),
     # --- the op alone: its auto backend (none: see the module docstring) ------------------------------
 )
 # fmt: on

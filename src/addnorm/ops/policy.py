@@ -35,7 +35,7 @@ import torch
 from torch.compiler import is_compiling
 
 from .args import MAX_FUSED_HIDDEN, TRITON_DTYPES, interpreting
-from .measured import Measured, device_name, rows_for
+from .measured import MODELS, Measured, device_name, rows_for
 
 __all__ = [
     "BACKENDS",
@@ -174,12 +174,13 @@ _compile_path = "composite"
 def eager_faster(
     device: torch.device | str, *, scope: str = "op", mode: str | None = None, hidden: int | None = None,
     numel: int | None = None, norm: str | None = None, prenorm: bool | None = None,
-    dropout: bool | None = None,
+    dropout: bool | None = None, model: str | None = None,
 ) -> Measured | None:  # fmt: skip
     """The row of :data:`~addnorm.ops.measured.MEASURED` in ``scope`` measured on ``device`` (by its
-    name) that found the unfused ops faster than the fused op for a call like this, or None."""
+    name) that found the unfused ops faster than the fused op for a call like this (in such a model,
+    ``model``), or None."""
     for m in rows_for(device_name(torch.device(device)), scope):
-        if m.slower and m.covers(mode, hidden, numel, norm, prenorm, dropout):
+        if m.slower and m.covers(mode, hidden, numel, norm, prenorm, dropout, model):
             return m
     return None
 
@@ -260,12 +261,15 @@ def fusion(mode: str) -> Iterator[None]:
 
 def fusion_decision(
     device: torch.device | str, *, dropout: bool = False, numel: int | None = None, sharded: bool = False,
-    compiling: bool | None = None,
+    compiling: bool | None = None, model: str = "addnorm",
 ) -> FusionDecision:  # fmt: skip
     """Whether a model's residual add runs in :func:`addnorm.ops.add_norm` on ``device``, and why: the
     one rule :meth:`addnorm.AddNorm.add_fusion` asks (with the call's branch dropout, ``dropout``:
     training with p > 0, and its stream's element count, ``numel``), readable by a user for any call
-    (``print(addnorm.ops.fusion_decision("cuda", dropout=True, numel=8 * 1024 * 1024))``).
+    (``print(addnorm.ops.fusion_decision("cuda", dropout=True, numel=8 * 1024 * 1024))``), and for
+    the models whose steps decide (``model``, :data:`~addnorm.ops.measured.MODELS`: ``"hf"`` for a
+    Hugging Face model rewired by :mod:`addnorm.hf`, ``"addnorm"`` for any other; a connection passes
+    its :attr:`addnorm.AddNorm.fusion_model`).
 
     - a DTensor stream (``sharded``) always fuses: the op's dropout mask is the whole tensor's on every
       shard (:mod:`addnorm.ops.sharded`), ``nn.Dropout`` on CPU DTensors draws each rank's own;
@@ -273,7 +277,8 @@ def fusion_decision(
     - on a GPU the op runs its own kernels, so it fuses only where a recorded training step on *this*
       GPU (by name, not "cuda": an H100's table does not decide for an H200) ran faster fused for such
       a call (eager or compiled, ``compiling``: default whether torch.compile is tracing, dropout,
-      elements per call) and none ran slower; unmeasured, level or slower: the unfused modules;
+      elements per call, such models) and none ran slower; unmeasured, level or slower: the unfused
+      modules;
     - on the CPU the op without dropout runs the unfused modules' own torch ops (no kernel of its own
       to be faster or slower), so it fuses unless a recorded step ran slower (with dropout: the hashed
       NumPy mask against ``nn.Dropout``).
@@ -282,10 +287,12 @@ def fusion_decision(
     device, the call and the rows, never hooks or observers, and is cached per call signature."""
     if compiling is None:
         compiling = is_compiling()
-    key = (device, dropout, numel, sharded, compiling, _fusion, VERSION)
+    key = (device, dropout, numel, sharded, compiling, model, _fusion, VERSION)
     found = None if compiling else _decisions.get(key)
     if found is None:
-        found = _decide(torch.device(device), bool(dropout), numel, sharded, compiling)
+        if model not in MODELS:
+            raise ValueError(f"model: expected one of {MODELS}, got {model!r}")
+        found = _decide(torch.device(device), bool(dropout), numel, sharded, compiling, model)
         if not compiling:
             if len(_decisions) > 4096:  # many call sizes (varying sequence lengths): start again
                 _decisions.clear()
@@ -293,14 +300,18 @@ def fusion_decision(
     return found
 
 
-def _decide(device: torch.device, dropout: bool, numel, sharded: bool, compiling: bool) -> FusionDecision:
+def _decide(
+    device: torch.device, dropout: bool, numel, sharded: bool, compiling: bool, model: str
+) -> FusionDecision:
     if sharded:
         return FusionDecision(True, "a DTensor stream: the op's mask is the whole tensor's on every shard")
     if _fusion != "measured":
         return FusionDecision(_fusion == "always", f"set_fusion({_fusion!r}) (or ADDNORM_FUSION)")
     name, mode = device_name(device), "compile" if compiling else "eager"
-    call = f"{mode}, {'with' if dropout else 'without'} dropout" + (f", {numel} elements" if numel else "")
-    rows = [m for m in rows_for(name, "step") if m.covers(mode, None, numel, None, None, dropout)]
+    call = f"{model} model, {mode}, {'with' if dropout else 'without'} dropout" + (
+        f", {numel} elements" if numel else ""
+    )
+    rows = [m for m in rows_for(name, "step") if m.covers(mode, None, numel, None, None, dropout, model)]
     slower = next((m for m in rows if m.slower), None)
     if slower is not None:
         return FusionDecision(
@@ -321,10 +332,11 @@ def _decide(device: torch.device, dropout: bool, numel, sharded: bool, compiling
 
 
 def fused_op_preferred(
-    device: torch.device | str, *, dropout: bool, sharded: bool = False, numel: int | None = None
-) -> bool:
+    device: torch.device | str, *, dropout: bool, sharded: bool = False, numel: int | None = None,
+    model: str = "addnorm",
+) -> bool:  # fmt: skip
     """``fusion_decision(...).fuse``: whether a model's add runs in the fused op (see there)."""
-    return fusion_decision(device, dropout=dropout, numel=numel, sharded=sharded).fuse
+    return fusion_decision(device, dropout=dropout, numel=numel, sharded=sharded, model=model).fuse
 
 
 def is_dtensor(t: object) -> bool:
