@@ -46,7 +46,9 @@ bench: $(STAMP)
 # and Triton preinstalled, no venv): GPU tests, op table, host time, LM and HF steps, each step with its
 # own budget; tables named by device in $OUT when set, else benchmarks/results/.
 # GPU_BENCH_ARGS="--commit $(git rev-parse --short HEAD)" names the code that ran when the device's copy
-# of the tree has no .git; --dry-run prints the plan and its budgets; --only STEP reruns one step.
+# of the tree has no .git; --dry-run prints the plan and its budgets; --only STEP reruns one step;
+# "--budget 570 --study gpu-literature benchmarks/results/study_gpu_literature" then resumes that GPU
+# study with the time left, its folder returned as one .tar.
 gpu-bench:
 	PYTHONPATH=src $(PYTHON) benchmarks/gpu_suite.py $(GPU_BENCH_ARGS)
 

@@ -60,7 +60,15 @@ installed with ``pip --no-index --no-deps --target`` into a scratch folder on th
 ``PYTHONPATH``.
 
     PYTHONPATH=src python benchmarks/gpu_suite.py [--dry-run] [--only ops lm_step] [--commit SHA]
-        [--budget 480] [--out DIR] [--wheels DIR]
+        [--budget 480] [--out DIR] [--wheels DIR] [--study PRESET DIR]
+
+**Then a study** (``--study gpu-literature benchmarks/results/study_gpu_literature`` with ``--budget``
+raised to what the device call allows, e.g. 570 of a 600 s call): after the steps, the study resumes
+from a copy of that folder with the time left (``run_study``: not started with less than
+``STUDY_MIN_S``; its own ``--budget`` what is left less ``STUDY_RESERVE_S``; ``--workers auto``
+packs its runs on the GPU) and its folder comes back as one file, ``study_<preset>.tar``. The steps'
+tables then travel only in the bundle, so the call returns 4 files, not 9 (the 8-file limit lost a
+study's database that way at 81f67f7).
 """
 
 from __future__ import annotations
@@ -76,6 +84,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -91,6 +100,10 @@ STARTUP_S = (
     15  # the suite's own: Python and torch import, the device query, wheels, writing (5 s on the H200)
 )
 OUT_TOKEN = "{out}"  # replaced in a step's argv by its scratch folder
+# --study: the study runs only if this much of the budget is left after the steps; its own --budget is
+# what is left less STUDY_RESERVE_S (the study's process start, then the copy of its folder into a .tar)
+STUDY_MIN_S = 60
+STUDY_RESERVE_S = 15
 
 
 @dataclass
@@ -258,11 +271,12 @@ def collect(
     header: str,
     files: dict[str, str],
     binaries: dict[str, int],
+    apart: bool = True,
 ) -> None:
-    """Copy the step's Markdown tables into ``out`` (named by device) and every text file it wrote into
-    ``files``; a compressed file (a trace, ``.gz``) is copied into ``out`` as it is and noted in
-    ``binaries`` (name: bytes), not bundled. A step that timed out, failed or was skipped says so in
-    one line of each table it owns (under the rows it finished, or alone in a table of its own)."""
+    """Copy the step's Markdown tables into ``out`` (named by device; ``apart`` False: only in the bundle) and
+    every text file it wrote into ``files``; a compressed file (a trace, ``.gz``) is copied into ``out`` as it
+    is and noted in ``binaries`` (name: bytes), not bundled. A step that timed out, failed or was skipped says
+    so in one line of each table it owns (under the rows it finished, or alone in a table of its own)."""
     for path in sorted(scratch.glob("*")) if scratch.is_dir() else []:
         if not path.is_file():
             continue
@@ -272,7 +286,7 @@ def collect(
             binaries[name] = path.stat().st_size
             continue
         files[name] = path.read_text()
-        if path.suffix == ".md":
+        if path.suffix == ".md" and apart:
             shutil.copyfile(path, out / name)
     status = status_line(step)
     if status == "ok":
@@ -284,7 +298,8 @@ def collect(
         )
         text = files.get(name) or f"# {step.what}\n\n{header}\n"
         files[name] = text.rstrip("\n") + f"\n\n{line}\n"
-        (out / name).write_text(files[name])
+        if apart:
+            (out / name).write_text(files[name])
 
 
 def to_markdown(report: dict) -> str:
@@ -307,18 +322,29 @@ def to_markdown(report: dict) -> str:
         if r.get("summary"):
             status += f" ({r['summary']})"
         lines.append(f"| {s['name']} | {s['what']} | {status} | {r.get('seconds', '-')} | {s['timeout_s']} |")
+    study = report.get("study")
+    if study is not None:
+        status = study.get("skipped") or status_line(Step("study", "", [], 0, result=study))
+        what = f"`addnorm study {study.get('preset', '')}` from {study.get('from', '-')}, the time left"
+        lines.append(
+            f"| study | {what}; its folder in {study.get('tar', '-')} | {status} | "
+            f"{study.get('seconds', '-')} | {study.get('budget_s', '-')} |"
+        )
     lines.append("")
-    for s in report["steps"]:
+    for s in [*report["steps"], *([{"name": "study", "result": study}] if study else [])]:
         if s["result"].get("log_tail"):
             lines += [f"## {s['name']}", "", "```", s["result"]["log_tail"].rstrip(), "```", ""]
     return "\n".join(lines)
 
 
 def run_suite(
-    steps: list[Step], *, out: Path, slug: str, report: dict, env: dict[str, str], budget: float, start: float
-) -> dict:
+    steps: list[Step], *, out: Path, slug: str, report: dict, env: dict[str, str], budget: float,
+    start: float, study: tuple[str, Path] | None = None,
+) -> dict:  # fmt: skip
     """Run ``steps`` in order within ``budget`` seconds from ``start`` (monotonic), each within its own
-    limit; after each, collect its files and rewrite the suite's summary and bundle in ``out``."""
+    limit; after each, collect its files and rewrite the suite's summary and bundle in ``out``. With
+    ``study`` (preset, folder): then :func:`run_study` with what is left, and the steps' tables only in
+    the bundle (the call's 8 files: the suite's 3 and the study's .tar)."""
     out.mkdir(parents=True, exist_ok=True)
     scratch_root = Path(tempfile.mkdtemp(prefix="addnorm-gpu-suite-"))
     files: dict[str, str] = {}
@@ -342,17 +368,57 @@ def run_suite(
             print(f"[{s.name}] <= {min(s.timeout_s, left):.0f} s: {s.what}", flush=True)
             s.result = run_step(s, env, min(s.timeout_s, left), scratch)
         print(f"[{s.name}] {status_line(s)} in {s.result.get('seconds', 0)} s", flush=True)
-        collect(s, scratch, out, slug, header, files, binaries)
+        collect(s, scratch, out, slug, header, files, binaries, apart=study is None)
         report["steps"][i] = asdict(s)
-        report["seconds"] = time.monotonic() - start
-        summary = to_markdown(report)
-        files[f"gpu_suite_{slug}.md"] = summary
-        (out / f"gpu_suite_{slug}.md").write_text(summary)
-        bundle = {"summary": report, "files": files}
-        (out / f"gpu_suite_{slug}.json").write_text(json.dumps(bundle, indent=1) + "\n")
+        _write_summary(report, files, out, slug, start)
+    if study is not None:
+        report["study"] = run_study(*study, out=out, env=env, deadline=deadline, commit=report["commit"])
+        print(f"[study] {report['study'].get('skipped') or report['study'].get('tar')}", flush=True)
+        _write_summary(report, files, out, slug, start)
     shutil.rmtree(scratch_root, ignore_errors=True)
     print(f"wrote {out}/gpu_suite_{slug}.md and .json (every file: --unpack the .json)", flush=True)
     return report
+
+
+def _write_summary(report: dict, files: dict[str, str], out: Path, slug: str, start: float) -> None:
+    report["seconds"] = time.monotonic() - start
+    summary = to_markdown(report)
+    files[f"gpu_suite_{slug}.md"] = summary
+    (out / f"gpu_suite_{slug}.md").write_text(summary)
+    bundle = {"summary": report, "files": files}
+    (out / f"gpu_suite_{slug}.json").write_text(json.dumps(bundle, indent=1) + "\n")
+
+
+def study_argv(preset: str, folder: Path, budget: int, commit: str) -> list[str]:
+    """The study's command: ``preset`` resumed in ``folder`` within ``budget`` seconds, its runs packed
+    on the GPU as measured (``--workers auto``), provenance naming ``commit``."""
+    return [sys.executable, "-m", "addnorm", "study", preset, "--out", str(folder), "--budget", str(budget),
+            "--workers", "auto", "--quiet", "--commit", commit]  # fmt: skip
+
+
+def run_study(
+    preset: str, folder: Path, *, out: Path, env: dict[str, str], deadline: float, commit: str
+) -> dict:
+    """``--study PRESET DIR``: the study ``preset`` resumed from a copy of ``DIR`` (a new folder where
+    there is none) with what is left until ``deadline`` (monotonic), then the folder, database and
+    report, as one file in ``out``: ``study_<preset>.tar`` (``tar -xf`` gives the folder back). Not run
+    with less than ``STUDY_MIN_S`` left. Its exit status, seconds and output tail, as a step's."""
+    left = deadline - time.monotonic()
+    if left < STUDY_MIN_S:
+        return {"skipped": f"not run: {max(left, 0):.0f} s of the budget left (needs {STUDY_MIN_S})"}
+    work = Path(tempfile.mkdtemp(prefix="addnorm-gpu-study-")) / preset
+    if folder.is_dir():
+        shutil.copytree(folder, work, ignore=shutil.ignore_patterns("*.lock"))  # a WAL file travels
+    else:
+        work.mkdir()
+    budget = int(left - STUDY_RESERVE_S)
+    step = Step("study", f"addnorm study {preset}", study_argv(preset, work, budget, commit), budget)
+    result = run_step(step, env, left - 5, work)
+    tar = out / f"study_{preset}.tar"
+    with tarfile.open(tar, "w") as t:
+        t.add(work, arcname=preset, filter=lambda m: None if m.name.endswith(".lock") else m)
+    shutil.rmtree(work.parent, ignore_errors=True)
+    return {**result, "preset": preset, "from": str(folder), "budget_s": budget, "tar": tar.name}
 
 
 def unpack(bundle: Path, out: Path) -> list[Path]:
@@ -382,6 +448,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wheels", type=Path, default=BENCH / "wheels", help="optional wheels to install")
     ap.add_argument("--out", type=Path, default=None, help="default: $OUT when set, else benchmarks/results")
     ap.add_argument("--unpack", type=Path, default=None, help="write a bundle's files into --out and stop")
+    ap.add_argument(
+        "--study",
+        nargs=2,
+        metavar=("PRESET", "DIR"),
+        default=None,
+        help="then resume the study PRESET from a copy of the folder DIR with the budget's time left "
+        "(raise --budget for it), its folder returned as study_<PRESET>.tar",
+    )
     args = ap.parse_args(argv)
     out = args.out or default_out()
     if args.unpack is not None:
@@ -398,6 +472,16 @@ def main(argv: list[str] | None = None) -> int:
     total = STARTUP_S + sum(s.timeout_s for s in steps)
     for s in steps:
         print(f"[{s.name}] <= {s.timeout_s} s: {s.what}\n    {shlex.join(s.argv)}", flush=True)
+    study = None
+    if args.study is not None:
+        study = (args.study[0], Path(args.study[1]))
+        if study[1].exists() and not study[1].is_dir():
+            raise SystemExit(f"--study: DIR must be a study folder, got the file {study[1]}")
+        argv_then = study_argv(
+            study[0], Path("<a copy of DIR>"), args.budget - total - STUDY_RESERVE_S, "SHA"
+        )
+        print(f"[study] the budget's time left, at least {args.budget - total} s: {shlex.join(argv_then)}")
+        total += STUDY_MIN_S
     print(f"start-up <= {STARTUP_S} s; {len(steps)} steps; {total} s of a {args.budget} s budget; out {out}")
     if total > args.budget:
         raise SystemExit(f"--budget: the plan needs {total} s, more than the budget of {args.budget} s")
@@ -437,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         "missing": missing,
     }
     run_suite(steps, out=out, slug=device_slug(device), report=report, env=env, budget=args.budget - 5,
-              start=t_start)  # fmt: skip
+              start=t_start, study=study)  # fmt: skip
     return 0 if all(s.result.get("rc") == 0 for s in steps) else 1
 
 

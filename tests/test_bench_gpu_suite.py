@@ -189,3 +189,100 @@ def test_failures_to_writes_a_failing_test_s_report_the_moment_it_fails(tmp_path
     assert "test_passes" not in written
     # printed before pytest's own summary of failures
     assert run.stdout.index("FAILED test_probe.py::test_fails (call)") < run.stdout.index("= FAILURES =")
+
+
+def _report():
+    return {
+        "device": "NVIDIA H200", "torch": "t", "triton": "3", "commit": "abc", "commit_source": "--commit",
+        "date": "2026-01-01", "budget_s": 570, "startup_s": 1.0, "wheels": "none", "missing": {},
+    }  # fmt: skip
+
+
+def test_gpu_suite_then_the_study_resumes_a_copy_of_its_folder_and_returns_it_as_one_tar(
+    bench_module, tmp_path, monkeypatch
+):
+    """``--study PRESET DIR`` on the CPU with a stand-in study (``study_argv`` patched: a script that
+    appends a run to the copied database and writes its report): after the steps it runs in a copy of
+    DIR with the budget's time left, less the reserve, and naming the commit; the folder comes back as
+    study_<preset>.tar holding the old and the new rows (no lock file); DIR itself is untouched; the
+    steps' tables travel only in the bundle, so the call returns the suite's two files and the .tar."""
+    import sqlite3
+    import sys
+    import tarfile
+    import time
+
+    suite = bench_module("gpu_suite")
+    folder = tmp_path / "study_x"
+    folder.mkdir()
+    with sqlite3.connect(folder / "study.sqlite") as db:
+        db.execute("create table runs (id text)")
+        db.execute("insert into runs values ('stored')")
+    (folder / ".addnorm.lock").write_text("1")
+    before = (folder / "study.sqlite").read_bytes()
+    seen = {}
+
+    def fake_argv(preset, work, budget, commit):
+        seen.update(preset=preset, work=work, budget=budget, commit=commit)
+        script = (
+            "import sqlite3, sys, pathlib; d = pathlib.Path(sys.argv[1]); "
+            "c = sqlite3.connect(d / 'study.sqlite'); c.execute(\"insert into runs values ('new')\"); "
+            "c.commit(); (d / 'report.html').write_text('<p>report</p>'); print('2 of 48 runs stored')"
+        )
+        return [sys.executable, "-c", script, str(work)]
+
+    monkeypatch.setattr(suite, "study_argv", fake_argv)
+    table = "import pathlib, sys; pathlib.Path(sys.argv[1], 'ops_cuda.md').write_text('# ops\\n')"
+    steps = [
+        suite.Step("ops", "writes a table", [sys.executable, "-c", table, suite.OUT_TOKEN], 30, ("ops",))
+    ]
+    out = tmp_path / "out"
+    start = time.monotonic()
+    report = suite.run_suite(
+        steps, out=out, slug="h200", report=_report(), env=dict(os.environ), budget=200, start=start,
+        study=("gpu-x", folder),
+    )  # fmt: skip
+    assert seen["preset"] == "gpu-x" and seen["commit"] == "abc" and seen["work"] != folder
+    assert 200 - 60 - suite.STUDY_RESERVE_S < seen["budget"] <= 200 - suite.STUDY_RESERVE_S
+    assert report["study"]["rc"] == 0 and report["study"]["tar"] == "study_gpu-x.tar"
+    assert sorted(p.name for p in out.iterdir()) == [
+        "gpu_suite_h200.json",
+        "gpu_suite_h200.md",
+        "study_gpu-x.tar",
+    ]
+    with tarfile.open(out / "study_gpu-x.tar") as t:
+        names = t.getnames()
+        t.extractall(tmp_path / "back", filter="data")
+    assert "gpu-x/report.html" in names and not any(n.endswith(".lock") for n in names)
+    with sqlite3.connect(tmp_path / "back" / "gpu-x" / "study.sqlite") as db:
+        assert [r for (r,) in db.execute("select id from runs order by rowid")] == ["stored", "new"]
+    assert (folder / "study.sqlite").read_bytes() == before
+    bundle = json.loads((out / "gpu_suite_h200.json").read_text())
+    assert "ops_h200.md" in bundle["files"]
+    summary = (out / "gpu_suite_h200.md").read_text()
+    assert "| study | `addnorm study gpu-x` from" in summary and "2 of 48 runs stored" in summary
+
+
+def test_gpu_suite_skips_the_study_when_the_steps_leave_too_little_and_checks_its_arguments(
+    bench_module, tmp_path, capsys
+):
+    """With less than STUDY_MIN_S left the study does not start (one line says why, no .tar); the plan
+    with --study needs STUDY_MIN_S more of the budget than the steps (one-line error), and DIR must be a
+    folder."""
+    import time
+
+    suite = bench_module("gpu_suite")
+    out = tmp_path / "out"
+    report = suite.run_suite(
+        [], out=out, slug="h200", report=_report(), env=dict(os.environ), budget=30, start=time.monotonic(),
+        study=("gpu-x", tmp_path / "none"),
+    )  # fmt: skip
+    assert report["study"]["skipped"].startswith("not run: ") and not list(out.glob("*.tar"))
+    assert "| study |" in (out / "gpu_suite_h200.md").read_text()
+    needs = suite.STARTUP_S + sum(s.timeout_s for s in suite.plan()) + suite.STUDY_MIN_S
+    with pytest.raises(SystemExit, match=f"--budget: the plan needs {needs} s"):
+        suite.main(["--dry-run", "--study", "gpu-literature", str(tmp_path)])
+    assert suite.main(["--dry-run", "--budget", str(needs), "--study", "gpu-literature", str(tmp_path)]) == 0
+    assert "[study] the budget's time left, at least 60 s" in capsys.readouterr().out
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit, match="--study: DIR must be a study folder"):
+        suite.main(["--dry-run", "--budget", "600", "--study", "gpu-literature", str(tmp_path / "file")])
