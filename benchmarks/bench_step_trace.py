@@ -13,6 +13,8 @@ Runs (each built from one seed, two warmup steps, then ``--steps`` profiled step
 - ``lm``: addnorm's LM of ``bench_lm_step.py`` (GPU: d_model 1024 x 12 layers, LayerNorm + GELU, dropout
   0.1), ``fused=False`` and the op wherever it can fuse (``set_fusion("always")``: what the default
   does on a GPU where a step was measured faster fused);
+- ``lm-llama``: the same LM with RMSNorm + SwiGLU, no biases, no dropout (``bench_lm_step.py``'s
+  ``llama``), the one that ran 0.926x fused on the H200 at 81f67f7;
 - ``hf-gpu-bound``: the HF Llama at hidden 2048, 4 layers, batch 1 x seq 4096, a step the GPU bounds
   (its GPU-busy share says how far).
 
@@ -24,7 +26,8 @@ Writes ``step_trace_<device>.md`` / ``.json`` (the table and the records) and
 ``step_trace_<device>.json.gz``, one Chrome trace of every run side by side (open it in Perfetto or
 chrome://tracing; Python frames kept for addnorm, the model and the benchmark), at most ``--max-mib``.
 
-    python benchmarks/bench_step_trace.py [--runs hf lm hf-gpu-bound] [--steps 2] [--out DIR | --record]
+    python benchmarks/bench_step_trace.py [--runs hf lm lm-llama hf-gpu-bound] [--steps 2]
+        [--out DIR | --record]
 """
 
 from __future__ import annotations
@@ -51,8 +54,8 @@ from trace_analysis import STEP_SCOPE, analyze, trim  # noqa: E402
 
 from addnorm.ops import policy  # noqa: E402
 
-RUNS = ("hf", "lm", "hf-gpu-bound")
-VARIANTS = {"hf": ("plain", "fused"), "lm": ("fused=False", "fused"), "hf-gpu-bound": ("plain", "fused")}
+RUNS = ("hf", "lm", "lm-llama", "hf-gpu-bound")
+VARIANTS = {run: ("plain", "fused") if run.startswith("hf") else ("fused=False", "fused") for run in RUNS}
 
 
 def _hf_setup(run: str, gpu: bool):
@@ -80,7 +83,7 @@ def build_step(run: str, variant: str, device: str) -> tuple[Callable[[], None],
         return (lambda: timed()), setup.batch * setup.seq
     import bench_lm_step as lm
 
-    cfg = lm.GPU if gpu else lm.TINY
+    cfg = lm.model_config(lm.GPU if gpu else lm.TINY, "llama" if run == "lm-llama" else "gelu")
     model = lm.build_lm(cfg, "pre", fused=variant == "fused", device=device)
     tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), device=device)
     return lm.make_step(model, tokens, cfg["vocab"], fused_adamw=gpu, autocast=gpu), cfg["batch"] * cfg["seq"]

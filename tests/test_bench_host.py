@@ -66,11 +66,11 @@ def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedPro
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the faked launches need triton")
 def test_step_trace_runs_on_the_cpu_and_writes_its_table_and_trace(tmp_path):
-    """Plain and fused HF Llama and LM steps traced on the CPU (the fused ones on the op's CUDA path,
-    launches faked): a row per run and variant, addnorm's own Python found in the fused runs' stacks
+    """Plain and fused HF Llama and LM steps (both LMs) traced on the CPU (the fused ones on the op's CUDA
+    path, launches faked): a row per run and variant, addnorm's own Python found in the fused runs' stacks
     (far more than in the plain ones), and one trace file holding every run side by side."""
-    out = _run("bench_step_trace.py", "--cpu", "--runs", "hf", "lm", "--steps", "1", "--warmup", "1",
-               "--out", str(tmp_path))  # fmt: skip
+    out = _run("bench_step_trace.py", "--cpu", "--runs", "hf", "lm", "lm-llama", "--steps", "1", "--warmup",
+               "1", "--out", str(tmp_path))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "step_trace_cpu.json").read_text())["rows"]
     assert [(r["run"], r["variant"]) for r in rows] == [
@@ -78,6 +78,8 @@ def test_step_trace_runs_on_the_cpu_and_writes_its_table_and_trace(tmp_path):
         ("hf", "fused"),
         ("lm", "fused=False"),
         ("lm", "fused"),
+        ("lm-llama", "fused=False"),
+        ("lm-llama", "fused"),
     ]
     by = {(r["run"], r["variant"]): r for r in rows}
     # the plain step's addnorm frames are the benchmark's fusion switch only
@@ -85,7 +87,7 @@ def test_step_trace_runs_on_the_cpu_and_writes_its_table_and_trace(tmp_path):
     assert all(r["wall_ms"] > 0 and r["gpu_busy_ms"] is None for r in rows)
     trace = json.loads(gzip.decompress((tmp_path / "step_trace_cpu.json.gz").read_bytes()))
     labels = {str(e.get("pid")).split(":")[0] for e in trace["traceEvents"]}
-    assert {"hf plain", "hf fused", "lm fused=False", "lm fused"} <= labels
+    assert {"hf plain", "hf fused", "lm fused=False", "lm fused", "lm-llama fused"} <= labels
     assert "| hf | fused |" in (tmp_path / "step_trace_cpu.md").read_text()
 
 
