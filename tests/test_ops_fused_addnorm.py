@@ -276,9 +276,9 @@ def test_encoder_decoder_and_mixed_stacks_fuse_their_pre_ln_boundaries(count_pre
 
 def test_fusion_asks_the_op_policy_with_the_stream_device_and_dropout(monkeypatch, count_prenorm):
     """Every fusable add asks ops.policy.fused_op_preferred(device, dropout=..., sharded=..., numel=...,
-    model=...) with the stream's device, whether its branch dropout is active in that call, whether the
-    stream is a DTensor, its element count and whose steps decide (addnorm's model: "addnorm"); where the policy declines, the model runs exactly the unfused
-    modules (the same nn.Dropout masks for the same seed)."""
+    model=...) with the stream's device, whether its branch dropout is active in that call, whether the stream
+    is a DTensor, its element count and whose steps decide (addnorm's model: "addnorm"); where the policy
+    declines, the model runs exactly the unfused modules (the same nn.Dropout masks for the same seed)."""
     asked = []
 
     def decline(device, *, dropout, sharded, numel, model):
