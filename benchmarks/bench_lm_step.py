@@ -345,6 +345,13 @@ def cells_of(args, device: str) -> list[tuple[str, str, str, list[str]]]:
             for placement in args.placements:
                 cols = [c for c in columns(args, model) if mode != "eager" or not _compile_path(c)]
                 cols = [c for c in cols if c != KERNEL_SUMS or mode == "eager"]
+                compiled_only = getattr(args, "compiled_columns", None)
+                if mode != "eager" and compiled_only is not None:  # a compiled column's cost: a compile
+                    cols = [
+                        c
+                        for c in cols
+                        if c in compiled_only or (_compile_path(c) and "fused" in compiled_only)
+                    ]
                 rows.append((model, placement, mode, cols))
     return rows
 
@@ -465,6 +472,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--placements", nargs="+", default=["pre", "post"], choices=["pre", "post"])
     ap.add_argument("--modes", nargs="+", default=None, choices=["eager", "compile", "reduce-overhead"])
     ap.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=list(COLUMNS))
+    ap.add_argument(
+        "--compiled-columns",
+        nargs="+",
+        default=None,
+        choices=list(COLUMNS),
+        help="the columns of the compiled rows (default: --columns); each costs a whole-model compile",
+    )
     ap.add_argument("--compile-paths", choices=["default", "both"], default="both")
     ap.add_argument(
         "--profile", action="store_true", help="removable time and the share the fused step gains"

@@ -52,6 +52,39 @@ def test_lm_step_kernel_sums_column_steps_with_that_backward_variant(bench_modul
     assert lm.KERNEL_SUMS in rows["eager"] and lm.KERNEL_SUMS not in rows["compile"]
 
 
+def test_lm_step_compiled_rows_take_only_the_compiled_columns_asked_for(bench_module, tmp_path):
+    """--compiled-columns: the compiled rows time only those columns (each a whole-model compile; the
+    fused model's other compile path with "fused"), eager rows every column; every eager row comes
+    first; a compiled row without "default" is judged on what it has (fused / fused=False), not
+    dropped from the targets."""
+    import types
+
+    lm = bench_module("bench_lm_step")
+    args = types.SimpleNamespace(models=["gelu", "llama"], placements=["pre"], modes=["eager", "compile"],
+                                 columns=["default", "fused=False", "fused"], compile_paths="both",
+                                 compiled_columns=["fused=False", "fused"])  # fmt: skip
+    rows = lm.cells_of(args, "cpu")
+    assert [(m, mode) for m, _, mode, _ in rows] == [
+        ("gelu", "eager"), ("llama", "eager"), ("gelu", "compile"), ("llama", "compile")
+    ]  # fmt: skip
+    other = next(c for c in rows[2][3] if "compile path" in c)
+    assert rows[0][3] == ["fused=False", "default", "fused"]
+    assert rows[2][3] == ["fused=False", "fused", other]
+    argv = ["--tiny", "--models", "gelu", "--placements", "pre", "--modes", "eager", "compile", "--steps",
+            "1", "--warmup", "0", "--columns", "default", "fused=False", "fused", "--compiled-columns",
+            "fused=False", "fused", "--compile-paths", "default", "--out", str(tmp_path)]  # fmt: skip
+    lm.main(argv)
+    report = json.loads((tmp_path / "lm_step_cpu.json").read_text())
+    assert [set(r["cells"]) for r in report["rows"]] == [
+        {"default", "fused=False", "fused"},
+        {"fused=False", "fused"},
+    ]
+    targets = {(t["mode"], t["target"]) for t in bench_module("lm_step_report").check_targets(report)}
+    assert ("compile", "fused / fused=False >= 1.0") in targets
+    assert ("eager", "default / fused=False >= 0.98") in targets
+    assert ("compile", "default / fused=False >= 0.98") not in targets
+
+
 def test_lm_step_warm_compiles_each_compiled_cell_in_its_own_process(bench_module, monkeypatch, tmp_path):
     """--warm: one process per compiled (model, placement, mode, column) cell, at most N at a time, each
     told its cell; a worker's command line runs that cell's step (here in eager mode, so that nothing
