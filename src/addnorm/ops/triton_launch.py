@@ -263,10 +263,11 @@ def _summed(alloc, n: int, weight, bias, gate) -> tuple:
 
 
 def _empty_like(t: Tensor, contiguous: bool, dtype: torch.dtype) -> Tensor:
-    """A contiguous empty tensor of ``t``'s shape and ``dtype``: ``empty_like`` where ``t``'s layout and
-    dtype fit (a third of ``torch.empty``'s host time with keywords)."""
-    if contiguous and t.dtype is dtype:
-        return torch.empty_like(t)
+    """A contiguous empty tensor of ``t``'s shape and ``dtype``: ``empty_like`` where ``t`` is contiguous
+    (a third of ``torch.empty``'s host time with keywords without ``dtype``, under half with it: 1.1 and
+    1.4 us against 3.2 on the 2-core CPU), else ``torch.empty``."""
+    if contiguous:
+        return torch.empty_like(t) if t.dtype is dtype else torch.empty_like(t, dtype=dtype)
     return torch.empty(t.shape, dtype=dtype, device=t.device)
 
 
