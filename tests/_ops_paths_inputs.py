@@ -1,34 +1,17 @@
-"""The shared helpers of the fused op's path tests (``test_ops_paths*.py``): the op's random inputs and
-the skip mark for the Triton kernels."""
+"""The shared helpers of the fused op's path tests (``test_ops_paths*.py``): the op's random inputs, and
+the Triton skip mark and device of the op's tests (``_add_norm_cases``, one definition)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
-import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-HAS_TRITON = importlib.util.find_spec("triton") is not None
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _triton_ready() -> bool:
-    if not HAS_TRITON:
-        return False
-    if torch.cuda.is_available():
-        return True
-    from addnorm.ops.triton_kernels import kernels_are_interpreted
-
-    return kernels_are_interpreted()
-
-
-needs_triton = pytest.mark.skipif(
-    not _triton_ready(), reason="triton kernels need CUDA or TRITON_INTERPRET=1"
+from _add_norm_cases import (  # sets TRITON_INTERPRET=1 without CUDA, before the kernels are imported
+    DEVICE,
+    HAS_TRITON,
+    _triton_ready,
+    needs_triton,
 )
+
+__all__ = ["DEVICE", "HAS_TRITON", "_inputs", "_triton_ready", "needs_triton"]
 
 
 def _inputs(rows, hidden, dtype=torch.float32, gate=False, seed=0, device=DEVICE):
