@@ -103,6 +103,9 @@ STARTUP_S = (
     15  # the suite's own: Python and torch import, the device query, wheels, writing (5 s on the H200)
 )
 OUT_TOKEN = "{out}"  # replaced in a step's argv by its scratch folder
+# a test or a module marked gpu: the decorator or ``pytestmark`` at the start of a line (not the words
+# in a string or a comment, which made the suite collect test_bench_gpu_suite.py for nothing)
+GPU_MARK = re.compile(r"^\s*(@pytest\.mark\.gpu\b|pytestmark\s*=.*\bpytest\.mark\.gpu\b)", re.M)
 # --study: the study runs only if this much of the budget is left after the steps; its own --budget is
 # what is left less STUDY_RESERVE_S (the study's process start, then the copy of its folder into a .tar)
 STUDY_MIN_S = 60
@@ -201,7 +204,7 @@ def gpu_test_files() -> list[str]:
     collects only those: collecting all of ``tests`` imports every test module first (15 s against 8 s
     on this project's 2-core CI machine), which the step's budget pays for."""
     tests = ROOT / "tests"
-    return sorted(f"tests/{p.name}" for p in tests.glob("test_*.py") if "mark.gpu" in p.read_text())
+    return sorted(f"tests/{p.name}" for p in tests.glob("test_*.py") if GPU_MARK.search(p.read_text()))
 
 
 def install_wheels(wheels: Path, py: str) -> tuple[str | None, str]:

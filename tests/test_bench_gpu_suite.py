@@ -19,6 +19,7 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     import subprocess
 
     suite = bench_module("gpu_suite")
+    marked = set(_gpu_marked_files(suite.ROOT))  # pytest's own -m gpu selection, before processes stop
 
     def no_process(*args, **kwargs):
         raise AssertionError("the dry run started a process")
@@ -34,11 +35,6 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     assert all(f"[{s.name}] <= {s.timeout_s} s" in out for s in steps) and "nothing run" in out
     assert steps[0].argv[2:5] == ["pytest", "-m", "gpu"]
     # only the files with a GPU test are collected: every one of them, and none without
-    marked = {
-        f"tests/{p.name}"
-        for p in (suite.ROOT / "tests").glob("test_*.py")
-        if "pytest.mark.gpu" in p.read_text()
-    }
     files = [a for a in steps[0].argv if a.startswith("tests/")]
     assert "tests/test_ops_add_norm.py" in files and set(files) == marked
     trace, ops, lm, hf = (steps[names.index(n)].argv for n in ("trace", "ops", "lm_step", "hf_step"))
@@ -65,6 +61,23 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     needs = suite.STARTUP_S + sum(s.timeout_s for s in steps)
     with pytest.raises(SystemExit, match=f"--budget: the plan needs {needs} s, more than the budget of 300"):
         suite.main(["--dry-run", "--budget", "300"])
+
+
+def _gpu_marked_files(root: Path) -> list[str]:
+    """The test files pytest itself selects with ``-m gpu`` (an oracle independent of the suite's text
+    rule), from a collection of the whole ``tests`` folder; cached per session."""
+    if not _GPU_FILES:
+        import subprocess
+        import sys
+
+        argv = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
+        run = subprocess.run([*argv, "tests"], cwd=root, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+        _GPU_FILES.extend(sorted({line.split("::")[0] for line in run.stdout.splitlines() if "::" in line}))
+    return _GPU_FILES
+
+
+_GPU_FILES: list[str] = []
 
 
 def _alive(pid: int) -> bool:
