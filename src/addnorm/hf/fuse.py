@@ -37,7 +37,7 @@ from torch import nn
 from ..addnorm import AddNorm
 from ..norms import build_norm, reading
 from .architectures import Architecture, architecture_of, norm_options
-from .rewired import Reads, Rewiring, install, rewiring_of, role_of, uninstall
+from .rewired import Reads, Rewiring, attach, install, rewiring_of, uninstall
 
 __all__ = ["fuse", "fused", "unfuse"]
 
@@ -78,10 +78,7 @@ def fuse(model: nn.Module) -> nn.Module:
             conn = AddNorm(config.hidden_size, arch.placement, arch.norm, dropout, norm_options=options)
             for slot, path in sublayers[0].norm_paths().items():
                 _reading(getattr(conn, slot), layer.get_submodule(path), layer_reads, arch)
-            conn.connection_role = role_of(arch, i)
-            conn.fusion_model = "hf"  # the HF step's recorded rows decide its fusion
-            conn.train(layer.training)
-            layer.add_module(block, conn)
+            attach(layer, block, conn, arch, i)
             blocks.append(conn)
         connections.append(blocks)
         second = None

@@ -34,7 +34,7 @@ from ..placement_spec import Depth, apply_weight_init, layer_placements, layer_s
 from ..placements import PLACEMENTS, Placement, get_placement
 from .architectures import Architecture, architecture_of, norm_options
 from .fuse import unfuse
-from .rewired import Rewiring, install, rewiring_of, role_of
+from .rewired import Rewiring, attach, install, rewiring_of
 
 __all__ = [
     "CONFIG_KEY",
@@ -193,10 +193,7 @@ def with_placement(
                     conn.add_module(SECOND_NORM, build_norm(norm_name, d, eps=eps, **options, **kw))
                     if norm_name == arch.norm:
                         _copy_norm(getattr(conn, SECOND_NORM), theirs)
-            conn.connection_role = role_of(arch, i)
-            conn.fusion_model = "hf"  # the HF step's recorded rows decide its fusion
-            conn.train(layer.training)
-            layer.add_module(block, conn)
+            attach(layer, block, conn, arch, i)
             blocks.append(conn)
         spec.share_gates(blocks)
         connections.append(blocks)

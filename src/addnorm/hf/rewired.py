@@ -43,6 +43,7 @@ __all__ = [
     "LayerRun",
     "Reads",
     "Rewiring",
+    "attach",
     "install",
     "rewiring_of",
     "role_of",
@@ -78,6 +79,16 @@ def role_of(arch: Architecture, index: int) -> ConnectionRole:
     if arch.parallel:
         return ConnectionRole("parallel", "parallel", tuple(s.name for s in sublayers))
     return ConnectionRole(sublayers[0].name, arch.kind(index))
+
+
+def attach(layer: nn.Module, block: str, conn: AddNorm, arch: Architecture, index: int) -> None:
+    """Register ``conn`` as connection ``index`` of ``layer`` (a layer of ``arch``) under ``block``: its
+    role for observers (:func:`role_of`), the HF models' recorded steps deciding its fusion
+    (``fusion_model = "hf"``: :func:`addnorm.ops.fusion_decision`), the layer's train / eval mode."""
+    conn.connection_role = role_of(arch, index)
+    conn.fusion_model = "hf"
+    conn.train(layer.training)
+    layer.add_module(block, conn)
 
 
 # per module class: whether FSDP2 manages it (``fully_shard`` gives a module a class of its own)
