@@ -13,9 +13,8 @@ group when it runs over; the next step still runs):
 3. ``ops``: the op table (``bench_add_norm.py``: bf16, LayerNorm and RMSNorm, Pre-LN and Post-LN,
    dropout 0 and 0.1, hidden 256 ... 16384; eager, torch.compile, Liger where it imports, addnorm with
    its default backward variant and, in a column of its own, each candidate (``BWD_CANDIDATES``: none
-   pending since 81f67f7); fwd
-   and fwd+bwd as % of the same run's copy bandwidth), shapes compiled first in parallel processes and
-   reps sized to the step's budget;
+   pending since 81f67f7); fwd and fwd+bwd as % of the same run's copy bandwidth), shapes compiled first
+   in parallel processes and reps sized to the step's budget;
 4. ``host_overhead``: host time per call with real launches (``bench_host_overhead.py``);
 5. ``lm_step``: the two LMs (addnorm's LayerNorm + GELU with dropout 0.1, Llama-style RMSNorm + SwiGLU
    without), Pre-LN, the policy's default, ``fused=False`` and fused (the op wherever the model can),
@@ -261,8 +260,8 @@ def table_name(file: str, slug: str) -> str:
     return re.sub(r"_(cuda|gpu)(\.\w+)$", rf"_{slug}\2", file)
 
 
-def status_line(step: Step) -> str:
-    r = step.result
+def status_line(r: dict) -> str:
+    """A step's (or the study's) result in a few words: skipped and why, timed out, ok, or its exit."""
     if r.get("skipped"):
         return r["skipped"]
     if r.get("timed_out"):
@@ -295,7 +294,7 @@ def collect(
         files[name] = path.read_text()
         if path.suffix == ".md" and apart:
             shutil.copyfile(path, out / name)
-    status = status_line(step)
+    status = status_line(step.result)
     if status == "ok":
         return
     for stem in step.tables:
@@ -325,13 +324,13 @@ def to_markdown(report: dict) -> str:
     lines += ["", "| step | what | status | seconds | budget |", "| --- | --- | --- | --- | --- |"]
     for s in report["steps"]:
         r = s["result"]
-        status = status_line(Step(**s)) if r else "not run"
+        status = status_line(r) if r else "not run"
         if r.get("summary"):
             status += f" ({r['summary']})"
         lines.append(f"| {s['name']} | {s['what']} | {status} | {r.get('seconds', '-')} | {s['timeout_s']} |")
     study = report.get("study")
     if study is not None:
-        status = study.get("skipped") or status_line(Step("study", "", [], 0, result=study))
+        status = status_line(study)
         what = f"`addnorm study {study.get('preset', '')}` from {study.get('from', '-')}, the time left"
         lines.append(
             f"| study | {what}; its folder in {study.get('tar', '-')} | {status} | "
@@ -374,7 +373,7 @@ def run_suite(
         else:
             print(f"[{s.name}] <= {min(s.timeout_s, left):.0f} s: {s.what}", flush=True)
             s.result = run_step(s, env, min(s.timeout_s, left), scratch)
-        print(f"[{s.name}] {status_line(s)} in {s.result.get('seconds', 0)} s", flush=True)
+        print(f"[{s.name}] {status_line(s.result)} in {s.result.get('seconds', 0)} s", flush=True)
         collect(s, scratch, out, slug, header, files, binaries, apart=study is None)
         report["steps"][i] = asdict(s)
         _write_summary(report, files, out, slug, start)

@@ -7,9 +7,9 @@ stands for any CPU), a ``scope`` (``"step"``: a model's training step, which dec
 ``"op"``: the op alone against the eager ops it replaces, which decides the op's ``auto`` backend), the
 calls it covers (execution mode, norm, Pre-LN or not, branch dropout, hidden sizes from ``min_hidden``,
 elements per call up to ``max_numel``, and ``model``: which models' step it timed, :data:`MODELS`) and
-``ratio``, the fused time over the unfused time. A row counts
-only beyond the runs' spread (:data:`SPREAD`): slower (``ratio > 1 + SPREAD``) or faster (``ratio < 1 -
-SPREAD``); a tie is no row. A GPU session that re-measures (``make gpu-bench``) edits the rows.
+``ratio``, the fused time over the unfused time. A row counts only beyond the runs' spread
+(:data:`SPREAD`): slower (``ratio > 1 + SPREAD``) or faster (``ratio < 1 - SPREAD``); a tie is no row.
+A GPU session that re-measures (``make gpu-bench``) edits the rows.
 
 An ``"op"`` row sends the op's ``auto`` backend to its torch path, so it needs a table in which that
 path (not eager PyTorch's own ops) ran faster than the kernels. None does today: the op tables time
