@@ -55,12 +55,12 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
-from lm_step_report import KERNEL_SUMS, RATIOS, to_markdown
+from lm_step_report import AUTOCAST_H, CANDIDATES, KERNEL_SUMS, RATIOS, to_markdown
 from machine import machine_info, record_rows
 from results_path import add_out_argument
 from timing import interleaved, paired_speedup, peak_apart, resident_bytes
 from torch import nn
-from variant_plans import BackwardVariant
+from variant_plans import BackwardVariant, SublayerCast
 
 import addnorm as an
 from addnorm.ops import policy
@@ -83,7 +83,9 @@ MODELS = {
 # "fused (kernel_sums)": "fused" with the backward variant "kernel_sums" (its partial parameter gradients
 # added up in the kernel; level with the default at 81f67f7, no longer in the GPU suite), eager only (a
 # traced backward sums with torch), its call plans apart from the others' (variant_plans.BackwardVariant)
-COLUMNS = ("nn.TransformerEncoder", "fused=False", "default", "fused", KERNEL_SUMS)
+# "fused (autocast h)": "fused" with each sublayer's normed input written by the op in autocast's dtype
+# (addnorm.model.stream.AUTOCAST_SUBLAYER_INPUT: the candidate), eager only
+COLUMNS = ("nn.TransformerEncoder", "fused=False", "default", "fused", KERNEL_SUMS, AUTOCAST_H)
 PROFILED = ("fused=False", "fused")  # the columns --profile profiles: what realised() compares
 
 
@@ -220,7 +222,13 @@ def prepare(cfg, placement, mode, column, device, args) -> tuple[Callable[[], No
     fusion = "always" if column.startswith("fused") and column != "fused=False" else "measured"
     if path is None and fusion == "measured":
         return step, model
-    variant = BackwardVariant("kernel_sums") if column == KERNEL_SUMS else nullcontext()
+    variant = (
+        BackwardVariant("kernel_sums")
+        if column == KERNEL_SUMS
+        else SublayerCast(True)
+        if column == AUTOCAST_H
+        else nullcontext()
+    )
 
     def on_path() -> None:
         with policy.using_compile_path(path or policy.compile_path()), policy.fusion(fusion), variant:
@@ -344,7 +352,7 @@ def cells_of(args, device: str) -> list[tuple[str, str, str, list[str]]]:
         for model in args.models:
             for placement in args.placements:
                 cols = [c for c in columns(args, model) if mode != "eager" or not _compile_path(c)]
-                cols = [c for c in cols if c != KERNEL_SUMS or mode == "eager"]
+                cols = [c for c in cols if c not in CANDIDATES or mode == "eager"]
                 compiled_only = getattr(args, "compiled_columns", None)
                 if mode != "eager" and compiled_only is not None:  # a compiled column's cost: a compile
                     cols = [

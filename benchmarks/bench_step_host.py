@@ -58,6 +58,9 @@ import torch.nn.functional as F  # noqa: E402
 from machine import machine_info, write_results  # noqa: E402
 from results_path import RESULTS, add_out_argument  # noqa: E402
 from step_host_report import (  # noqa: E402
+    AUTOCAST_FUSED,
+    AUTOCAST_H,
+    AUTOCAST_PLAIN,
     BATCH,
     FLOOR,
     HEADS,
@@ -72,7 +75,7 @@ from step_host_report import (  # noqa: E402
     to_markdown,
 )  # fmt: skip
 from timing import interleaved  # noqa: E402
-from variant_plans import BackwardVariant  # noqa: E402
+from variant_plans import BackwardVariant, SublayerCast  # noqa: E402
 
 import addnorm as an  # noqa: E402
 from addnorm.ops import policy, seeds  # noqa: E402
@@ -167,7 +170,7 @@ def floored(model: torch.nn.Module) -> torch.nn.Module:
     for m in model.modules():
         if isinstance(m, an.AddNorm):
 
-            def add_then_norm(f, base, norm, *, prenorm=False, gate=None):
+            def add_then_norm(f, base, norm, *, prenorm=False, gate=None, y_dtype=None):
                 return _Floor.apply(f, base, getattr(norm, "gain", norm.weight), norm.bias, prenorm)
 
             m.add_then_norm = add_then_norm
@@ -198,23 +201,32 @@ def python_calls(step: Callable[[], None]) -> int:
     return pstats.Stats(profile).total_calls
 
 
+# the ops autocast casts the inputs of (their casts, ``aten::_to_copy`` inside them, launch kernels)
+_AUTOCAST_OPS = frozenset(
+    "aten::linear aten::matmul aten::mm aten::addmm aten::bmm aten::baddbmm "
+    "aten::scaled_dot_product_attention".split()
+)
+
+
 def aten_launches(step: Callable[[], None]) -> int:
     """The aten ops of one step that would run a kernel on a GPU: the profiler's outermost aten ops
-    (an op inside another is part of its kernel or its decomposition), less views and allocations."""
+    (an op inside another is part of its kernel or its decomposition; views, allocations and
+    ``aten::to``, which launch none, are looked through), and autocast's casts, which run inside the op
+    they cast for (``aten::_to_copy`` in ``aten::linear``)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         step()
-    events = [e for e in prof.events() if e.name.startswith("aten::")]
     count = 0
-    for e in events:
-        parent, nested = e.cpu_parent, False
-        while parent is not None:
-            if parent.name.startswith("aten::"):
-                nested = True
-                break
+    for e in prof.events():
+        if not e.name.startswith("aten::") or e.name[len("aten::") :] in _NO_KERNEL:
+            continue
+        parent = e.cpu_parent
+        while parent is not None and (
+            not parent.name.startswith("aten::") or parent.name[len("aten::") :] in _NO_KERNEL
+        ):
             parent = parent.cpu_parent
-        if not nested and e.name[len("aten::") :] not in _NO_KERNEL:
+        if parent is None or (e.name == "aten::_to_copy" and parent.name in _AUTOCAST_OPS):
             count += 1
     return count
 
@@ -255,6 +267,10 @@ def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS
         steps[KERNEL_SUMS] = with_variant(make_step(name, build(name, True, layers), tokens), "kernel_sums")
         if name in SEEDED:  # the dropout seeds' previous source (a randint launch per call), beside
             steps[PREVIOUS] = with_seed_source(make_step(name, build(name, True, layers), tokens), "randint")
+        if name != "hf":  # under autocast, as on the GPU, and the candidate sublayer input dtype
+            for key, fused, cast in ((AUTOCAST_PLAIN, False, False), (AUTOCAST_FUSED, True, False),
+                                     (AUTOCAST_H, True, True)):  # fmt: skip
+                steps[key] = with_autocast(make_step(name, build(name, fused, layers), tokens), cast)
         for step in steps.values():
             step()
         launches.count = 0
@@ -268,7 +284,7 @@ def measure(name: str, reps: int, warmup: int, rounds: int, layers: int = LAYERS
             _, cpu = interleaved(timers, reps, warmup)
             for k, v in cpu.items():
                 cpu_rounds[k].append(statistics.median(v) * 1e3)
-    launched = {k: aten[k] + (0 if k == "plain" else triton_launches) for k in steps}
+    launched = {k: aten[k] + (0 if k.startswith("plain") else triton_launches) for k in steps}
     launched[FLOOR] = launched["fused"]  # the floor stands in for the fused op: its launches counted
     return {
         "model": name,
@@ -374,6 +390,18 @@ def with_variant(step: Callable[[], None], variant: str) -> Callable[[], None]:
 
     def run() -> None:
         with switch:
+            step()
+
+    return run
+
+
+def with_autocast(step: Callable[[], None], cast: bool) -> Callable[[], None]:
+    """``step`` under autocast to bfloat16 (the CPU's, for the CPU tensors that stand in for CUDA ones),
+    the candidate ``stream.AUTOCAST_SUBLAYER_INPUT`` set to ``cast`` (:class:`variant_plans.SublayerCast`)."""
+    switch = SublayerCast(cast)
+
+    def run() -> None:
+        with switch, torch.autocast("cpu", dtype=torch.bfloat16):
             step()
 
     return run

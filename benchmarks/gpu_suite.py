@@ -22,7 +22,8 @@ group when it runs over; the next step still runs):
    whole-model compile, and no compiled step has a policy row, so the default compiles as
    ``fused=False`` does; the fused model through the default compile path: the "kernel" path failed
    its GPU test at 81f67f7, so it is not timed until that test passes), with the profiler's removable
-   time and the share the fused step realises (``bench_lm_step.py``);
+   time and the share the fused step realises, and in the eager rows the candidate "fused (autocast
+   h)" (``bench_lm_step.py``);
 6. ``hf_step``: the Hugging Face Llama step at 134M and at a GPU-bound size, plain / ``addnorm.hf.fuse``
    / Liger, eager, with the removable time, and at 134M plain and fused also with each diagnostic
    switch (the backward on the calling thread, the garbage collector off, the backward variant
@@ -177,10 +178,11 @@ def plan(py: str = sys.executable) -> list[Step]:
             "lm_step",
             "LM step, Pre-LN: gelu (LayerNorm+GELU, dropout 0.1) and llama (RMSNorm+SwiGLU); default, "
             "fused=False and fused (the op wherever the model can), stepped in alternation (paired "
-            "ratios); eager rows, then torch.compile (fused=False and fused, the default compile path); "
-            "removable time",
+            "ratios); eager rows (with the candidate fused (autocast h)), then torch.compile "
+            "(fused=False and fused, the default compile path); removable time",
             [py, f"{b}/bench_lm_step.py", "--models", "gelu", "llama", "--placements", "pre",
              "--modes", "eager", "compile", "--columns", "default", "fused=False", "fused",
+             "fused (autocast h)",
              "--compiled-columns", "fused=False", "fused", "--compile-paths", "default", "--steps", "5",
              "--warmup", "2", "--profile", "--profile-steps", "2", "--warm", "8", "--warm-timeout", "60",
              "--out", OUT_TOKEN],

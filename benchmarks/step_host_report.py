@@ -16,6 +16,10 @@ SEEDED = ("lm-gelu",)  # the models with dropout: their fused step also timed wi
 PREVIOUS = "fused (randint seeds)"
 KERNEL_SUMS = "fused (kernel_sums)"  # the fused step, backward variant "kernel_sums" (``with_variant``)
 FLOOR = "floor"  # the fused model, a do-nothing autograd.Function in the op's place (``floored``)
+# addnorm's LMs also under autocast to bfloat16, as the GPU's steps run (``with_autocast``): plain, fused
+# and fused with the candidate sublayer input in autocast's dtype (``stream.AUTOCAST_SUBLAYER_INPUT``)
+AUTOCAST_PLAIN, AUTOCAST_FUSED, AUTOCAST_H = "plain (autocast)", "fused (autocast)", "fused (autocast h)"
+AUTOCAST = (AUTOCAST_PLAIN, AUTOCAST_FUSED, AUTOCAST_H)
 MODELS = {
     "hf": "Hugging Face Llama (addnorm.hf.fuse)",
     "lm-gelu": "addnorm LM, LayerNorm + GELU, dropout 0.1",
@@ -169,6 +173,32 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
                     f"| {MODELS[r['model']]} | {label} | {r['cpu_ms'][k]:.2f} | {r['launches'][k]} | "
                     f"{work[k]:.2f} | {pair_cell(pair)} | <= {target} | "
                     f"{'yes' if pair['median'] <= target else 'NO'} |"
+                )
+    cast = [r for r in rows if AUTOCAST_H in r["cpu_ms"]]
+    if cast:
+        lines += _section(
+            "Under autocast to bfloat16, and the candidate sublayer input, side by side",
+            "addnorm's LMs as the GPU's steps run them, under `torch.autocast` to bfloat16 (here the CPU's: "
+            "its linear layers compute in bfloat16 on this CPU, the same work in each of the three): plain, "
+            "fused as above, and fused with the candidate `stream.AUTOCAST_SUBLAYER_INPUT` (the op writes "
+            "each sublayer's normed input in bfloat16, which its linear layer would cast it to: no cast, no "
+            "cast's backward), timed in the same interleaved rounds. A candidate made without a GPU: the "
+            'default where the GPU suite\'s LM step measures it no slower (column "fused (autocast h)").',
+            "model | step | CPU ms | launches | host work ms | host work / plain (autocast) | "
+            "host work / fused (autocast)",
+        )
+        for r in cast:
+            work = host_work(r, launch_us)
+            for k in AUTOCAST:
+                over_fused = (
+                    "-" if k == AUTOCAST_FUSED else pair_cell(paired_ratio(r, launch_us, k, AUTOCAST_FUSED))
+                )
+                over_plain = (
+                    "-" if k == AUTOCAST_PLAIN else pair_cell(paired_ratio(r, launch_us, k, AUTOCAST_PLAIN))
+                )
+                lines.append(
+                    f"| {MODELS[r['model']]} | {k} | {r['cpu_ms'][k]:.2f} | {r['launches'][k]} | "
+                    f"{work[k]:.2f} | {over_plain} | {over_fused} |"
                 )
     counted = [r for r in rows if r.get("instructions")]
     if counted:

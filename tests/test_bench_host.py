@@ -120,10 +120,18 @@ def test_host_work_proxy_runs_the_gpu_path_with_its_launches_counted(tmp_path):
     # randint per fused add
     gelu = rows["lm-gelu"]["launches"]
     assert gelu["fused (randint seeds)"] - gelu["fused"] == 2 * 4
+    # under autocast the candidate sublayer input (h in bfloat16) drops the linear layers' casts of the
+    # 7 normed inputs the op writes (every connection's but the first; the final norm's h stays fp32),
+    # forward and backward; the unfused model casts the same inputs
+    for model in ("lm-gelu", "lm-llama"):
+        la = rows[model]["launches"]
+        assert la["fused (autocast)"] - la["fused (autocast h)"] == 2 * (2 * 4 - 1), (model, la)
+        assert la["plain (autocast)"] > la["plain"] and "plain (autocast)" not in rows["hf"]["launches"]
     text = (tmp_path / "step_host_cpu.md").read_text()
     assert "| Hugging Face Llama" in text and "| randint (previous) |" in text
     assert "## The floor: a do-nothing Python op in the op's place" in text
     assert '| "kernel_sums" |' in text
+    assert "## Under autocast to bfloat16" in text and "| fused (autocast h) |" in text
     # round by round: each round's paired ratio recomputed from the recorded medians and launches
     L = payload["launch_us"]
     gelu_row = rows["lm-gelu"]

@@ -19,13 +19,14 @@ def test_lm_step_benchmark_runs_on_tiny_shapes(bench_module, tmp_path):
     ]
     for r in report["rows"]:
         # nn.TransformerEncoderLayer has no RMSNorm / SwiGLU: no such column for the Llama-style LM
-        expected = {"fused=False", "default", "fused", "fused (kernel_sums)"}
+        expected = {"fused=False", "default", "fused", "fused (kernel_sums)", "fused (autocast h)"}
         expected |= {"nn.TransformerEncoder"} if r["model"] == "gelu" else set()
         assert set(r["cells"]) == expected
         assert all(c["tokens_per_s"] > 0 for c in r["cells"].values())
     md = (tmp_path / "lm_step_cpu.md").read_text()
     assert "## Targets" in md and "default / fused=False" in md and "RMSNorm + SwiGLU, d_ff 96" in md
     assert "fused / fused=False" in md and "fused (kernel_sums) / fused" in md
+    assert "fused (autocast h) / fused" in md
 
 
 def test_lm_step_kernel_sums_column_steps_with_that_backward_variant(bench_module):
@@ -50,6 +51,31 @@ def test_lm_step_kernel_sums_column_steps_with_that_backward_variant(bench_modul
                                  columns=list(lm.COLUMNS), compile_paths="default")  # fmt: skip
     rows = {mode: cols for _, _, mode, cols in lm.cells_of(args, "cpu")}
     assert lm.KERNEL_SUMS in rows["eager"] and lm.KERNEL_SUMS not in rows["compile"]
+
+
+def test_lm_step_autocast_h_column_steps_with_the_candidate_in_force(bench_module):
+    """The column "fused (autocast h)" steps the fused model with the candidate way of handing a
+    sublayer its input (``stream.AUTOCAST_SUBLAYER_INPUT``) in force, and only while it steps; eager
+    rows only."""
+    import types
+
+    from addnorm.model import stream
+
+    lm = bench_module("bench_lm_step")
+    default = stream.AUTOCAST_SUBLAYER_INPUT
+    cfg = lm.model_config(lm.TINY, "llama")
+    args = types.SimpleNamespace(fp32=False)
+    seen = []
+    for column in ("fused", lm.AUTOCAST_H):
+        step, model = lm.prepare(cfg, "pre", "eager", column, "cpu", args)
+        model.register_forward_pre_hook(lambda m, a: seen.append(stream.AUTOCAST_SUBLAYER_INPUT))
+        step()
+        assert stream.AUTOCAST_SUBLAYER_INPUT == default
+    assert seen == [default, True]
+    args = types.SimpleNamespace(models=["llama"], placements=["pre"], modes=["eager", "compile"],
+                                 columns=list(lm.COLUMNS), compile_paths="default")  # fmt: skip
+    rows = {mode: cols for _, _, mode, cols in lm.cells_of(args, "cpu")}
+    assert lm.AUTOCAST_H in rows["eager"] and lm.AUTOCAST_H not in rows["compile"]
 
 
 def test_lm_step_compiled_rows_take_only_the_compiled_columns_asked_for(bench_module, tmp_path):

@@ -398,11 +398,13 @@ class AddNorm(nn.Module):
         *,
         prenorm: bool = False,
         gate: Tensor | None = None,
+        y_dtype: torch.dtype | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """N(alpha * base + g * D(f)) for a LayerNorm/RMSNorm ``norm`` (see :func:`op_norm`) in one
         :func:`addnorm.ops.add_norm` call; with ``prenorm`` also the stream s, as (N(s), s). s and y take
-        the dtype that the unfused add would give (base's, or float32 when f promotes it). ``gate``: as in
-        :meth:`add`."""
+        the dtype that the unfused add would give (base's, or float32 when f promotes it), y ``y_dtype``
+        where given (the dtype its reader casts it to: :func:`addnorm.model.stream.sublayer_dtype`).
+        ``gate``: as in :meth:`add`."""
         kind = op_norm(norm)
         dtype = torch.promote_types(f.dtype, base.dtype)
         return add_norm(
@@ -418,7 +420,7 @@ class AddNorm(nn.Module):
             dropout_p=self.dropout.p,
             training=self.training,
             residual_in_fp32=dtype == torch.float32,
-            out_dtype=dtype,
+            out_dtype=dtype if y_dtype is None else y_dtype,
         )
 
     def extra_repr(self) -> str:

@@ -168,10 +168,10 @@ class _Entering(Stream):
         super().__init__(s)
         self.normed, self.norm = normed, norm
 
-    def read(self, norm: nn.Module | None) -> tuple[Tensor, Tensor]:
+    def read(self, norm: nn.Module | None, y_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
         if norm is self.norm:
             return self.value, self.normed
-        return super().read(norm)
+        return super().read(norm, y_dtype)
 
 
 class LayerRun:

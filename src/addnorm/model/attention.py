@@ -106,6 +106,10 @@ class MultiHeadAttention(nn.Module):
     sqrt(d_model)), so that Adam moves it at the pace of a parameter of that size.
     """
 
+    # x is read by one linear layer only (``in_proj``; with memory, its query rows): under autocast a
+    # connection may hand it over in autocast's dtype (addnorm.model.stream.sublayer_dtype)
+    autocast_input = True
+
     def __init__(
         self,
         d_model: int,

@@ -26,6 +26,10 @@ class FeedForward(nn.Module):
     of ``nn.TransformerEncoderLayer``.
     """
 
+    # x is read by ``w1`` only: under autocast a connection may hand it over in autocast's dtype
+    # (addnorm.model.stream.sublayer_dtype)
+    autocast_input = True
+
     def __init__(
         self,
         d_model: int,

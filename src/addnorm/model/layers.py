@@ -82,6 +82,7 @@ def attending(attn, memory, mask, key_padding_mask, is_causal, names) -> Callabl
             mask_names=names,
         )
 
+    attend.autocast_input = getattr(attn, "autocast_input", False)  # it reads h as attn does
     return attend
 
 

@@ -28,11 +28,39 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 
+import torch
 from torch import Tensor, nn
 
 from ..addnorm import AddNorm, op_norm
 
-__all__ = ["Connection", "HeldAdd", "Stream"]
+__all__ = ["AUTOCAST_SUBLAYER_INPUT", "Connection", "HeldAdd", "Stream", "sublayer_dtype"]
+
+# True: hand a sublayer that declares ``autocast_input`` its normed input in autocast's dtype where a
+# fused op writes it (:func:`sublayer_dtype`). A candidate made without a GPU: it becomes the default
+# where a GPU measures it no slower (the GPU suite's LM step times the fused step both ways: column
+# "fused (autocast h)"); False, the default: in the stream's dtype, as before
+AUTOCAST_SUBLAYER_INPUT = False
+
+
+def sublayer_dtype(conn: AddNorm, sublayer: Callable[[Tensor], Tensor], t: Tensor) -> torch.dtype | None:
+    """The dtype in which ``conn`` may hand ``sublayer`` its normed input h = N1(s) (None: s's own): under
+    autocast for ``t``'s device, autocast's dtype, where the sublayer reads h only through one op that
+    autocast casts to that dtype (``sublayer.autocast_input``: addnorm's attention and feed-forward read
+    it through one linear layer) and h is not the residual too (``residual_from="normed_input"``).
+
+    The sublayer computes the same values either way: its linear layer would round h to that dtype,
+    and the gradient it hands back is in that dtype already (one reader: nothing to sum). A fused add &
+    norm then writes h in that dtype (Pre-LN's held add: :class:`HeldAdd`), which saves the cast, its
+    backward and their kernels at each connection, and a quarter of the op's bytes.
+    """
+    if (
+        not AUTOCAST_SUBLAYER_INPUT
+        or not getattr(sublayer, "autocast_input", False)
+        or conn.placement.residual_from == "normed_input"
+    ):
+        return None
+    device = t.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else None
 
 
 @dataclass(slots=True, eq=False)
@@ -51,18 +79,20 @@ class HeldAdd:
     residual: Tensor
     gate: Tensor | None = None
 
-    def read(self, norm: nn.Module | None) -> tuple[Tensor, Tensor]:
-        """(s, N(s)), N None: (s, s). One fused op where it computes ``norm``, else the add, then N."""
+    def read(self, norm: nn.Module | None, y_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """(s, N(s)), N None: (s, s). One fused op where it computes ``norm`` (N(s) in ``y_dtype`` where
+        given: :func:`sublayer_dtype`), else the add, then N."""
         conn = self.conn
         if op_norm(norm) is not None:
             point = conn.stream_out
             if not point.observed:  # nothing sees the point: s is all there is to hand on
-                return conn.add_then_norm(self.branch, self.residual, norm, prenorm=True, gate=self.gate)[
-                    ::-1
-                ]
+                h, s = conn.add_then_norm(
+                    self.branch, self.residual, norm, prenorm=True, gate=self.gate, y_dtype=y_dtype
+                )
+                return s, h
             # the op's own residual input: only the op reads it, so its gradient is alpha * dL/ds
             r = self.residual.view_as(self.residual)
-            h, s = conn.add_then_norm(self.branch, r, norm, prenorm=True, gate=self.gate)
+            h, s = conn.add_then_norm(self.branch, r, norm, prenorm=True, gate=self.gate, y_dtype=y_dtype)
             point(s, grad_from=r, grad_scale=conn.alpha)
             return s, h
         s = conn.stream_out(conn.add(self.branch, self.residual, gate=self.gate)[0])
@@ -90,10 +120,11 @@ class Stream:
         gated = HeldAdd(held.conn, held.branch, held.residual, held.gate.clone())
         return Stream(self.value, held=gated, second=self.second, layer_input=self.layer_input)
 
-    def read(self, norm: nn.Module | None) -> tuple[Tensor, Tensor]:
-        """(s, N(s)); N None gives (s, s). A held add is done here, fused with N where the op computes it."""
+    def read(self, norm: nn.Module | None, y_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+        """(s, N(s)); N None gives (s, s). A held add is done here, fused with N where the op computes it
+        (N(s) in ``y_dtype`` where given)."""
         if self.held is not None:
-            return self.held.read(norm)
+            return self.held.read(norm, y_dtype)
         return self.value, (self.value if norm is None else norm(self.value))
 
     def tensor(self) -> Tensor:
@@ -126,7 +157,8 @@ class Connection:
 
     def __call__(self, x: Stream, sublayer: Callable[[Tensor], Tensor]) -> Stream:
         conn = self.conn
-        s, h = x.read(conn.input_norm)
+        held = x.held
+        s, h = x.read(conn.input_norm, None if held is None else sublayer_dtype(conn, sublayer, held.branch))
         s = conn.stream_in(s)
         f, base = conn.branch_of(s, h, sublayer)
         layer_input = s if self.keeps_layer_input else x.layer_input
