@@ -1,12 +1,16 @@
 """Where a training step's wall time goes, plain against fused: a torch profiler trace (CPU and CUDA
 activity, Python stacks) of a few steps of each run, and a table read from it
 (:mod:`trace_analysis`): wall time, GPU busy time and share, the longest GPU idle gaps and what the host
-was doing in them, kernel launches, host-device synchronisations, and the host time in addnorm's own
-Python. Issue 38: on the H200 the fused HF Llama step lost 17.8 ms to the plain one while its add & norm
-kernels saved GPU time; this is what lets a machine without a GPU read where from the trace.
+was doing in them, kernel launches, host-device synchronisations, the host time in addnorm's own
+Python, and the backward's host time by autograd node kind. Issue 38: on the H200 the fused HF Llama
+step lost 17.8 ms to the plain one while its add & norm kernels saved GPU time; this is what lets a
+machine without a GPU read where from the trace.
 
-Runs (each built from one seed, two warmup steps, then ``--steps`` profiled steps, each step in a
-``record_function("addnorm.step")`` scope):
+Runs (each variant built from one seed, both built side by side; two warmup steps of each, then
+``--steps`` profiled steps of each in alternation in one profiler session, each step in a
+``record_function("addnorm.step")`` scope; the H200's trace at 81f67f7, which traced the variants one
+after the other, caught its host running the same aten ops 1.6x slower in one variant's minute than in
+the other's):
 
 - ``hf``: the Hugging Face Llama of ``bench_hf_step.py`` (GPU: 134M, hidden 768 x 12 layers, batch 8 x
   seq 1024), untouched (``plain``) and ``addnorm.hf.fuse`` (``fused``);
@@ -89,29 +93,40 @@ def build_step(run: str, variant: str, device: str) -> tuple[Callable[[], None],
     return lm.make_step(model, tokens, cfg["vocab"], fused_adamw=gpu, autocast=gpu), cfg["batch"] * cfg["seq"]
 
 
-def trace_run(step: Callable[[], None], device: str, steps: int, warmup: int) -> dict:
-    """The Chrome trace (as loaded JSON) of ``steps`` profiled steps after ``warmup`` unprofiled ones."""
+def trace_run(
+    steps_of: dict[str, Callable[[], None]], device: str, steps: int, warmup: int
+) -> tuple[dict, list]:
+    """The Chrome trace (as loaded JSON) of ``steps`` profiled steps of each variant in ``steps_of``
+    after ``warmup`` unprofiled ones, the variants in alternation (the order reversed every other
+    round, as the timed step benchmarks do: a host whose speed drifts, as the H200's did by 1.6x between
+    runs a minute apart, slows them alike), one profiler session for all; and the variant of each
+    profiled step, in time order. Each step runs in a ``STEP_SCOPE`` scope, the variant's name in a
+    scope inside it (to find it in a viewer)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    names = list(steps_of)
     for _ in range(warmup):
-        step()
+        for name in names:
+            steps_of[name]()
     sync()
+    order = [name for i in range(steps) for name in (names if i % 2 == 0 else names[::-1])]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities, with_stack=True) as prof:
-        for _ in range(steps):
-            with record_function(STEP_SCOPE):
-                step()
+        for name in order:
+            with record_function(STEP_SCOPE), record_function(f"variant: {name}"):
+                steps_of[name]()
                 sync()  # the step's GPU work inside its scope
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            return json.load(f)
+            return json.load(f), order
 
 
 def summarise(records: list[dict]) -> dict:
-    """The mean over the profiled steps (the gaps: the longest of any step)."""
+    """The mean over the profiled steps (the gaps: the longest of any step; the backward's nodes: the
+    mean calls and ms per step of each kind)."""
     out = {}
     keys = ("wall_ms", "gpu_busy_ms", "gpu_busy_share", "launches", "syncs", "sync_ms", "copies", "copy_ms")
     for key in (*keys, "python_ms", "addnorm_ms"):
@@ -119,30 +134,55 @@ def summarise(records: list[dict]) -> dict:
         out[key] = sum(values) / len(values) if values else None
     out["sync_names"] = sorted({n for r in records for n in r["sync_names"]})
     out["gaps"] = sorted((g for r in records for g in r["gaps"]), key=lambda g: -g["ms"])[:3]
+    nodes: dict[str, list[float]] = {}
+    for r in records:
+        for kind, (calls, ms) in r["nodes"].items():
+            acc = nodes.setdefault(kind, [0, 0.0])
+            acc[0] += calls / len(records)
+            acc[1] += ms / len(records)
+    out["nodes"] = dict(sorted(nodes.items(), key=lambda kv: -kv[1][1]))
     return out
 
 
+def _with_fusion(step: Callable[[], None], fusion: str) -> Callable[[], None]:
+    def run() -> None:
+        with policy.fusion(fusion):
+            step()
+
+    return run
+
+
 def run_all(runs: list[str], device: str, steps: int, warmup: int) -> tuple[list[dict], list[dict]]:
-    """Each run's variants traced in turn; (rows, the combined trace's events)."""
+    """Each run's two variants built side by side and traced in alternation (:func:`trace_run`); (rows,
+    the combined trace's events)."""
     rows, events = [], []
     for run in runs:
+        t0 = time.monotonic()
+        # on the CPU the fused variant takes the op's CUDA path through a faked driver, for the whole
+        # run (the plain variant never calls the op)
+        with faked_launches() if device == "cpu" else contextlib.nullcontext():
+            steps_of, tokens = {}, {}
+            for variant in VARIANTS[run]:
+                fusion = "always" if variant == "fused" else "measured"
+                with policy.fusion(fusion):
+                    step, tokens[variant] = build_step(run, variant, device)
+                steps_of[variant] = _with_fusion(step, fusion)
+            trace, order = trace_run(steps_of, device, steps, warmup)
+            del steps_of, step
+        if device == "cuda":
+            torch.cuda.empty_cache()
+        records = analyze(trace)
+        if len(records) != len(order):
+            raise RuntimeError(f"{run}: {len(records)} step scopes in the trace for {len(order)} steps")
+        seconds = time.monotonic() - t0
         for variant in VARIANTS[run]:
-            fused_faked = device == "cpu" and variant == "fused"
-            ctx = faked_launches() if fused_faked else contextlib.nullcontext()
-            with ctx, policy.fusion("always" if variant == "fused" else "measured"):
-                t0 = time.monotonic()
-                step, tokens = build_step(run, variant, device)
-                trace = trace_run(step, device, steps, warmup)
-                del step
-            if device == "cuda":
-                torch.cuda.empty_cache()
-            records = analyze(trace)
-            row = {"run": run, "variant": variant, "tokens": tokens, "steps": records,
-                   **summarise(records), "seconds": time.monotonic() - t0}  # fmt: skip
-            row["tokens_per_s"] = tokens / row["wall_ms"] * 1e3 if row["wall_ms"] else None
+            mine = [r for r, v in zip(records, order, strict=True) if v == variant]
+            row = {"run": run, "variant": variant, "tokens": tokens[variant], "steps": mine,
+                   **summarise(mine), "seconds": seconds}  # fmt: skip
+            row["tokens_per_s"] = tokens[variant] / row["wall_ms"] * 1e3 if row["wall_ms"] else None
             rows.append(row)
-            events += trim(trace, f"{run} {variant}")
-            print(f"[{run} {variant}] {row['wall_ms']:.1f} ms/step, {row['seconds']:.0f} s", flush=True)
+            print(f"[{run} {variant}] {row['wall_ms']:.1f} ms/step", flush=True)
+        events += trim(trace, run)
     return rows, events
 
 
@@ -157,8 +197,10 @@ def to_markdown(rows: list[dict], machine: dict, steps: int, trace_file: str, tr
         "",
         machine_line(machine),
         "",
-        f"Each run: 2 warmup steps, then {steps} profiled steps (CPU{' and CUDA' if gpu else ''} activity, "
-        'Python stacks), each in a `record_function("addnorm.step")` scope; means per step. GPU busy: the '
+        f"Each run: its two variants built side by side, 2 warmup steps of each, then {steps} profiled "
+        f"steps of each (CPU{' and CUDA' if gpu else ''} activity, Python stacks) in alternation, the order "
+        "reversed every other round, in one profiler session (so that a drift in the host's speed slows "
+        'both alike); each step in a `record_function("addnorm.step")` scope; means per step. GPU busy: the '
         "union of kernels, copies and memsets in the step; gaps: the longest stretches with nothing on the "
         "GPU, and the innermost frames open on each host thread at their middle; launches: "
         "`cudaLaunchKernel*` and `cuLaunchKernel*` calls; syncs: calls that make the host wait for the GPU "
@@ -176,6 +218,7 @@ def to_markdown(rows: list[dict], machine: dict, steps: int, trace_file: str, tr
         cells += [f"{_fmt(r['copies'], '.0f')} ({_fmt(r['copy_ms'], '.2f')})"]
         cells += [_fmt(r["python_ms"], ".2f"), _fmt(r["addnorm_ms"], ".2f")]
         lines.append("| " + " | ".join(cells) + " |")
+    lines += _node_table(rows)
     if gpu:
         lines += ["", "## The longest GPU idle gaps, and what the host was doing", ""]
         for r in rows:
@@ -186,6 +229,39 @@ def to_markdown(rows: list[dict], machine: dict, steps: int, trace_file: str, tr
                     f"{g['syncs']} syncs inside; host: {'; '.join(g['host']) or 'nothing open'}"
                 )
     return "\n".join(lines) + "\n"
+
+
+def _node_table(rows: list[dict], top: int = 8) -> list[str]:
+    """Per run: the backward's host time by autograd node kind, the variants side by side (the ``top``
+    kinds by either variant's time, the rest summed)."""
+    lines = [
+        "",
+        "## The backward's host time by autograd node",
+        "",
+        "Per step: the outermost `autograd::engine::evaluate_function` events of each kind (calls, and host "
+        "ms on the thread that runs the backward): what a fused op's Python node costs against the C++ "
+        "nodes it replaces, on the same host in the same minutes.",
+    ]
+    for run in dict.fromkeys(r["run"] for r in rows):
+        mine = [r for r in rows if r["run"] == run]
+        kinds = sorted(
+            {k for r in mine for k in list(r["nodes"])[:top]},
+            key=lambda k: -max(r["nodes"].get(k, (0, 0.0))[1] for r in mine),
+        )
+        head = ["node"] + [f"{r['variant']} {x}" for r in mine for x in ("calls", "ms")]
+        lines += ["", f"**{run}**", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+        for kind in [*kinds, "all other nodes", "all nodes"]:
+            cells = [kind]
+            for r in mine:
+                nodes = r["nodes"]
+                picked = (
+                    [nodes.get(kind, (0, 0.0))]
+                    if kind in nodes or kind in kinds
+                    else [v for k, v in nodes.items() if kind == "all nodes" or k not in kinds]
+                )
+                cells += [f"{sum(c for c, _ in picked):.0f}", f"{sum(m for _, m in picked):.2f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_trace(events: list[dict], path: str, max_mib: float) -> str:

@@ -15,7 +15,10 @@ Per step (each inside a ``record_function`` scope named ``STEP_SCOPE``, one per 
   their count and time; ``copies``: ``cudaMemcpyAsync`` calls (which block the host for pageable memory)
   (None, with the GPU figures, for a trace without GPU activity);
 - ``addnorm_ms``: the host time spent in addnorm's own Python frames (their self time: a frame's
-  duration less its children's), and ``python_ms`` in all Python frames, where the trace has stacks.
+  duration less its children's), and ``python_ms`` in all Python frames, where the trace has stacks;
+- ``nodes``: the backward's host time by autograd node kind (``autograd::engine::evaluate_function: X``,
+  the outermost only), {X: [calls, ms]}: what each kind of node costs the thread that runs the backward
+  (a fused op's Python node against the C++ nodes it replaces).
 
 Only the standard library: the trace is JSON.
 """
@@ -33,6 +36,7 @@ HOST_CATS = frozenset({"cpu_op", "python_function", "cuda_runtime", "cuda_driver
 LAUNCH = re.compile(r"^cu(da)?LaunchKernel")
 SYNC = re.compile(r"Synchronize$|^cudaMemcpy$|^cuMemcpy(DtoH|HtoD)?(_v2)?$")
 ADDNORM_FRAME = re.compile(r"(^|[/\\])addnorm[/\\]")
+NODE = "autograd::engine::evaluate_function: "
 
 
 def _complete(events: list[dict]) -> list[dict]:
@@ -68,6 +72,21 @@ def _self_times(events: list[dict]) -> dict[int, float]:
                 own[stack[-1]] -= e["dur"]
             stack.append(i)
     return own
+
+
+def _nodes(events: list[dict]) -> dict[str, list[float]]:
+    """The outermost autograd nodes among ``events`` by kind: {kind: [calls, ms]}, most time first."""
+    out: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    end: dict[object, float] = {}  # per thread: where the node being counted ends
+    for e in sorted((e for e in events if e["name"].startswith(NODE)), key=lambda e: e["ts"]):
+        tid = (e.get("pid"), e.get("tid"))
+        if e["ts"] < end.get(tid, float("-inf")):
+            continue  # inside a node already counted (a node that runs another)
+        end[tid] = e["ts"] + e["dur"]
+        kind = out[e["name"][len(NODE) :]]
+        kind[0] += 1
+        kind[1] += e["dur"] / 1e3
+    return dict(sorted(out.items(), key=lambda kv: -kv[1][1]))
 
 
 def _open_at(events: list[dict], t: float, depth: int) -> list[str]:
@@ -143,6 +162,7 @@ def analyze(trace: dict, *, gaps: int = 3, depth: int = 4) -> list[dict]:
                 "addnorm_ms": sum(own[i] for i in py if ADDNORM_FRAME.search(host[i]["name"])) / 1e3
                 if py
                 else None,
+                "nodes": _nodes([host[i] for i in inside]),
             }
         )
     return records

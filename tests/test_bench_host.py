@@ -39,8 +39,18 @@ def test_trace_reading_finds_busy_time_gaps_launches_syncs_and_addnorm_time(benc
         _x("addnorm/ops/functional.py(350): add_norm", 450, 345, "python_function"),
         _x("cudaStreamSynchronize", 500, 290, "cuda_runtime"),
         _x("torch/nn/modules/module.py(1): _call_impl", 0, 40, "python_function"),
+        # the backward on its own thread: two nodes of one kind (one running a node of another kind
+        # inside it, counted in it) and one of another
+        _x(ta.NODE + "AddBackward0", 100, 30, "cpu_op", tid=2),
+        _x(ta.NODE + "AddBackward0", 200, 50, "cpu_op", tid=2),
+        _x(ta.NODE + "MulBackward0", 210, 10, "cpu_op", tid=2),
+        _x(ta.NODE + "MulBackward0", 300, 20, "cpu_op", tid=2),
     ]
     (rec,) = ta.analyze({"traceEvents": events}, gaps=2)
+    assert rec["nodes"] == {
+        "AddBackward0": [2, pytest.approx(0.08)],
+        "MulBackward0": [1, pytest.approx(0.02)],
+    }
     assert rec["wall_ms"] == pytest.approx(1.0)
     assert rec["gpu_busy_ms"] == pytest.approx(0.4) and rec["gpu_busy_share"] == pytest.approx(0.4)
     (g1, g2) = rec["gaps"]
@@ -85,10 +95,22 @@ def test_step_trace_runs_on_the_cpu_and_writes_its_table_and_trace(tmp_path):
     # the plain step's addnorm frames are the benchmark's fusion switch only
     assert by["hf", "fused"]["addnorm_ms"] > 10 * by["hf", "plain"]["addnorm_ms"]
     assert all(r["wall_ms"] > 0 and r["gpu_busy_ms"] is None for r in rows)
+    # the backward by node kind (2 layers, 4 adds): the fused LM's Python node, a call per add, where
+    # the unfused one runs LayerNorm's C++ node (5 norms; fused, the first input norm's only)
+    fused, unfused = by["lm", "fused"]["nodes"], by["lm", "fused=False"]["nodes"]
+    assert fused["TritonAddNormBackward"][0] == 2 * 2 and "TritonAddNormBackward" not in unfused
+    assert (fused["NativeLayerNormBackward0"][0], unfused["NativeLayerNormBackward0"][0]) == (1, 5)
     trace = json.loads(gzip.decompress((tmp_path / "step_trace_cpu.json.gz").read_bytes()))
     labels = {str(e.get("pid")).split(":")[0] for e in trace["traceEvents"]}
-    assert {"hf plain", "hf fused", "lm fused=False", "lm fused", "lm-llama fused"} <= labels
-    assert "| hf | fused |" in (tmp_path / "step_trace_cpu.md").read_text()
+    assert {"hf", "lm", "lm-llama"} <= labels
+    # each run's variants in one session, in alternation: every step scope holds its variant's name
+    scopes = sorted(
+        (e["ts"], e["name"]) for e in trace["traceEvents"] if str(e.get("name", "")).startswith("variant: ")
+    )
+    assert len(scopes) == 6 * 1  # 3 runs x 2 variants x 1 step
+    text = (tmp_path / "step_trace_cpu.md").read_text()
+    assert "| hf | fused |" in text and "## The backward's host time by autograd node" in text
+    assert "| TritonAddNormBackward |" in text
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="the faked launches need triton")
