@@ -55,7 +55,9 @@ def _merge(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
 
 def _self_times(events: list[dict]) -> dict[int, float]:
     """Each host event's own time (its duration less its direct children's on the same thread), by
-    index in ``events``: events on one thread nest, so a stack walk in start order finds parents."""
+    index in ``events``: events on one thread nest, so a stack walk in start order finds parents.
+    ``record_function`` scopes take no part: they open and close inside Python calls without nesting in
+    them (a scope entered inside the builtin that opens it would count as that builtin's child)."""
     own = {}
     by_thread = defaultdict(list)
     for i, e in enumerate(events):
@@ -65,9 +67,11 @@ def _self_times(events: list[dict]) -> dict[int, float]:
         stack: list[int] = []
         for i in idx:
             e = events[i]
+            own[i] = float(e["dur"])
+            if e.get("cat") == "user_annotation":
+                continue  # a record_function scope opens inside a Python call and outlasts it: no frame
             while stack and events[stack[-1]]["ts"] + events[stack[-1]]["dur"] <= e["ts"]:
                 stack.pop()
-            own[i] = float(e["dur"])
             if stack:
                 own[stack[-1]] -= e["dur"]
             stack.append(i)

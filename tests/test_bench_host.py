@@ -66,6 +66,27 @@ def test_trace_reading_finds_busy_time_gaps_launches_syncs_and_addnorm_time(benc
     assert not any("module.py" in e["name"] for e in kept)  # torch's plumbing frames dropped
 
 
+def test_trace_self_times_leave_record_function_scopes_out_of_the_nesting(bench_module):
+    """A scope entered inside the builtin that opens it (as ``record_function`` does) and outlasting it is
+    no child of that builtin: the builtin keeps its 6 us and the frame around both its 100 us less its
+    two Python children (the builtin, the frame inside the scope), where the scope, counted as the
+    builtin's child, made the builtin's own time negative."""
+    ta = bench_module("trace_analysis")
+    events = [
+        _x("bench.py(1): step", 0, 100, "python_function"),
+        _x("<built-in method _record_function_enter_new>", 10, 6, "python_function"),
+        _x("variant: fused", 13, 80, "user_annotation"),
+        _x("addnorm/ops/functional.py(350): add_norm", 20, 30, "python_function"),
+    ]
+    own = ta._self_times(events)
+    assert own == {
+        0: pytest.approx(100 - 6 - 30),
+        1: pytest.approx(6),
+        2: pytest.approx(80),
+        3: pytest.approx(30),
+    }
+
+
 def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
