@@ -29,53 +29,49 @@ def test_lm_step_benchmark_runs_on_tiny_shapes(bench_module, tmp_path):
     assert "fused (autocast h) / fused" in md
 
 
-def test_lm_step_kernel_sums_column_steps_with_that_backward_variant(bench_module):
-    """The column "fused (kernel_sums)" steps the fused model with the candidate backward variant in
-    force (and only while it steps); it runs in eager rows only (a traced backward sums with torch)."""
-    import types
-
+def _backward_variant():
     from addnorm.ops import launch_config as lc
 
-    lm = bench_module("bench_lm_step")
-    default = lc.BWD_VARIANT
-    cfg = lm.model_config(lm.TINY, "gelu")
-    args = types.SimpleNamespace(fp32=False)
-    seen = []
-    for column in ("fused", lm.KERNEL_SUMS):
-        step, model = lm.prepare(cfg, "pre", "eager", column, "cpu", args)
-        model.register_forward_pre_hook(lambda m, a: seen.append(lc.BWD_VARIANT))
-        step()
-        assert lc.BWD_VARIANT == default
-    assert seen == [default, "kernel_sums"]
-    args = types.SimpleNamespace(models=["gelu"], placements=["pre"], modes=["eager", "compile"],
-                                 columns=list(lm.COLUMNS), compile_paths="default")  # fmt: skip
-    rows = {mode: cols for _, _, mode, cols in lm.cells_of(args, "cpu")}
-    assert lm.KERNEL_SUMS in rows["eager"] and lm.KERNEL_SUMS not in rows["compile"]
+    return lc.BWD_VARIANT
 
 
-def test_lm_step_autocast_h_column_steps_with_the_candidate_in_force(bench_module):
-    """The column "fused (autocast h)" steps the fused model with the candidate way of handing a
-    sublayer its input (``stream.AUTOCAST_SUBLAYER_INPUT``) in force, and only while it steps; eager
-    rows only."""
-    import types
-
+def _sublayer_cast():
     from addnorm.model import stream
 
+    return stream.AUTOCAST_SUBLAYER_INPUT
+
+
+@pytest.mark.parametrize(
+    "column, model, switch, candidate",
+    [
+        ("fused (kernel_sums)", "gelu", _backward_variant, "kernel_sums"),
+        ("fused (autocast h)", "llama", _sublayer_cast, True),
+    ],
+)
+def test_lm_step_candidate_columns_step_with_their_candidate_in_force(
+    bench_module, column, model, switch, candidate
+):
+    """A candidate's column steps the fused model with the candidate in force (and only while it steps):
+    "fused (kernel_sums)" the backward variant, "fused (autocast h)" a sublayer's input in autocast's
+    dtype (``stream.AUTOCAST_SUBLAYER_INPUT``); each in eager rows only (a traced backward sums with
+    torch; the other is timed eagerly only)."""
+    import types
+
     lm = bench_module("bench_lm_step")
-    default = stream.AUTOCAST_SUBLAYER_INPUT
-    cfg = lm.model_config(lm.TINY, "llama")
+    default = switch()
+    cfg = lm.model_config(lm.TINY, model)
     args = types.SimpleNamespace(fp32=False)
     seen = []
-    for column in ("fused", lm.AUTOCAST_H):
-        step, model = lm.prepare(cfg, "pre", "eager", column, "cpu", args)
-        model.register_forward_pre_hook(lambda m, a: seen.append(stream.AUTOCAST_SUBLAYER_INPUT))
+    for col in ("fused", column):
+        step, built = lm.prepare(cfg, "pre", "eager", col, "cpu", args)
+        built.register_forward_pre_hook(lambda m, a: seen.append(switch()))
         step()
-        assert stream.AUTOCAST_SUBLAYER_INPUT == default
-    assert seen == [default, True]
-    args = types.SimpleNamespace(models=["llama"], placements=["pre"], modes=["eager", "compile"],
+        assert switch() == default
+    assert seen == [default, candidate]
+    args = types.SimpleNamespace(models=[model], placements=["pre"], modes=["eager", "compile"],
                                  columns=list(lm.COLUMNS), compile_paths="default")  # fmt: skip
     rows = {mode: cols for _, _, mode, cols in lm.cells_of(args, "cpu")}
-    assert lm.AUTOCAST_H in rows["eager"] and lm.AUTOCAST_H not in rows["compile"]
+    assert column in rows["eager"] and column not in rows["compile"]
 
 
 def test_lm_step_compiled_rows_take_only_the_compiled_columns_asked_for(bench_module, tmp_path):
