@@ -37,7 +37,7 @@ import timing
 import torch
 from machine import device_slug, machine_info, machine_line, package_version, write_results
 from results_path import add_out_argument
-from timing import interleaved, paired_speedup, peak_apart, resident_bytes
+from timing import ORDER, interleaved, paired_speedup, peak_apart, resident_bytes
 from variant_plans import BackwardVariant
 
 import addnorm.hf as anhf
@@ -215,8 +215,8 @@ def run_row(
     rounds: int = 1, profile: bool = False, diagnose: bool = False,
 ) -> dict:  # fmt: skip
     """One (setup, mode) row: every variant built side by side (compiled, each compiled) and timed step
-    by step in alternation (``timing.interleaved``: ``warmup`` steps each, then ``reps`` rounds, the
-    order reversed every other round), so that drift in the host's speed hits every variant alike; a
+    by step in alternation (``timing.interleaved``: ``warmup`` steps each, then ``reps`` rounds, none
+    right after itself), so that drift in the host's speed hits every variant alike; a
     host-bound GPU step timed one variant after another moved by 25% between runs minutes apart (H200,
     7722722). Per variant: the median step of the best of ``rounds`` rounds and the median CPU time of
     this process in a step; per pair (``paired``): the median and quartiles of the per-round ratio of
@@ -371,7 +371,7 @@ def report(
     if gpu:
         what += (
             f", bf16 autocast, fused AdamW. The variants are built side by side and timed step by step in "
-            f"alternation, the order reversed every other round ({warmup} warmup + {reps} timed steps "
+            f"alternation, {ORDER} ({warmup} warmup + {reps} timed steps "
             "each): tokens/s of the median step; X/plain is the median over rounds of plain's step time / "
             "X's in the same round, [quartiles]; peak memory from one more step of each, less what the "
             "other variants hold. "

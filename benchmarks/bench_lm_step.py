@@ -58,7 +58,7 @@ import torch.nn.functional as F
 from lm_step_report import AUTOCAST_H, CANDIDATES, KERNEL_SUMS, RATIOS, to_markdown
 from machine import machine_info, record_rows
 from results_path import add_out_argument
-from timing import interleaved, paired_speedup, peak_apart, resident_bytes
+from timing import ORDER, interleaved, paired_speedup, peak_apart, resident_bytes
 from torch import nn
 from variant_plans import BackwardVariant, SublayerCast
 
@@ -262,7 +262,7 @@ def run_cells(cfg, placement, mode, cols, device, args) -> tuple[dict, dict]:
     (``paired``), and with ``--profile`` the profile of the fused=False and fused columns.
 
     Every column's step is built side by side and timed step by step in alternation
-    (``timing.interleaved``, the order reversed every other round), so that drift in the host's speed
+    (``timing.interleaved``: no step right after itself), so that drift in the host's speed
     (other processes on the CPU; a GPU's host, whose step times moved by 25% between runs minutes apart
     on an H200 at 7722722) hits them alike; a ratio is the median over rounds of the two steps' times in
     the same round (``timing.paired_speedup``). On a GPU each column's peak memory comes from one more
@@ -445,6 +445,7 @@ def run(args, on_row: Callable[[dict], None] | None = None) -> dict:
         "steps": args.steps,
         "warmup": args.warmup,
         "profile_steps": args.profile_steps if args.profile else None,
+        "order": ORDER,
         "rows": [],
     }
     if args.warm:

@@ -54,6 +54,7 @@ require_jit()  # the real JIT kernels (on the CPU the fused runs launch them thr
 import torch  # noqa: E402
 from machine import device_slug, machine_info, machine_line, write_results  # noqa: E402
 from results_path import add_out_argument  # noqa: E402
+from timing import round_order  # noqa: E402
 from trace_analysis import STEP_SCOPE, analyze, trim  # noqa: E402
 
 from addnorm.ops import policy  # noqa: E402
@@ -97,9 +98,9 @@ def trace_run(
     steps_of: dict[str, Callable[[], None]], device: str, steps: int, warmup: int
 ) -> tuple[dict, list]:
     """The Chrome trace (as loaded JSON) of ``steps`` profiled steps of each variant in ``steps_of``
-    after ``warmup`` unprofiled ones, the variants in alternation (the order reversed every other
-    round, as the timed step benchmarks do: a host whose speed drifts, as the H200's did by 1.6x between
-    runs a minute apart, slows them alike), one profiler session for all; and the variant of each
+    after ``warmup`` unprofiled ones, the variants in alternation (``timing.round_order``, as the timed
+    step benchmarks step them: a host whose speed drifts, as the H200's did by 1.6x between runs a
+    minute apart, slows them alike), one profiler session for all; and the variant of each
     profiled step, in time order. Each step runs in a ``STEP_SCOPE`` scope, the variant's name in a
     scope inside it (to find it in a viewer)."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -110,7 +111,7 @@ def trace_run(
         for name in names:
             steps_of[name]()
     sync()
-    order = [name for i in range(steps) for name in (names if i % 2 == 0 else names[::-1])]
+    order = [name for i in range(steps) for name in round_order(names, i)]
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     with profile(activities=activities, with_stack=True) as prof:
         for name in order:
@@ -198,8 +199,8 @@ def to_markdown(rows: list[dict], machine: dict, steps: int, trace_file: str, tr
         machine_line(machine),
         "",
         f"Each run: its two variants built side by side, 2 warmup steps of each, then {steps} profiled "
-        f"steps of each (CPU{' and CUDA' if gpu else ''} activity, Python stacks) in alternation, the order "
-        "reversed every other round, in one profiler session (so that a drift in the host's speed slows "
+        f"steps of each (CPU{' and CUDA' if gpu else ''} activity, Python stacks) in alternation "
+        "(`timing.round_order`), in one profiler session (so that a drift in the host's speed slows "
         'both alike); each step in a `record_function("addnorm.step")` scope; means per step. GPU busy: the '
         "union of kernels, copies and memsets in the step; gaps: the longest stretches with nothing on the "
         "GPU, and the innermost frames open on each host thread at their middle; launches: "

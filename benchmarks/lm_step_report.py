@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from machine import machine_line
-from timing import speedup, speedup_cell
+from timing import PREVIOUS_ORDER, speedup, speedup_cell
 
 # the ratios the table and the targets read, (a, b): a's speed over b's
 KERNEL_SUMS = "fused (kernel_sums)"  # the column of the candidate backward "kernel_sums" (bench_lm_step)
@@ -90,9 +90,9 @@ def _timing_line(report: dict) -> str:
     if not any(r.get("paired") for r in report["rows"]):
         return ""
     line = (
-        " The columns are built side by side and timed step by step in alternation, the order reversed "
-        "every other round; a ratio is the median over rounds of the two steps' times in the same round, "
-        "[quartiles]."
+        " The columns are built side by side and timed step by step in alternation, "
+        f"{report.get('order', PREVIOUS_ORDER)}; a ratio is the median over rounds of the two steps' times "
+        "in the same round, [quartiles]."
     )
     if report["device"] == "cuda":
         line += (

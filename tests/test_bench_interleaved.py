@@ -31,6 +31,27 @@ def test_paired_speedup_is_the_median_of_the_rounds_ratios(timing):
         timing.paired_speedup({"a": [1.0], "b": [1.0, 2.0]}, "a", "b")
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 6])
+def test_interleaved_rounds_run_every_name_once_and_none_right_after_itself(timing, n):
+    """Each round runs every name once; rounds run back to back, and no name runs twice in a row (the
+    previous order, reversed every other round, ran the first and last names twice at every other
+    boundary and the middle ones never). With three or more names each runs after two different ones
+    in turn."""
+    names = [f"v{k}" for k in range(n)]
+    calls = []
+    timers = {name: (lambda name=name: calls.append(name) or 0.001) for name in names}
+    wall, cpu = timing.interleaved(timers, reps=8, warmup=1)
+    calls = calls[n:]  # the warmup
+    rounds = [calls[i * n : (i + 1) * n] for i in range(8)]
+    assert all(sorted(r) == names for r in rounds)
+    assert all(len(wall[name]) == len(cpu[name]) == 8 for name in names)
+    if n > 1:
+        assert all(a != b for a, b in zip(calls[:-1], calls[1:], strict=True))
+    if n > 2:
+        before = {name: {calls[i - 1] for i in range(1, len(calls)) if calls[i] == name} for name in names}
+        assert all(len(p) == 2 for p in before.values()), before
+
+
 def test_speedup_prefers_the_pairs_and_shows_their_quartiles(timing):
     paired = {"fused/plain": {"median": 1.031, "q1": 0.95, "q3": 1.10, "n": 20}}
     tokens = {"plain": 100.0, "fused": 80.0}

@@ -171,8 +171,9 @@ def test_gpu_table_reports_each_diagnostic_against_the_step_without_it(bench):
 
 def test_hf_row_interleaves_every_variant_and_switch(bench, monkeypatch):
     """``run_row`` (the GPU rows' code, run on the CPU): every variant and diagnostic switch built side
-    by side and stepped in alternation, the order reversed every other round; the pairs' ratios have
-    one ratio per timed round; the diagnostics come from the same rounds."""
+    by side and stepped in alternation (every other round the first, then the rest reversed: none right
+    after itself); the pairs' ratios have one ratio per timed round; the diagnostics come from the same
+    rounds."""
     import torch
 
     calls = []
@@ -199,7 +200,7 @@ def test_hf_row_interleaves_every_variant_and_switch(bench, monkeypatch):
     names = ["plain", "fused"] + [f"{v}, {s}" for s in bench.SWITCHES for v in ("plain", "fused")]
     expected = names * warmup
     for i in range(reps):
-        expected += names if i % 2 == 0 else names[::-1]
+        expected += names if i % 2 == 0 else names[:1] + names[:0:-1]
     assert calls == expected
     assert set(row["ms"]) == {"plain", "fused"} and row["paired"]["fused/plain"]["n"] == reps
     assert set(row["diagnostics"]) == set(bench.SWITCHES)
