@@ -255,6 +255,8 @@ def run_row(
         "ms": {v: best[v] * 1e3 for v in variants},
         "cpu_ms": {v: best_cpu[v] * 1e3 for v in variants},
         "round_ms": {v: [m * 1e3 for m in medians[v]] for v in variants},
+        # every timed step in round order (timing.round_order), switches too: what the pairs were made of
+        "steps_ms": {k: [round(w * 1e3, 4) for w in walls[k]] for k in timers},
         "tokens_per_s": {v: tok / best[v] for v in variants},
         "paired": {f"{a}/{b}": paired_speedup(walls, b, a) for a, b in pairs},
         "fused_over_plain": best["plain"] / best["fused"],

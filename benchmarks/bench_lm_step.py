@@ -239,8 +239,12 @@ def prepare(cfg, placement, mode, column, device, args) -> tuple[Callable[[], No
 
 
 def cell(times: list[float], cfg: dict, peak: float | None) -> dict:
+    """A column's record: tokens/s of its median step, and every timed step in round order (ms)."""
     med = statistics.median(times)
-    return {"tokens_per_s": cfg["batch"] * cfg["seq"] / med, "median_s": med, "peak_mib": peak}
+    return {
+        "tokens_per_s": cfg["batch"] * cfg["seq"] / med, "median_s": med, "peak_mib": peak,
+        "steps_ms": [round(t * 1e3, 4) for t in times],
+    }  # fmt: skip
 
 
 def _profile(step, model, cfg, mode, device, args) -> dict:

@@ -23,6 +23,7 @@ def test_lm_step_benchmark_runs_on_tiny_shapes(bench_module, tmp_path):
         expected |= {"nn.TransformerEncoder"} if r["model"] == "gelu" else set()
         assert set(r["cells"]) == expected
         assert all(c["tokens_per_s"] > 0 for c in r["cells"].values())
+        assert all(len(c["steps_ms"]) == 1 for c in r["cells"].values())  # every timed step kept
     md = (tmp_path / "lm_step_cpu.md").read_text()
     assert "## Targets" in md and "default / fused=False" in md and "RMSNorm + SwiGLU, d_ff 96" in md
     assert "fused / fused=False" in md and "fused (kernel_sums) / fused" in md

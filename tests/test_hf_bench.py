@@ -203,6 +203,11 @@ def test_hf_row_interleaves_every_variant_and_switch(bench, monkeypatch):
         expected += names if i % 2 == 0 else names[:1] + names[:0:-1]
     assert calls == expected
     assert set(row["ms"]) == {"plain", "fused"} and row["paired"]["fused/plain"]["n"] == reps
+    # every timed step kept, in round order: the pairs' ratios recomputed from them
+    assert set(row["steps_ms"]) == set(names) and all(len(v) == reps for v in row["steps_ms"].values())
+    steps = row["steps_ms"]
+    ratios = sorted(p / f for p, f in zip(steps["plain"], steps["fused"], strict=True))
+    assert row["paired"]["fused/plain"]["median"] == pytest.approx(ratios[len(ratios) // 2], rel=1e-3)
     assert set(row["diagnostics"]) == set(bench.SWITCHES)
     assert "peak_gib" not in row  # CPU: no allocator counters
     md = bench.report({"tiny": setup}, [row], "a CPU", gpu=False, reps=reps, warmup=warmup, rounds=1)
