@@ -86,6 +86,11 @@ MODELS = {
 # "fused (autocast h)": "fused" with each sublayer's normed input written by the op in autocast's dtype
 # (addnorm.model.stream.AUTOCAST_SUBLAYER_INPUT: the candidate), eager only
 COLUMNS = ("nn.TransformerEncoder", "fused=False", "default", "fused", KERNEL_SUMS, AUTOCAST_H)
+# each candidate column's switch, entered around each of its steps
+CANDIDATE_SWITCHES = {
+    KERNEL_SUMS: lambda: BackwardVariant("kernel_sums"),
+    AUTOCAST_H: lambda: SublayerCast(True),
+}
 PROFILED = ("fused=False", "fused")  # the columns --profile profiles: what realised() compares
 
 
@@ -222,13 +227,7 @@ def prepare(cfg, placement, mode, column, device, args) -> tuple[Callable[[], No
     fusion = "always" if column.startswith("fused") and column != "fused=False" else "measured"
     if path is None and fusion == "measured":
         return step, model
-    variant = (
-        BackwardVariant("kernel_sums")
-        if column == KERNEL_SUMS
-        else SublayerCast(True)
-        if column == AUTOCAST_H
-        else nullcontext()
-    )
+    variant = CANDIDATE_SWITCHES.get(column, nullcontext)()
 
     def on_path() -> None:
         with policy.using_compile_path(path or policy.compile_path()), policy.fusion(fusion), variant:

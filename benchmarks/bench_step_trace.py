@@ -257,7 +257,7 @@ def _node_table(rows: list[dict], top: int = 8) -> list[str]:
                 nodes = r["nodes"]
                 picked = (
                     [nodes.get(kind, (0, 0.0))]
-                    if kind in nodes or kind in kinds
+                    if kind in kinds
                     else [v for k, v in nodes.items() if kind == "all nodes" or k not in kinds]
                 )
                 cells += [f"{sum(c for c, _ in picked):.0f}", f"{sum(m for _, m in picked):.2f}"]

@@ -81,41 +81,35 @@ def test_autocast_h_leaves_the_unfused_model_and_steps_without_autocast_alone():
     assert _step(fused, True, autocast=False)[3] == [torch.float32] * 2
 
 
-def test_sublayer_dtype_asks_for_the_declaration_the_placement_and_autocast_on_that_device():
+def test_sublayer_dtype_asks_for_the_declaration_the_placement_and_autocast_on_that_device(monkeypatch):
     conn = an.AddNorm(16, "pre", "layernorm")
     ff = an.model.feedforward.FeedForward(16, 32, "gelu", 0.0, True)
     t = torch.randn(2, 16)
-    previous, stream.AUTOCAST_SUBLAYER_INPUT = stream.AUTOCAST_SUBLAYER_INPUT, True
-    try:
-        assert sublayer_dtype(conn, ff, t) is None  # autocast off
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert sublayer_dtype(conn, ff, t) is torch.bfloat16
-            assert sublayer_dtype(conn, lambda h: ff(h), t) is None  # no declaration: h as it is
-            normed = an.AddNorm(16, "normed_residual", "layernorm")  # h is the residual too
-            assert normed.placement.residual_from == "normed_input"
-            assert sublayer_dtype(normed, ff, t) is None
-        with torch.autocast("cpu", dtype=torch.float16):
-            assert sublayer_dtype(conn, ff, t) is torch.float16
-        stream.AUTOCAST_SUBLAYER_INPUT = False
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            assert sublayer_dtype(conn, ff, t) is None  # the candidate off: the previous way
-    finally:
-        stream.AUTOCAST_SUBLAYER_INPUT = previous
+    monkeypatch.setattr(stream, "AUTOCAST_SUBLAYER_INPUT", True)
+    assert sublayer_dtype(conn, ff, t) is None  # autocast off
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert sublayer_dtype(conn, ff, t) is torch.bfloat16
+        assert sublayer_dtype(conn, lambda h: ff(h), t) is None  # no declaration: h as it is
+        normed = an.AddNorm(16, "normed_residual", "layernorm")  # h is the residual too
+        assert normed.placement.residual_from == "normed_input"
+        assert sublayer_dtype(normed, ff, t) is None
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert sublayer_dtype(conn, ff, t) is torch.float16
+    monkeypatch.setattr(stream, "AUTOCAST_SUBLAYER_INPUT", False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert sublayer_dtype(conn, ff, t) is None  # the candidate off: the previous way
 
 
-def test_a_held_add_read_for_an_undeclared_sublayer_keeps_the_stream_dtype():
+def test_a_held_add_read_for_an_undeclared_sublayer_keeps_the_stream_dtype(monkeypatch):
     """Connection's own callable sublayers (a lambda, a foreign module) declare nothing: h keeps the
     stream's dtype under autocast, with the candidate on."""
     conn, nxt = an.AddNorm(16, "pre", "layernorm"), an.AddNorm(16, "pre", "layernorm")
     seen = []
-    previous, stream.AUTOCAST_SUBLAYER_INPUT = stream.AUTOCAST_SUBLAYER_INPUT, True
-    try:
-        with policy.fusion("always"), torch.autocast("cpu", dtype=torch.bfloat16):
-            x = Connection(conn)(Stream(torch.randn(3, 16)), torch.nn.Linear(16, 16))
-            assert x.held is not None
-            Connection(nxt)(x, lambda h: seen.append(h.dtype) or h)
-    finally:
-        stream.AUTOCAST_SUBLAYER_INPUT = previous
+    monkeypatch.setattr(stream, "AUTOCAST_SUBLAYER_INPUT", True)
+    with policy.fusion("always"), torch.autocast("cpu", dtype=torch.bfloat16):
+        x = Connection(conn)(Stream(torch.randn(3, 16)), torch.nn.Linear(16, 16))
+        assert x.held is not None
+        Connection(nxt)(x, lambda h: seen.append(h.dtype) or h)
     assert seen == [torch.float32]
 
 
