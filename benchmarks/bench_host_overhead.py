@@ -124,7 +124,7 @@ class NoLaunch:
 def stubbed_launches() -> Iterator[None]:
     """The Triton path with its two kernels replaced by :class:`NoLaunch` (needs the kernels built for
     the interpreter: ``TRITON_INTERPRET=1`` before triton is imported, which ``--stub-launch`` sets)."""
-    from addnorm.ops import triton_launch as k
+    from addnorm.ops.triton import launchers as k
 
     if not k.kernels_are_interpreted():
         raise RuntimeError("--stub-launch: set TRITON_INTERPRET=1 before triton is imported")
@@ -160,7 +160,7 @@ def breakdown(rows: int, hidden: int, calls: int, samples: int) -> list[dict]:
     autograd); a bare autograd.Function returning the path's outputs (the boundary's own cost). Needs
     :func:`stubbed_launches`."""
     from addnorm.ops import functional
-    from addnorm.ops.triton_launch import launch_fwd
+    from addnorm.ops.triton.launchers import launch_fwd
 
     g = torch.Generator().manual_seed(0)
     x, r = (torch.randn(rows, hidden, generator=g).requires_grad_(True) for _ in range(2))
@@ -195,11 +195,11 @@ def jit_launch(rows: int, hidden: int, calls: int, samples: int) -> list[dict]:
     """Triton's launch path on the CPU (``--jit-launch``): the op's forward and backward launchers with
     the real ``JITFunction`` kernels, their binder and kernel cache, Triton's driver faked (device 0, a
     stream) and its compiler replaced by a compiled kernel whose launch does nothing; per call, through
-    ``kernel[grid](...)`` (``JITFunction.run``) and launched directly (``addnorm.ops.triton_direct``),
+    ``kernel[grid](...)`` (``JITFunction.run``) and launched directly (``addnorm.ops.triton.direct_launch``),
     timed in alternation (CPU time). What the stubbed mode leaves out: the launch's own Python."""
     from fake_launch import faked_launches
 
-    from addnorm.ops import triton_launch as tl
+    from addnorm.ops.triton import launchers as tl
 
     direct_before = tl.DIRECT
     with faked_launches():
@@ -285,7 +285,7 @@ def _idle_hooks_passed(fn: Callable[[], object]) -> Callable[[], object]:
     """``fn`` with the direct launch handing Triton's empty launch-hook chains and their metadata to
     every launch, as ``JITFunction.run`` does (``triton_direct.SKIP_IDLE_HOOKS`` False: the previous
     variant, timed beside the default)."""
-    from addnorm.ops import triton_direct
+    from addnorm.ops.triton import direct_launch as triton_direct
 
     def timed() -> object:
         triton_direct.SKIP_IDLE_HOOKS = False

@@ -239,7 +239,7 @@ def gpu_sized_backward() -> Iterator[None]:
     otherwise take the one-program backward, which writes the sums itself and launches none (the H200's
     trace at 7722722: 48 more ``aten::sum`` a step in the fused LM, two per add & norm)."""
     from addnorm.ops import launch_config as lc
-    from addnorm.ops import triton_launch as tl
+    from addnorm.ops.triton import launchers as tl
 
     def use(tiles: int) -> None:  # as launch_config asks after a change: its caches, specs and plans
         lc.BWD_ONE_PROGRAM_TILES = tiles

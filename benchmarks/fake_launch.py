@@ -2,7 +2,7 @@
 kernel whose launch does no work (it counts), and addnorm's op told that the
 Triton backend may run on CPU tensors. What remains is the Python and the autograd of the GPU path
 exactly as it runs on CUDA: the real ``JITFunction`` kernels, their binder and kernel cache on a first
-call, then :mod:`addnorm.ops.triton_direct`'s direct launch of the "compiled" kernel.
+call, then :mod:`addnorm.ops.triton.direct_launch`'s direct launch of the "compiled" kernel.
 
 The benchmarks use it to count and time host work (``bench_host_overhead.py --jit-launch``,
 ``bench_step_host.py``, ``bench_step_trace.py`` on the CPU); nothing in the library knows it. It needs
@@ -98,8 +98,8 @@ def faked_launches() -> Iterator[Launches]:
     from triton.runtime.jit import JITFunction
 
     from addnorm.ops import functional, policy, seeds
-    from addnorm.ops import triton_kernels as tk
-    from addnorm.ops import triton_launch as tl
+    from addnorm.ops.triton import kernels as tk
+    from addnorm.ops.triton import launchers as tl
 
     launches = Launches()
 

@@ -25,7 +25,8 @@ from machine import machine_info, machine_line
 from results_path import add_out_argument
 
 import addnorm.ops.launch_config as tk
-from addnorm.ops import add_norm, policy, triton_launch
+from addnorm.ops import add_norm, policy
+from addnorm.ops.triton import launchers as triton_launch
 
 Launch = tk.Launch
 

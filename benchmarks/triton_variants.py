@@ -24,7 +24,7 @@ configurations above are those of "slices", which stays selectable, and of the n
 takes in one pass) joins with its slices (kernel ``bwd`` given the pre-pass's sums) and its pre-pass
 (kernel ``bwd_sums``, the forward's tiles) at every configuration the heavy variants launch it with,
 every path with every option (``full``: the same additions as the others). The tensor-parallel
-kernels (``ops/triton_tp_kernels.py``:
+kernels (``ops/triton/tp_kernels.py``:
 statistics, normalise, row sums, gradients of a column shard) join with every option and row indices, at
 the widest tile and the column-chunk configuration (``full``: every configuration).
 
@@ -235,7 +235,7 @@ def _row_sums_variants(full: bool) -> list[Variant]:
     return out
 
 
-# the tensor-parallel kernels (``ops/triton_tp_kernels.py``) and the configurations they launch with
+# the tensor-parallel kernels (``ops/triton/tp_kernels.py``) and the configurations they launch with
 TP_KERNELS = {"tp_stats": "fwd", "tp_norm": "fwd", "tp_sums": "fwd", "tp_bwd": "bwd"}
 
 
@@ -396,8 +396,8 @@ def compile_variant(v: Variant, arch: int) -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from addnorm.ops import triton_kernels as k
-    from addnorm.ops import triton_tp_kernels as ts
+    from addnorm.ops.triton import kernels as k
+    from addnorm.ops.triton import tp_kernels as ts
 
     fn = {
         "fwd": k.fwd_kernel, "bwd": k.bwd_kernel, "bwd_sums": k.bwd_sums_kernel,

@@ -27,7 +27,7 @@ def _triton_ready() -> bool:
         return False
     if HAS_CUDA:
         return True
-    from addnorm.ops.triton_kernels import kernels_are_interpreted
+    from addnorm.ops.triton.kernels import kernels_are_interpreted
 
     return kernels_are_interpreted()
 

@@ -100,7 +100,8 @@ def small_chunks(request, monkeypatch):
     added up in the kernel, in groups of two programs, so that there are several groups). Yields
     ``launch_config``."""
     from addnorm.ops import launch_config as k
-    from addnorm.ops import policy, triton_launch
+    from addnorm.ops import policy
+    from addnorm.ops.triton import launchers as triton_launch
 
     monkeypatch.setattr(k, "FWD_MAX_ONE_PASS", 32)
     monkeypatch.setattr(k, "BWD_MAX_ONE_PASS", 16)
@@ -132,7 +133,7 @@ def triton_backend(backend_env):
 
     if importlib.util.find_spec("triton") is None or not interpreting():
         pytest.skip("needs triton and TRITON_INTERPRET=1")
-    from addnorm.ops.triton_kernels import kernels_are_interpreted
+    from addnorm.ops.triton.kernels import kernels_are_interpreted
 
     if not kernels_are_interpreted():
         pytest.skip("the Triton kernels were imported without TRITON_INTERPRET=1")

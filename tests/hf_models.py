@@ -77,16 +77,16 @@ def step(model: nn.Module, ids: torch.Tensor):
 def add_norm_calls(monkeypatch) -> list[bool]:
     """From now on, each add_norm call's prenorm flag, in call order (the op used by every AddNorm): a
     test module's ``spy`` fixture."""
-    import addnorm.addnorm as addnorm_module
+    import addnorm.connection as connection_module
 
     calls: list[bool] = []
-    op = addnorm_module.add_norm
+    op = connection_module.add_norm
 
     def counted(*args, **kwargs):
         calls.append(kwargs["prenorm"])
         return op(*args, **kwargs)
 
-    monkeypatch.setattr(addnorm_module, "add_norm", counted)
+    monkeypatch.setattr(connection_module, "add_norm", counted)
     return calls
 
 

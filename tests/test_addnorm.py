@@ -168,7 +168,7 @@ def test_an_observation_point_runs_its_module_call_only_where_a_hook_could_see_i
     the call and its keywords (what Probe reads)."""
     from torch.nn.modules.module import register_module_forward_hook
 
-    from addnorm.addnorm import ObservationPoint
+    from addnorm.connection import ObservationPoint
 
     point, x, r = ObservationPoint(), torch.randn(2, 3), torch.randn(2, 3)
     ran = []

@@ -191,7 +191,7 @@ def test_add_norm_times_each_backward_variant_in_one_run(bench, tmp_path, monkey
     if importlib.util.find_spec("triton") is None or not interpreting():
         pytest.skip("needs triton and TRITON_INTERPRET=1")
     from addnorm.ops import launch_config as lc
-    from addnorm.ops import triton_launch
+    from addnorm.ops.triton import launchers as triton_launch
 
     default = lc.BWD_VARIANT
     other, column = _other_variant()
@@ -264,7 +264,7 @@ def test_host_overhead_stub_launch_times_the_triton_path_without_running_a_kerne
     """--stub-launch: backend='triton' on CPU tensors with both launches stubbed; every case of the
     issue's table, the issue-21 targets; the stub is the benchmark's, and the library gets its kernels
     back afterwards."""
-    from addnorm.ops import triton_launch as k
+    from addnorm.ops.triton import launchers as k
 
     kernels = k.fwd_kernel, k.bwd_kernel
     hb = bench_module("bench_host_overhead")

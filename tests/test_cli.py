@@ -15,7 +15,7 @@ import torch
 from typer.testing import CliRunner
 
 import addnorm as an
-from addnorm import cli
+from addnorm.cli import commands as cli
 from addnorm.explain import layer_norm
 from addnorm.study.findings import GROWTH, trend
 from addnorm.tasks import read_corpus
@@ -271,7 +271,7 @@ def test_instant_commands_do_not_import_torch_and_answer_as_the_full_commands(ar
     ran = subprocess.run([sys.executable, "-c", _AFTER, *args], capture_output=True, text=True, timeout=120)
     assert ran.returncode == 0, ran.stderr
     assert ran.stderr.strip().splitlines()[-1] == "torch imported: False"
-    from addnorm.cli_lazy import run_study_command
+    from addnorm.cli.lazy import run_study_command
 
     if args[0] == "study":
         full = run_study_command(["--show", "depth"] if args[1] == "--show=depth" else args[1:])
@@ -287,7 +287,7 @@ def test_help_lists_the_study_commands_with_their_own_help_before_they_load():
     """``addnorm --help`` shows the study commands' placeholders; their help is the loaded commands'."""
     from typer.main import get_command
 
-    from addnorm.cli_lazy import STUDY_COMMANDS, study_commands
+    from addnorm.cli.lazy import STUDY_COMMANDS, study_commands
 
     group = get_command(cli.app)
     loaded = study_commands()

@@ -16,7 +16,7 @@ from hf_models import LAYERS, TYPES, step, tiny, tokens
 from torch import nn
 
 import addnorm as an
-import addnorm.addnorm as addnorm_module
+import addnorm.connection as connection_module
 import addnorm.hf as anhf
 from addnorm.ops import dropout_keep_mask, policy
 
@@ -79,14 +79,14 @@ class _SeededDropouts:
         self.monkeypatch = monkeypatch
 
     def drive_op(self) -> None:
-        op, seeds = addnorm_module.add_norm, iter(self.seeds)
+        op, seeds = connection_module.add_norm, iter(self.seeds)
 
         def seeded(*args, **kwargs):
             if kwargs["training"] and kwargs["dropout_p"] > 0:
                 kwargs["seed"] = next(seeds)
             return op(*args, **kwargs)
 
-        self.monkeypatch.setattr(addnorm_module, "add_norm", seeded)
+        self.monkeypatch.setattr(connection_module, "add_norm", seeded)
 
     def drive_dropouts(self, modules: list[nn.Dropout]) -> None:
         seeds = iter(self.seeds)

@@ -118,7 +118,7 @@ def test_a_reading_norm_computes_with_its_source_s_parameters_as_they_are_at_eac
     module computes with the source's weight (and bias) as they are when called, a replaced Parameter
     included (what load_state_dict(assign=True) or FSDP2's unshard do), and is still the norm the fused
     op computes (op_norm); a source with no bias computes without one."""
-    from addnorm.addnorm import op_norm
+    from addnorm.connection import op_norm
     from addnorm.norms import reading
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The Triton launchers' direct launch (``addnorm.ops.triton_direct``): after a first launch through
+"""The Triton launchers' direct launch (``addnorm.ops.triton.direct_launch``): after a first launch through
 ``kernel[grid](...)``, a call with the same specialisation launches the compiled kernel Triton returned
 with exactly the arguments ``JITFunction.run`` passes it; a call that specialises otherwise (an
 unaligned input, another row-count class, another dtype) goes through ``run`` again.
@@ -28,7 +28,9 @@ from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
 from triton import knobs
 
-from addnorm.ops import triton_direct, triton_launch as L  # before run() is counted: read from its source
+# before run() is counted: read from its source
+from addnorm.ops.triton import direct_launch as triton_direct
+from addnorm.ops.triton import launchers as L
 
 class FakeDriver:
     def get_current_device(self): return 0
@@ -141,7 +143,8 @@ def test_a_repeated_launch_skips_run_with_the_arguments_run_passes():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("prenorm, dropout", [(True, 0.0), (False, 0.1)])
 def test_direct_launches_equal_launches_through_run(monkeypatch, prenorm, dropout):
-    from addnorm.ops import add_norm, functional, policy, triton_launch
+    from addnorm.ops import add_norm, functional, policy
+    from addnorm.ops.triton import launchers as triton_launch
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x, r = (torch.randn(64, 4096, device="cuda", generator=g, requires_grad=True) for _ in range(2))

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import addnorm as an
-import addnorm.addnorm as addnorm_module
+import addnorm.connection as connection_module
 from addnorm.model.stream import Connection, Stream
 from addnorm.ops import policy
 from addnorm.placements import Placement
@@ -24,13 +24,13 @@ POST_REZERO = Placement("post_rezero", "y = N(x + a D(F(x)))", "test", output_no
 def _spy_add_norm(monkeypatch, key: str) -> list:
     """The ``key`` argument of every add_norm call that AddNorm (and a held-back add) makes."""
     calls = []
-    original = addnorm_module.add_norm
+    original = connection_module.add_norm
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get(key))
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(addnorm_module, "add_norm", spy)
+    monkeypatch.setattr(connection_module, "add_norm", spy)
     return calls
 
 

@@ -19,7 +19,8 @@ def several_groups(triton_backend, monkeypatch):
     """Several backward programs (the interpreter's grid: 4) in groups of ``group``, with the variant
     selected; the counters forgotten before and after. Yields a setter for the group size."""
     from addnorm.ops import launch_config as lc
-    from addnorm.ops import param_grads, policy, triton_launch
+    from addnorm.ops import param_grads, policy
+    from addnorm.ops.triton import launchers as triton_launch
 
     def use(group: int, variant: str = "kernel_sums") -> None:
         monkeypatch.setattr(lc, "BWD_FINISH_GROUP", group)
@@ -120,7 +121,8 @@ def test_gpu_in_kernel_sums_match_torch_sums_and_repeat_exactly(hidden, rows, dt
     in whatever order the hardware runs them): the in-kernel sums against the default variant's torch
     sums and the float64 formula, the same bits call after call, and the counters back at zero."""
     from addnorm.ops import launch_config as lc
-    from addnorm.ops import param_grads, policy, triton_launch
+    from addnorm.ops import param_grads, policy
+    from addnorm.ops.triton import launchers as triton_launch
 
     dev = torch.device("cuda")
     g = torch.Generator(device=dev).manual_seed(5)

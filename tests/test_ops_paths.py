@@ -311,7 +311,7 @@ def test_alternating_call_signatures_and_a_policy_change_each_get_their_own_plan
 def test_a_cached_triton_plan_still_names_a_tensor_on_another_device_or_of_another_shape(monkeypatch):
     """After the plan is cached, the Triton path's per-call checks name a residual, weight or bias on
     another device than x or of another shape, before any kernel is launched."""
-    from addnorm.ops import triton_launch as k
+    from addnorm.ops.triton import launchers as k
 
     fn.clear_plans()
     x, r, w, b, _ = _inputs(4, 16)

@@ -170,7 +170,7 @@ def test_the_row_sums_pre_pass_leaves_the_rows_sums_for_the_slices(monkeypatch, 
     """Variant "row_sums": one pre-pass launch per backward (one program per row tile) before the
     slices, its buffer each row's sum(x_hat * w dy) (and LayerNorm's sum(w dy)) as float64 gives
     them; the default variant launches none."""
-    from addnorm.ops import triton_launch as tl_
+    from addnorm.ops.triton import launchers as tl_
 
     f32, rows, n, rms = torch.float32, 5, 4100, norm == "rmsnorm"
     x, r, w, b, _ = _inputs(rows, n)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import addnorm as an
-from addnorm import addnorm as addnorm_module
+from addnorm import connection as connection_module
 from addnorm.ops import measured, policy
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
@@ -148,8 +148,8 @@ def test_a_connection_asks_for_its_models_rows_hugging_face_ones_for_hf(monkeypa
     monkeypatch.setitem(measured._BY_DEVICE, ("cpu", "step"), (row,))
     policy.set_fusion("measured")  # forget cached decisions
     calls = []
-    op = addnorm_module.add_norm
-    monkeypatch.setattr(addnorm_module, "add_norm", lambda *a, **k: calls.append(1) or op(*a, **k))
+    op = connection_module.add_norm
+    monkeypatch.setattr(connection_module, "add_norm", lambda *a, **k: calls.append(1) or op(*a, **k))
     ids = torch.arange(6).reshape(1, 6)
     plain = tiny_model("llama").eval()
     fused = anhf.fuse(copy.deepcopy(plain))
@@ -224,8 +224,8 @@ def test_a_model_runs_unfused_where_a_size_rule_covers_its_calls(monkeypatch, to
     monkeypatch.setitem(measured._BY_DEVICE, ("cpu", "step"), (row,))
     policy.set_fusion("measured")  # forget cached decisions
     calls = []
-    op = addnorm_module.add_norm
-    monkeypatch.setattr(addnorm_module, "add_norm", lambda *a, **k: calls.append(1) or op(*a, **k))
+    op = connection_module.add_norm
+    monkeypatch.setattr(connection_module, "add_norm", lambda *a, **k: calls.append(1) or op(*a, **k))
     torch.manual_seed(0)
     cfg = an.TransformerConfig(d_model=16, n_heads=2, d_ff=32, n_layers=2, dropout=0.0, placement="post")
     model = an.LanguageModel(cfg, vocab=40).eval()

@@ -109,7 +109,8 @@ def small_chunks():
     """Launch configurations that split every row into chunks of 2 columns (forward and backward,
     register-heavy variants too), so the chunk loops run on small shapes in the interpreter."""
     from addnorm.ops import launch_config as k
-    from addnorm.ops import policy, triton_launch
+    from addnorm.ops import policy
+    from addnorm.ops.triton import launchers as triton_launch
 
     names = ("FWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS", "BWD_MAX_ONE_PASS_HEAVY", "FWD_CHUNK", "BWD_SLICE")
     names += ("BWD_SLICE_NARROW",)

@@ -30,7 +30,8 @@ class Recorder:
 
 @pytest.fixture
 def recorded(monkeypatch):
-    from addnorm.ops import triton_launch, triton_op_launch
+    from addnorm.ops.triton import launchers as triton_launch
+    from addnorm.ops.triton import op_launchers as triton_op_launch
 
     monkeypatch.setattr(triton_op_launch, "wrap_triton", Recorder)
     monkeypatch.setattr(triton_op_launch, "interpreting", lambda: False)  # the GPU's path: wrap_triton

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import addnorm as an
-import addnorm.addnorm as addnorm_module
+import addnorm.connection as connection_module
 from addnorm.ops import policy
 from addnorm.probe import METRICS, Probe
 
@@ -285,8 +285,8 @@ def test_probed_and_unprobed_training_steps_are_bit_identical(placement, dtype, 
     the op runs exactly when the policy prefers it."""
     monkeypatch.setattr(policy, "fused_op_preferred", lambda device, **call: op_preferred)
     calls = []
-    op = addnorm_module.add_norm
-    monkeypatch.setattr(addnorm_module, "add_norm", lambda *a, **k: calls.append(1) or op(*a, **k))
+    op = connection_module.add_norm
+    monkeypatch.setattr(connection_module, "add_norm", lambda *a, **k: calls.append(1) or op(*a, **k))
     torch.manual_seed(0)
     cfg = an.TransformerConfig(d_model=16, n_heads=2, d_ff=32, n_layers=3, dropout=0.1, placement=placement)
     model = an.LanguageModel(cfg, VOCAB).to(dtype).train()

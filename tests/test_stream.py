@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 import addnorm as an
-import addnorm.addnorm as addnorm_module
-from addnorm.addnorm import ConnectionRole
+import addnorm.connection as connection_module
+from addnorm.connection import ConnectionRole
 from addnorm.model.stream import Connection, Stream
 
 D, LAYERS, EPS = 16, 3, 1e-6
@@ -100,8 +100,10 @@ def _step(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, dict[str, to
 
 def test_a_foreign_pre_ln_model_fuses_every_add_and_keeps_its_function(models, monkeypatch):
     calls = []
-    op = addnorm_module.add_norm
-    monkeypatch.setattr(addnorm_module, "add_norm", lambda *a, **k: calls.append(k["prenorm"]) or op(*a, **k))
+    op = connection_module.add_norm
+    monkeypatch.setattr(
+        connection_module, "add_norm", lambda *a, **k: calls.append(k["prenorm"]) or op(*a, **k)
+    )
     plain, fused = models
     x = torch.randn(2, 5, D, dtype=torch.float64)
     y_plain, g_plain = _step(plain, x)

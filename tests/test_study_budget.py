@@ -21,7 +21,7 @@ from tiny_runs import TINY_SIZES
 
 from addnorm import __version__
 from addnorm.study import Store
-from addnorm.study.budget import (
+from addnorm.study.cost_model import (
     MEASURED_MARGIN,
     SCALED_MARGIN,
     Budget,

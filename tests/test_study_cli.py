@@ -13,8 +13,8 @@ import typer
 import yaml
 from typer.testing import CliRunner
 
+from addnorm.cli.study import register
 from addnorm.study import Store, load_spec, parse_spec
-from addnorm.study.cli import register
 from addnorm.study.progress import StudyProgress
 from addnorm.study.spec import spec_keys_markdown
 from addnorm.train import RunConfig, RunResult

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from addnorm import PLACEMENTS
 from addnorm.cli import app
 from addnorm.study import Store, load_spec
-from addnorm.study.budget import GPU_HOST_S_PER_LAYER_STEP, estimate_seconds, report_reserve, run_work
+from addnorm.study.cost_model import GPU_HOST_S_PER_LAYER_STEP, estimate_seconds, report_reserve, run_work
 from addnorm.train import RunConfig
 from addnorm.train.hf_model import not_applicable
 

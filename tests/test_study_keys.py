@@ -47,9 +47,12 @@ def test_keys_lists_the_spec_structure_and_every_run_key():
 
 def test_the_run_keys_module_is_generated_from_the_run_config_and_needs_no_torch():
     assert keys.RUN_KEYS == tuple(spec_keys())
-    generated = (STUDY / "_run_keys.py").read_text()
+    generated = (STUDY / "run_keys_generated.py").read_text()
     assert generated == keys.generated(spec_keys()), "regenerate: addnorm.study.spec.write_run_keys()"
-    for name in ("keys", "_run_keys"):  # stdlib and each other only: `--keys` can answer without torch
+    for name in (
+        "keys",
+        "run_keys_generated",
+    ):  # stdlib and each other only: `--keys` can answer without torch
         tree = ast.parse((STUDY / f"{name}.py").read_text())
         imported = {
             (n.module or "") if isinstance(n, ast.ImportFrom) else a.name
@@ -57,7 +60,7 @@ def test_the_run_keys_module_is_generated_from_the_run_config_and_needs_no_torch
             if isinstance(n, (ast.Import, ast.ImportFrom))
             for a in n.names
         }
-        assert imported <= {"__future__", "json", "_run_keys"}, (name, imported)
+        assert imported <= {"__future__", "json", "run_keys_generated"}, (name, imported)
 
 
 def test_every_markdown_row_has_its_headers_columns():

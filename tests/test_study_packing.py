@@ -11,7 +11,7 @@ import pytest
 from tiny_runs import TINY_SIZES
 
 from addnorm.study import Store, parse_spec, run_study
-from addnorm.study.budget import MEASURED_MARGIN, SCALED_MARGIN, Estimator, Timing
+from addnorm.study.cost_model import MEASURED_MARGIN, SCALED_MARGIN, Estimator, Timing
 from addnorm.study.limits import CUDA_CONTEXT_BYTES, estimate_memory
 from addnorm.study.packing import MEMORY_SHARE, Sharing, choose, memory_need, plan_windows
 from addnorm.study.spec import PlannedRun
@@ -182,7 +182,7 @@ def test_a_window_packs_more_runs_once_the_packing_it_ran_at_is_measured():
     ``packed`` says how many shared the device while it ran (a run is in flight for its 10 s)."""
     from test_study_budget import FakeClock, SimulatedExecutor
 
-    from addnorm.study.budget import Budget, report_reserve
+    from addnorm.study.cost_model import Budget, report_reserve
     from addnorm.study.packing import Packing
     from addnorm.study.runner import _Window
 

@@ -94,7 +94,7 @@ def test_a_fused_model_is_the_untouched_model(titan, family):
     assert list(a) == list(b)  # same keys in the same order, initialised alike by torchtitan
     assert all(torch.equal(a[k], b[k]) for k in a)
 
-    import addnorm.addnorm as connection_module
+    import addnorm.connection as connection_module
 
     calls, op = [], connection_module.add_norm
 
@@ -301,7 +301,7 @@ def test_b2t_scales_torchtitans_initial_matrices_by_one_over_sqrt_depth(titan):
 
 
 def test_gates_start_where_the_placement_says(titan):
-    from addnorm.addnorm import layerscale_init
+    from addnorm.connection import layerscale_init
 
     layerscale = build(titan.convert(config(), "layerscale"))
     assert torch.equal(layerscale.layers["2"].ffn_gate.weight, torch.full((256,), layerscale_init(6)))

@@ -222,7 +222,7 @@ def counting_add_norm(record: list):
     """Each fused Add & Norm call of the connections, run under ``CommDebugMode``: its collectives."""
     from torch.distributed.tensor.debug import CommDebugMode
 
-    import addnorm.addnorm as connection_module
+    import addnorm.connection as connection_module
 
     op = connection_module.add_norm
 

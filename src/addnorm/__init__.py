@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 
 # public name -> the submodule that defines it
 _EXPORTS = {
-    **dict.fromkeys(("AddNorm", "ConnectionRole", "SublayerConnection"), ".addnorm"),
+    **dict.fromkeys(("AddNorm", "ConnectionRole", "SublayerConnection"), ".connection"),
     **dict.fromkeys(
         (
             "Decoder",

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .addnorm import NGPT_ALPHA_INIT, AddNorm, layerscale_init
+from .connection import NGPT_ALPHA_INIT, AddNorm, layerscale_init
 from .placements import Placement, get_placement
 from .registry import Registry
 

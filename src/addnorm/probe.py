@@ -17,10 +17,10 @@ are removed when the ``with`` block ends (the recorded values stay readable).
 Depends only on ``torch.nn``: addnorm layers are recognised by duck typing — a module whose direct
 children include connections (modules with a ``connection_role`` attribute and a ``stream_out`` point:
 ``addnorm.AddNorm``), each observed at its ``stream_out`` point and named by its role
-(``addnorm.addnorm.ConnectionRole``: the sublayer's name, the layer attributes holding its weights), which
+(``addnorm.connection.ConnectionRole``: the sublayer's name, the layer attributes holding its weights), which
 addnorm's layers and the Hugging Face rewiring set. A point may be called as ``point(s, grad_from=r,
 grad_scale=a)``: then the stream's gradient is r's divided by a (the stream left a fused op together
-with the next norm, so r, the op's residual input, carries it; see ``addnorm.addnorm.ObservationPoint``).
+with the next norm, so r, the op's residual input, carries it; see ``addnorm.connection.ObservationPoint``).
 """
 
 from __future__ import annotations

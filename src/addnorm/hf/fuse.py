@@ -34,7 +34,7 @@ from contextlib import contextmanager
 
 from torch import nn
 
-from ..addnorm import AddNorm
+from ..connection import AddNorm
 from ..norms import build_norm, reading
 from .architectures import Architecture, architecture_of, norm_options
 from .rewired import Reads, Rewiring, attach, install, rewiring_of, uninstall

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..addnorm import AddNorm, check_bool
+from ..connection import AddNorm, check_bool
 from ..norms import NORMS, build_norm
 from ..placement_spec import Depth, apply_weight_init, layer_placements, layer_spec, why_not_around_sublayers
 from ..placements import PLACEMENTS, Placement, get_placement

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..addnorm import AddNorm, ConnectionRole
+from ..connection import AddNorm, ConnectionRole
 from ..model.stream import Connection, Stream
 from .architectures import Architecture, Sublayer
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import MISSING, dataclass, field, replace
 from typing import Any
 
-from ..addnorm import DROPOUT_SITES
+from ..connection import DROPOUT_SITES
 from ..norms import NORMS, build_norm
 from ..placements import PLACEMENTS, Placement, get_placement
 from ..registry import normalise_name

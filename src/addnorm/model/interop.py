@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..addnorm import AddNorm
+from ..connection import AddNorm
 from ..norms import LayerNorm
 from ..placements import PLACEMENTS
 from .attention import MultiHeadAttention

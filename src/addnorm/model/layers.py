@@ -7,7 +7,7 @@ from typing import NamedTuple
 
 from torch import Tensor, nn
 
-from ..addnorm import AddNorm, ConnectionRole
+from ..connection import AddNorm, ConnectionRole
 from ..norms import build_norm
 from ..placement_spec import ConnectionSpec, LayerSpec, layer_spec
 from ..placements import Placement, get_placement

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..addnorm import AddNorm
+from ..connection import AddNorm
 from ..norms import BatchNorm
 from ..placements import PLACEMENTS, Placement
 from .models import LanguageModel

@@ -20,7 +20,7 @@ Whether an add is held back, fused with its own output norm or run unfused is de
 :meth:`addnorm.AddNorm.add_fusion`, from the connection, the tensors and
 :func:`addnorm.ops.policy.fused_op_preferred`; never from hooks. Every connection calls its three
 observation points (``stream_in``, ``branch``, ``stream_out``) on every step; a held add calls its
-connection's ``stream_out`` when it is done (see :class:`~addnorm.addnorm.ObservationPoint`).
+connection's ``stream_out`` when it is done (see :class:`~addnorm.connection.ObservationPoint`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import KW_ONLY, dataclass
 import torch
 from torch import Tensor, nn
 
-from ..addnorm import AddNorm, op_norm
+from ..connection import AddNorm, op_norm
 
 __all__ = ["AUTOCAST_SUBLAYER_INPUT", "Connection", "HeldAdd", "Stream", "sublayer_dtype"]
 

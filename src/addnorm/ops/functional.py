@@ -10,7 +10,7 @@ only what can differ between calls with the same plan (shapes, the gate, the see
   :class:`~addnorm.ops.torch_path.Composite` under torch's autograd, the dropout multiplier from the
   hashed mask of the given seed (NumPy on the CPU), or on the CPU without a seed ``nn.Dropout``'s
   Bernoulli draws;
-- eager, Triton backend: :class:`~addnorm.ops.triton_eager.TritonAddNorm` (the kernels, no op
+- eager, Triton backend: :class:`~addnorm.ops.triton.eager.TritonAddNorm` (the kernels, no op
   dispatch, the launch specs cached on the plan);
 - under ``torch.compile``: the composite (Inductor fuses it with its neighbours) or the registered op
   (the Triton kernels, launched by Inductor), as :func:`addnorm.ops.policy.compile_path` says;
@@ -99,7 +99,7 @@ class Plan:
         if is_compiling():
             return
         if self.triton:
-            from .triton_eager import EagerLaunch
+            from .triton.eager import EagerLaunch
 
             self.launches = [
                 EagerLaunch(self, x.dtype, residual.dtype, weight is not None, bias is not None, code)

@@ -6,7 +6,7 @@ many programs the backward runs (:func:`bwd_grid`), and which of its variants wi
 (``benchmarks/triton_variants.py``).
 
 Every rule reads this module's constants at call time and is cached per hidden size: after changing a
-constant, clear the caches (:func:`addnorm.ops.triton_launch.clear_caches`, which also forgets the
+constant, clear the caches (:func:`addnorm.ops.triton.launchers.clear_caches`, which also forgets the
 launch specs built from them) and the call plans (:func:`addnorm.ops.policy.invalidate`).
 """
 
@@ -134,7 +134,7 @@ BWD_ONE_PROGRAM_TILES = 16
 #   ``results/kernel_compile_full.md``.
 # - "kernel_sums" (made without a GPU; timed beside "row_sums" by an H200 at 81f67f7, which kept "row_sums":
 #   ``results/h200-2026-11-28-81f67f7/``): "row_sums"'s kernels, and the programs' partial parameter gradients
-#   added up inside the backward kernel (``triton_tiles.finish_col_sums``): the last program of each group of
+#   added up inside the backward kernel (``triton.tiles.finish_col_sums``): the last program of each group of
 #   BWD_FINISH_GROUP to finish adds its group's rows up, the last group's finisher the groups' rows into the
 #   gradients (in the parameters' dtypes), in fixed groups and order (deterministic), with int32 counters per
 #   device and stream that the kernel sets back to zero (:func:`addnorm.ops.param_grads.counters`). It removes
@@ -203,7 +203,7 @@ def use_bwd_variant(variant: str) -> str:
     """Select the backward variant (``BWD_VARIANTS``) for the launches made from now on and return the
     previous one. Cached call plans hold launch specs, so a change makes every plan anew on its next call
     (:func:`addnorm.ops.policy.invalidate`); the launch specs of both variants stay cached side by side
-    (``triton_launch.bwd_spec`` keys them on the variant), so flipping back and forth between calls
+    (``triton.launchers.bwd_spec`` keys them on the variant), so flipping back and forth between calls
     (``benchmarks/bench_add_norm.py``) compiles and builds nothing twice. A graph torch.compile traced
     through the registered op (compile path "kernel") keeps the variant it was traced with."""
     global BWD_VARIANT
@@ -266,6 +266,6 @@ def bwd_grid(
 
 def clear_caches() -> None:
     """Forget the cached launch configurations (after changing a constant of this module; the launch
-    specs built from them too: :func:`addnorm.ops.triton_launch.clear_caches`)."""
+    specs built from them too: :func:`addnorm.ops.triton.launchers.clear_caches`)."""
     for cache in (fwd_config, bwd_config, _bwd_grid):
         cache.cache_clear()

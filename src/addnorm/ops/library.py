@@ -10,7 +10,7 @@ launches the Triton kernels itself (``wrap_triton``), with no Python per call; e
 ``custom_op``s running the torch path. Either way the autograd formula calls the backward op, which
 regenerates the dropout mask from the seed. The backend rule is :mod:`addnorm.ops.policy`'s. Eager
 calls on the Triton backend skip the op dispatch and run the same launchers through
-:class:`addnorm.ops.triton_eager.TritonAddNorm` (``addnorm.ops.functional`` decides).
+:class:`addnorm.ops.triton.eager.TritonAddNorm` (``addnorm.ops.functional`` decides).
 """
 
 from __future__ import annotations
@@ -41,18 +41,18 @@ def _on_triton(
 
 TRITON_OP = use_triton_op()
 if TRITON_OP:  # imported here, so that triton_op's analysis of the op bodies finds the kernels
-    from .triton_op_launch import add_norm_bwd_triton, add_norm_fwd_triton
+    from .triton.op_launchers import add_norm_bwd_triton, add_norm_fwd_triton
 else:  # imported on first use: only where the Triton backend runs (the CPU interpreter)
 
     def add_norm_fwd_triton(a: FwdArgs, *, traceable: bool = False) -> tuple[Tensor, ...]:
-        from . import triton_op_launch
+        from .triton import op_launchers
 
-        return triton_op_launch.add_norm_fwd_triton(a, traceable=traceable)
+        return op_launchers.add_norm_fwd_triton(a, traceable=traceable)
 
     def add_norm_bwd_triton(a: BwdArgs, *, traceable: bool = False) -> tuple[Tensor, ...]:
-        from . import triton_op_launch
+        from .triton import op_launchers
 
-        return triton_op_launch.add_norm_bwd_triton(a, traceable=traceable)
+        return op_launchers.add_norm_bwd_triton(a, traceable=traceable)
 
 
 def _fwd_body(a: FwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:

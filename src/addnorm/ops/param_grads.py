@@ -2,10 +2,10 @@
 several programs writes its rows' dweight / dbias / dgate as one row of fp32 partial sums, which are
 added up either after the kernel by torch (:func:`param_grads`, an aten sum per parameter) or, in the
 backward variant "kernel_sums" (``launch_config.BWD_VARIANTS``), inside the kernel by its last programs,
-which count their arrivals in :func:`counters` (``triton_tiles.finish_col_sums``).
+which count their arrivals in :func:`counters` (``triton.tiles.finish_col_sums``).
 
-Plain torch, no Triton: the Triton launchers (:mod:`addnorm.ops.triton_launch`,
-:mod:`addnorm.ops.triton_sharded`) share it.
+Plain torch, no Triton: the Triton launchers (:mod:`addnorm.ops.triton.launchers`,
+:mod:`addnorm.ops.triton.tp_launchers`) share it.
 """
 
 from __future__ import annotations

@@ -144,7 +144,7 @@ def resolve_backend(
             "the CPU with TRITON_INTERPRET=1 set before triton is imported; use backend='torch' or 'auto'"
         )
     if device.type == "cpu":
-        from .triton_kernels import kernels_are_interpreted
+        from .triton.kernels import kernels_are_interpreted
 
         if not kernels_are_interpreted():
             raise RuntimeError(

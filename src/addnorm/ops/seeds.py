@@ -6,7 +6,7 @@ per dropout call. torch's own fused dropout (``native_dropout``) launches none f
 passes the generator's (seed, offset) to its kernel by value and advances the offset. The seed here is
 drawn the same way: ``v = mix(initial_seed, offset)`` of the device's default CUDA generator, whose
 offset then advances by 4 (as one random op's would), handed to the kernels as a 64-bit integer
-argument (:func:`addnorm.ops.triton_tiles.keep_mask` reads a pointer or a value). So:
+argument (:func:`addnorm.ops.triton.tiles.keep_mask` reads a pointer or a value). So:
 
 - ``torch.manual_seed``/``torch.cuda.manual_seed`` make runs reproducible, and restoring the generator's
   state (``torch.cuda.set_rng_state``, activation checkpointing's recomputation) gives the same mask;

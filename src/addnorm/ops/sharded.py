@@ -459,14 +459,14 @@ class TensorParallelAddNorm(torch.autograd.Function):
     """The op on the local column shards of x and residual (..., n) of rows whose whole size is
     ``call.hidden``: a statistics pass, one collective (:func:`_combine`), a normalise pass; the
     backward: a row-sums pass, one all-reduce, the gradients. Torch ops, or the Triton kernels of
-    :mod:`addnorm.ops.triton_sharded` where ``call.triton``. Returns (y, s) of x's local shape."""
+    :mod:`addnorm.ops.triton.tp_launchers` where ``call.triton``. Returns (y, s) of x's local shape."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, bias, gate, seed, rows, call: TPCall):
         shape, n = x.shape, call.n
         nrows = math.prod(shape[:-1])  # reshaped with the row count: a rank may hold no columns
         if call.triton:
-            from . import triton_sharded as impl
+            from .triton import tp_launchers as impl
 
         failure = None
         try:  # this rank's part before the collective: a failure joins it (_exchange), then raises
@@ -504,7 +504,7 @@ class TensorParallelAddNorm(torch.autograd.Function):
         ds = None if ds is None else ds.reshape(nrows, n)
         x2 = None if x is None else x.reshape(nrows, n)
         if call.triton:
-            from . import triton_sharded as impl
+            from .triton import tp_launchers as impl
 
         failure = None
         try:  # as in forward: a failure joins the collective, then raises

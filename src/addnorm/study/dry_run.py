@@ -24,7 +24,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from .budget import POOL_START_S, Budget, Estimator, fmt_time, report_reserve, window
+from .cost_model import POOL_START_S, Budget, Estimator, fmt_time, report_reserve, window
 from .executors import max_nproc, plan_workers
 from .limits import check_eval, check_plan, estimate_memory, fmt_bytes
 from .packing import Packing, choose, memory_need, plan_windows

@@ -4,7 +4,7 @@
 A spec's structure (:data:`STRUCTURE`: ``name``, ``description``, ``base``, ``experiments`` and an
 experiment's ``set``, ``sweep``, ``variant``, ``rank``) is written here; the run keys (:data:`RUN_KEYS`,
 what ``base``, ``set`` and a sweep take) are generated from :class:`~addnorm.train.RunConfig` into
-``_run_keys.py`` (:func:`addnorm.study.spec.write_run_keys` rewrites it; a test checks it matches the
+``run_keys_generated.py`` (:func:`addnorm.study.spec.write_run_keys` rewrites it; a test checks it matches the
 code), so listing them needs no torch.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from ._run_keys import RUN_KEYS
+from .run_keys_generated import RUN_KEYS
 
 SPEC_KEYS = ("name", "description", "base", "experiments")
 EXPERIMENT_KEYS = ("set", "sweep", "description", "rank")
@@ -94,7 +94,7 @@ def text() -> str:
 
 
 def generated(rows: list[tuple[str, str, str]]) -> str:
-    """The source of ``_run_keys.py`` for ``rows`` (key, default as YAML, description)."""
+    """The source of ``run_keys_generated.py`` for ``rows`` (key, default as YAML, description)."""
     quote = lambda s: json.dumps(s, ensure_ascii=False)  # noqa: E731 - as ruff format writes a string
     body = "".join("    (\n" + "".join(f"        {quote(x)},\n" for x in row) + "    ),\n" for row in rows)
     return (

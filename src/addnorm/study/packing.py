@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..train import RunConfig
-from .budget import SCALED_MARGIN, Estimator, window
+from .cost_model import SCALED_MARGIN, Estimator, window
 from .limits import CUDA_CONTEXT_BYTES, estimate_memory, fmt_bytes
 from .spec import PlannedRun
 

@@ -15,7 +15,7 @@ from rich.table import Column
 from rich.text import Text
 
 from ..train import RunResult
-from .budget import EVAL_BATCH_COST, estimate_seconds, fmt_time, run_work
+from .cost_model import EVAL_BATCH_COST, estimate_seconds, fmt_time, run_work
 from .spec import PlannedRun
 
 

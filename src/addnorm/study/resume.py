@@ -23,7 +23,7 @@ from pathlib import Path
 
 from .. import __version__
 from ..train.config import LATER_KEYS
-from .budget import Timing
+from .cost_model import Timing
 from .spec import ResolvedPlan
 
 

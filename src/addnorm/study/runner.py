@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 from ..train import FAILED, RunResult
-from .budget import (
+from .cost_model import (
     POOL_START_S,
     Budget,
     BudgetTooSmall,

@@ -433,9 +433,9 @@ def spec_keys() -> list[tuple[str, str, str]]:
 
 
 def write_run_keys() -> Path:
-    """Regenerate ``study/_run_keys.py`` (the run keys ``addnorm study --keys`` lists without torch) from
-    :func:`spec_keys`; returns its path."""
-    path = Path(__file__).with_name("_run_keys.py")
+    """Regenerate ``study/run_keys_generated.py`` (generated code: the run keys that ``study --keys``
+    lists without torch) from :func:`spec_keys`; returns its path."""
+    path = Path(__file__).with_name("run_keys_generated.py")
     path.write_text(generated(spec_keys()))
     return path
 

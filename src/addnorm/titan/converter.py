@@ -43,7 +43,7 @@ from torchtitan.models.llama3.model import Llama3Model, Llama3TransformerBlock  
 from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock  # noqa: E402
 from torchtitan.protocols.model import ModelConfigConverter  # noqa: E402
 
-from ..addnorm import check_bool  # noqa: E402
+from ..connection import check_bool  # noqa: E402
 from ..placement_spec import WeightInit  # noqa: E402
 from ..placements import Placement  # noqa: E402
 from .families import FAMILIES, SLOT_NAMES, SUBLAYERS  # noqa: E402

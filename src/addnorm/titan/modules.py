@@ -44,7 +44,7 @@ from torchtitan.models.qwen3.model import Qwen3Model, Qwen3TransformerBlock  # n
 from torchtitan.protocols.module import Module  # noqa: E402
 from torchtitan.protocols.sharding import ShardingConfig  # noqa: E402
 
-from ..addnorm import AddNorm, ConnectionRole  # noqa: E402
+from ..connection import AddNorm, ConnectionRole  # noqa: E402
 from ..model.stream import Connection, Stream  # noqa: E402
 from ..norms import RMSNorm as OpRMSNorm  # noqa: E402
 from ..placement_spec import Depth, connection_spec  # noqa: E402

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..addnorm import AddNorm
+from ..connection import AddNorm
 from ..placement_spec import Lifecycle
 from ..probe import Probe
 from ..tasks import build_task

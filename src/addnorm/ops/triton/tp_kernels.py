@@ -1,5 +1,5 @@
 """Triton kernels of the tensor-parallel Add & Norm (:class:`addnorm.ops.sharded.TensorParallelAddNorm`,
-launched by :mod:`addnorm.ops.triton_sharded`): each rank holds ``n`` of the ``hidden`` columns of
+launched by :mod:`addnorm.ops.triton.tp_launchers`): each rank holds ``n`` of the ``hidden`` columns of
 every row, so a row's statistics need every rank's columns. Four passes over (rows, n) tiles, column
 chunks for wide rows, the collectives between them in ``sharded``::
 
@@ -13,7 +13,7 @@ chunks for wide rows, the collectives between them in ``sharded``::
 
 The dropout mask hashes the global coordinates (row ids where the rows are a shard too, columns from
 ``col0``), so it is the whole tensor's mask (:func:`addnorm.ops.reference.dropout_keep_mask`). The
-tile helpers are the single-device kernels' (:mod:`addnorm.ops.triton_tiles`).
+tile helpers are the single-device kernels' (:mod:`addnorm.ops.triton.tiles`).
 
 This module imports triton at import time: import it lazily (only ``ops/triton*`` modules do).
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_tiles import (
+from .tiles import (
     col_tile,
     hash_rows,
     input_grads,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import typer
 
-from . import __version__
-from .cli_errors import LIBRARY_ERRORS, fail, handle_errors
-from .cli_lazy import LazyGroup
+from .. import __version__
+from .errors import LIBRARY_ERRORS, fail, handle_errors
+from .lazy import LazyGroup
 
 # Nothing above imports torch: `addnorm --help`, `--version` and `study --list/--show/--keys` answer
 # without it (see cli_lazy); each command imports what it uses.
@@ -97,8 +97,8 @@ def first_sentence(doc: str | None) -> str:
 @handle_errors
 def list_command() -> None:
     """Print every placement and norm with its formula and citation."""
-    from .norms import NORMS
-    from .placements import PLACEMENTS
+    from ..norms import NORMS
+    from ..placements import PLACEMENTS
 
     typer.echo("Placements (x = input, F = sublayer, N = norm, D = dropout):")
     width = max(len(name) for name in PLACEMENTS)
@@ -121,7 +121,7 @@ def explain(
     eps: float = typer.Option(1e-5, "--eps", help="LayerNorm's epsilon."),
 ) -> None:
     """Work through one Post-LN Add & Norm, y = LayerNorm(x + F(x)), step by step."""
-    from .explain import explain_add_norm
+    from ..explain import explain_add_norm
 
     xs, fxs = _floats(x, "--x"), _floats(fx, "--fx")
     if len(xs) != len(fxs):
@@ -174,10 +174,10 @@ def ffn_grad_norms_at_init(
     """
     import torch
 
-    from .model import TransformerConfig
-    from .probe import Probe
-    from .study.findings import ffn_grad_profile
-    from .tasks import build_task
+    from ..model import TransformerConfig
+    from ..probe import Probe
+    from ..study.findings import ffn_grad_profile
+    from ..tasks import build_task
 
     for name, value in (("layers", n_layers), ("seq", seq), ("batch", batch), ("repeats", repeats)):
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -213,7 +213,7 @@ def ffn_grad_norms_at_init(
 
 def verdict(ratio: float) -> str:
     """Words for a last-layer / first-layer gradient-norm ratio (the study's :func:`trend`)."""
-    from .study.findings import TREND_WORDS, trend
+    from ..study.findings import TREND_WORDS, trend
 
     return TREND_WORDS[trend(ratio)]
 
@@ -274,9 +274,9 @@ def inspect(
     """FFN weight-gradient norm per layer at initialisation, per placement (Xiong et al. 2020)."""
     import torch
 
-    from .placements import PLACEMENTS
-    from .study.findings import GROWTH
-    from .tasks import build_task
+    from ..placements import PLACEMENTS
+    from ..study.findings import GROWTH
+    from ..tasks import build_task
 
     names = [PLACEMENTS.resolve(p) for p in placements.split(",") if p.strip()]
     if not names:
@@ -353,9 +353,9 @@ def _inspect_hf(
 ) -> None:
     """``inspect --hf``: the per-layer table and plot of :mod:`addnorm.hf.inspect` (``norm``: the norm of
     the re-placed models; None: the model's own)."""
-    from .hf import inspect as hf_inspect
-    from .hf.architectures import ARCHITECTURES
-    from .norms import NORMS
+    from ..hf import inspect as hf_inspect
+    from ..hf.architectures import ARCHITECTURES
+    from ..norms import NORMS
 
     model_type = ARCHITECTURES.resolve(model_type)
     for name, value in sizes.items():
@@ -388,7 +388,7 @@ def main() -> None:
         sys.exit(2)
 
 
-# The study commands (``study``, ``report``, ``export``, ``compare``, in addnorm.study.cli) are added by
+# The study commands (``study``, ``report``, ``export``, ``compare``, in addnorm.cli.study) are added by
 # LazyGroup when one of them runs.
 
 if __name__ == "__main__":

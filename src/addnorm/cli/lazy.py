@@ -2,7 +2,7 @@
 ``study --list``, ``study --show PRESET`` and ``study --keys [--markdown]`` answer without importing
 torch (``benchmarks/cli_startup.py`` times them against ``import torch``).
 
-- The study commands (``study``, ``report``, ``export``, ``compare``: :mod:`addnorm.study.cli`, which
+- The study commands (``study``, ``report``, ``export``, ``compare``: :mod:`addnorm.cli.study`, which
   imports torch) are registered when one of them runs; until then the group holds placeholders whose
   help is the commands' docstrings, read from that module's source without importing it.
 - ``study`` given only ``--list``, ``--show PRESET`` (a shipped preset) or ``--keys [--markdown]`` is
@@ -29,7 +29,7 @@ STUDY_COMMANDS = (
     "report",
     "export",
     "compare",
-)  # what addnorm.study.cli.register adds (its function names)
+)  # what addnorm.cli.study.register adds (its function names)
 _PACKAGE = resources.files("addnorm")
 _PRESETS = _PACKAGE / "study" / "presets"
 
@@ -81,7 +81,7 @@ class LazyGroup(TyperGroup):
 
     def __init__(self, **attrs) -> None:
         super().__init__(**attrs)
-        docs = _docstrings((_PACKAGE / "study" / "cli.py").read_text(), STUDY_COMMANDS)
+        docs = _docstrings((_PACKAGE / "cli" / "study.py").read_text(), STUDY_COMMANDS)
         for name in STUDY_COMMANDS:
             self.commands.setdefault(
                 name, _Placeholder(name, help=docs.get(name), rich_markup_mode=self.rich_markup_mode)
@@ -102,10 +102,10 @@ class LazyGroup(TyperGroup):
 
 
 def study_commands(rich_markup_mode=None) -> dict[str, typer.core.TyperCommand]:
-    """The study commands as :mod:`addnorm.study.cli` registers them (imports torch)."""
+    """The study commands as :mod:`addnorm.cli.study` registers them (imports torch)."""
     from typer.main import get_command_from_info
 
-    from .study.cli import register
+    from .study import register
 
     app = typer.Typer()
     register(app)
@@ -126,6 +126,6 @@ def run_study_command(args: list[str]) -> str:
 
 def spec_keys(kind: str) -> str:
     """``study --keys`` (``text``) or ``study --keys --markdown`` (``markdown``), without torch."""
-    from .study import keys
+    from ..study import keys
 
     return keys.markdown() if kind == "markdown" else keys.text()

@@ -1,6 +1,6 @@
 """The fused kernels' tile helpers: the ``@triton.jit`` device functions that the single-device
-kernels (:mod:`addnorm.ops.triton_kernels`) and the tensor-parallel ones
-(:mod:`addnorm.ops.triton_tp_kernels`) share, each rule of the op written once on a tile of
+kernels (:mod:`addnorm.ops.triton.kernels`) and the tensor-parallel ones
+(:mod:`addnorm.ops.triton.tp_kernels`) share, each rule of the op written once on a tile of
 ``[BLOCK_M, BLOCK_N]`` (rows x columns)::
 
     s = alpha * r + g * dropout(x)   (rounded to s's dtype)            stream_tile, chunk_stream
@@ -29,7 +29,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .reference import HASH_COL, HASH_M1, HASH_M2, HASH_ROW
+from ..reference import HASH_COL, HASH_M1, HASH_M2, HASH_ROW
 
 # Triton kernels read module globals only as constexpr
 _M1 = tl.constexpr(HASH_M1)

@@ -1,13 +1,13 @@
 """The fused kernels' launches: what a call's options fix, decided once per option set (the launch
 specs :class:`FwdSpec` / :class:`BwdSpec`: grid, column chunks, the kernels' trailing arguments and
 constexprs, launch options), and the launchers made for each spec, which allocate a call's outputs
-and launch :mod:`addnorm.ops.triton_kernels`' kernels with the configuration
+and launch :mod:`addnorm.ops.triton.kernels`' kernels with the configuration
 :mod:`addnorm.ops.launch_config` gives the hidden size.
 
-The eager path (:mod:`addnorm.ops.triton_eager`) calls a spec's launcher directly; the registered
-op's body calls :mod:`addnorm.ops.triton_op_launch`'s (through ``wrap_triton`` where it may be traced,
+The eager path (:mod:`addnorm.ops.triton.eager`) calls a spec's launcher directly; the registered
+op's body calls :mod:`addnorm.ops.triton.op_launchers`'s (through ``wrap_triton`` where it may be traced,
 so torch.compile launches the kernels itself). The tensor-parallel launchers
-(:mod:`addnorm.ops.triton_sharded`) share :func:`as_rows`, :func:`dropout_args` and :data:`S_CODES`
+(:mod:`addnorm.ops.triton.tp_launchers`) share :func:`as_rows`, :func:`dropout_args` and :data:`S_CODES`
 (and :mod:`addnorm.ops.param_grads`).
 
 This module imports triton at import time: import it lazily (only ``ops/triton*`` modules do).
@@ -24,13 +24,13 @@ import torch
 from torch import Tensor
 from triton.runtime.jit import JITFunction
 
-from . import launch_config as lc
-from .args import XHAT_FROM_Y, bwd_plan
-from .param_grads import counters, param_grads
-from .reference import dropout_threshold
-from .triton_direct import SUPPORTED as DIRECT
-from .triton_direct import DirectLaunch, defaults_of, int_kind
-from .triton_kernels import bwd_kernel, bwd_sums_kernel, fwd_kernel, kernels_are_interpreted
+from .. import launch_config as lc
+from ..args import XHAT_FROM_Y, bwd_plan
+from ..param_grads import counters, param_grads
+from ..reference import dropout_threshold
+from .direct_launch import SUPPORTED as DIRECT
+from .direct_launch import DirectLaunch, defaults_of, int_kind
+from .kernels import bwd_kernel, bwd_sums_kernel, fwd_kernel, kernels_are_interpreted
 
 __all__ = [
     "S_CODES",
@@ -50,7 +50,7 @@ __all__ = [
     "launch_fwd",
 ]
 
-# the stream's dtype as the kernels' S_CODE constexpr (the rounding of s, ``triton_tiles.round_to``)
+# the stream's dtype as the kernels' S_CODE constexpr (the rounding of s, ``triton.tiles.round_to``)
 S_CODES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 
@@ -318,7 +318,7 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
     """The forward's launcher for ``sp``: ``launch(ctx, x, residual, weight, bias, gate=None, seed=None,
     kernel=None, row_ids=None)``. With ``ctx`` None (:func:`launch_fwd`, the spec's own ``launch``):
     (y, s or None, mean or None, rstd or None). With an autograd context it is the eager path's
-    ``autograd.Function.forward`` itself (:mod:`addnorm.ops.triton_eager` makes one per launch, one frame
+    ``autograd.Function.forward`` itself (:mod:`addnorm.ops.triton.eager` makes one per launch, one frame
     fewer per call), ``keep`` saying what the backward needs: (x, residual, y (else s), prenorm). It sets
     ``ctx.to_save`` to (x or None, residual or None, weight, bias, gate, seed, y or s, the statistics)
     and returns y, or with ``prenorm`` (y, s) and no zero-filled gradient for an unused output."""

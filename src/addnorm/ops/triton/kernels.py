@@ -1,5 +1,5 @@
 """The fused Add & Norm's Triton kernels (CUDA, or the CPU interpreter): the forward and the backward
-of one device, built from the tile helpers of :mod:`addnorm.ops.triton_tiles`.
+of one device, built from the tile helpers of :mod:`addnorm.ops.triton.tiles`.
 
 Forward, per tile of ``BLOCK_M`` rows x ``BLOCK_N`` columns (rows of at most ``BLOCK_N`` columns: one
 pass, the row in registers; wider rows in column chunks, two passes)::
@@ -42,7 +42,7 @@ gradients' tile: s and dx share it), twice where s is recomputed from x and resi
 needs s too).
 
 Which configuration a launch uses is :mod:`addnorm.ops.launch_config`'s; the launches themselves are
-:mod:`addnorm.ops.triton_launch`'s. The kernels keep the names they have in profiler traces and in
+:mod:`addnorm.ops.triton.launchers`'s. The kernels keep the names they have in profiler traces and in
 ``torch.library.triton_op``'s kernel list (``_add_norm_fwd_kernel``, ``_add_norm_bwd_kernel``,
 ``_add_norm_bwd_sums_kernel``); the other modules use the public names :data:`fwd_kernel`,
 :data:`bwd_kernel` and :data:`bwd_sums_kernel`.
@@ -55,7 +55,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .triton_tiles import (
+from .tiles import (
     chunk_stream,
     col_tile,
     finish_col_sums,

@@ -1,7 +1,7 @@
 """The tensor-parallel Add & Norm's launchers (:class:`addnorm.ops.sharded.TensorParallelAddNorm` on
-the Triton backend): the four passes of :mod:`addnorm.ops.triton_tp_kernels` on 2-D (rows, n) local
+the Triton backend): the four passes of :mod:`addnorm.ops.triton.tp_kernels` on 2-D (rows, n) local
 column shards, with the launch configurations of :mod:`addnorm.ops.launch_config` and the launch
-helpers of :mod:`addnorm.ops.triton_launch`; the collectives between the passes are ``sharded``'s.
+helpers of :mod:`addnorm.ops.triton.launchers`; the collectives between the passes are ``sharded``'s.
 ``call`` is a :class:`addnorm.ops.sharded.TPCall`.
 
 This module imports triton at import time: import it lazily (``sharded`` does).
@@ -13,11 +13,11 @@ import torch
 import triton
 from torch import Tensor
 
-from . import launch_config as lc
-from .args import gate_code
-from .param_grads import param_grads
-from .triton_launch import S_CODES, as_rows, dropout_args
-from .triton_tp_kernels import tp_bwd_kernel, tp_norm_kernel, tp_stats_kernel, tp_sums_kernel
+from .. import launch_config as lc
+from ..args import gate_code
+from ..param_grads import param_grads
+from .launchers import S_CODES, as_rows, dropout_args
+from .tp_kernels import tp_bwd_kernel, tp_norm_kernel, tp_stats_kernel, tp_sums_kernel
 
 __all__ = ["grads", "normalise", "stats", "sums"]
 

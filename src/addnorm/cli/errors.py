@@ -1,5 +1,5 @@
 """One rule for every command line entry point: an error becomes one ``error: ...`` line on stderr and
-its own exit code, never a traceback. Shared by ``addnorm.cli`` and ``addnorm.study.cli``.
+its own exit code, never a traceback. Shared by ``addnorm.cli`` and ``addnorm.cli.study``.
 
 Exit codes: 1 a run of the study failed (the study command's own), 2 bad input (a library
 ValueError/TypeError/KeyError), 3 the study folder is in use by another process (an error carrying

@@ -18,19 +18,18 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..cli_errors import handle_errors
 from ..commit import COMMIT_ENV
-from .budget import Budget, fmt_time
-from .dry_run import print_plan
-from .executors import Executor
-from .export import write_csv
-from .findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
-from .keys import markdown as keys_markdown
-from .keys import text as keys_text
-from .lock import folder_lock
-from .report import build_report
-from .runner import prepare, run_study
-from .spec import (
+from ..study.cost_model import Budget, fmt_time
+from ..study.dry_run import print_plan
+from ..study.executors import Executor
+from ..study.export import write_csv
+from ..study.findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
+from ..study.keys import markdown as keys_markdown
+from ..study.keys import text as keys_text
+from ..study.lock import folder_lock
+from ..study.report import build_report
+from ..study.runner import prepare, run_study
+from ..study.spec import (
     OVERRIDE_HELP,
     SMOKE_HELP,
     distributed_override,
@@ -38,8 +37,9 @@ from .spec import (
     preset_names,
     preset_text,
 )
-from .store import Store, write_atomic
-from .trackers import TRACKERS, make_trackers
+from ..study.store import Store, write_atomic
+from ..study.trackers import TRACKERS, make_trackers
+from .errors import handle_errors
 
 DEFAULT_OUT = Path("addnorm-out")
 VERDICT_STYLE = {SUPPORTED: "green", NOT_SUPPORTED: "red", INCONCLUSIVE: "yellow"}
@@ -254,7 +254,7 @@ def study(
     folder = out or DEFAULT_OUT / plan.name
     runner: Executor | None = None
     if executor == "ray":
-        from .ray_executor import RayExecutor
+        from ..study.ray_executor import RayExecutor
 
         if cpus_per_run is not None and cpus_per_run < 1:
             raise ValueError(f"--cpus-per-run: expected a whole number >= 1, got {cpus_per_run}")
@@ -357,7 +357,7 @@ def compare(
     """Compare studies as Markdown: each ranked setting's table (letter groups, splits and their seeds),
     each study's verdicts, every placement's rank in every setting side by side, and Spearman's rank
     correlation between every pair of settings (nothing is retrained or written to the studies)."""
-    from .compare import read, render
+    from ..study.compare import read, render
 
     text = render([read(folder, mix_devices) for folder in folders])
     if to is None:

@@ -10,15 +10,15 @@ contract and gradients as the registered op ``addnorm::add_norm_fwd``, without i
 schema's sixteen arguments or separate mean/rstd outputs (the statistics stay in one buffer, or
 where the backward has s, nowhere: it recomputes them).
 
-This module imports triton (through ``triton_launch``): import it lazily.
+This module imports triton (through ``triton.launchers``): import it lazily.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .args import XHAT_FROM_Y, bwd_plan
-from .triton_launch import bwd_spec, fwd_launcher, fwd_spec
+from ..args import XHAT_FROM_Y, bwd_plan
+from .launchers import bwd_spec, fwd_launcher, fwd_spec
 
 __all__ = ["EagerLaunch", "TritonAddNorm"]
 
@@ -58,7 +58,7 @@ class TritonAddNorm(torch.autograd.Function):
     its own (:func:`_function_for`) whose ``forward``/``backward`` hold the launch's specs and choices
     as constants: ``apply`` then takes only the tensors (each argument costs ``apply`` time) and the
     call looks nothing up. The ``forward`` is the forward spec's launcher itself
-    (:func:`~addnorm.ops.triton_launch.fwd_launcher`, told what the backward keeps: it saves
+    (:func:`~addnorm.ops.triton.launchers.fwd_launcher`, told what the backward keeps: it saves
     (x, residual, weight, bias, gate, seed, y or s, the statistics), x and residual None where not
     kept), so a call runs one Python frame of ours inside ``apply``. The old-style ``forward(ctx,
     ...)``: a ``setup_context`` method would make ``apply`` inspect the signature on every call."""

@@ -1,6 +1,6 @@
 """The registered op's launchers: its bodies' :class:`~addnorm.ops.args.FwdArgs` /
 :class:`~addnorm.ops.args.BwdArgs` on (..., hidden) tensors to the launch specs of
-:mod:`addnorm.ops.triton_launch`, the kernels through ``wrap_triton`` where the call may be traced (the
+:mod:`addnorm.ops.triton.launchers`, the kernels through ``wrap_triton`` where the call may be traced (the
 registered op's body: torch.compile then launches them itself, compile path "kernel").
 
 This module imports triton at import time: import it lazily (only ``ops/triton*`` modules and the
@@ -13,8 +13,8 @@ import torch
 from torch import Tensor
 from torch.library import wrap_triton
 
-from .args import XHAT_FROM_XR, BwdArgs, FwdArgs, gate_code, interpreting
-from .triton_launch import bwd_kernel, bwd_spec, bwd_sums_kernel, fwd_kernel, fwd_spec, launch_bwd, launch_fwd
+from ..args import XHAT_FROM_XR, BwdArgs, FwdArgs, gate_code, interpreting
+from .launchers import bwd_kernel, bwd_spec, bwd_sums_kernel, fwd_kernel, fwd_spec, launch_bwd, launch_fwd
 
 _F32 = torch.float32
 
