@@ -32,30 +32,30 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks tools
+	$(VENV)/bin/ruff format --check src tests benchmarks tools
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format src tests benchmarks
-	$(VENV)/bin/ruff check --fix src tests benchmarks
+	$(VENV)/bin/ruff format src tests benchmarks tools
+	$(VENV)/bin/ruff check --fix src tests benchmarks tools
 
 bench: $(STAMP)
-	$(PY) benchmarks/bench_encoder_layer.py
+	$(PY) -m benchmarks.step.encoder_layer
 
 # Everything the GPU measures, in one device call of at most 8 minutes, on a bare device image (torch
 # and Triton preinstalled, no venv): GPU tests, op table, host time, LM and HF steps, each step with its
-# own budget; tables named by device in $OUT when set, else benchmarks/results/.
+# own budget; tables named by device in $OUT when set, else benchmarks/results/<device>/<date>-<commit>/.
 # GPU_BENCH_ARGS="--commit $(git rev-parse --short HEAD)" names the code that ran when the device's copy
 # of the tree has no .git; --dry-run prints the plan and its budgets; --only STEP reruns one step;
-# "--budget 570 --study gpu-literature benchmarks/results/study_gpu_literature" then resumes that GPU
+# "--budget 570 --study gpu-literature benchmarks/results/h200/study-gpu-literature" then resumes that GPU
 # study with the time left, its folder returned as one .tar.
 gpu-bench:
-	PYTHONPATH=src $(PYTHON) benchmarks/gpu_suite.py $(GPU_BENCH_ARGS)
+	PYTHONPATH=src $(PYTHON) -m benchmarks.device.gpu_suite $(GPU_BENCH_ARGS)
 
 # The README's report screenshots (docs/report-*.png), rebuilt from the quick, literature and llama studies'
 # reports under addnorm-out/ (run those studies first); needs chromium (apt-get install chromium).
 report-screenshots: $(STAMP)
-	$(PY) benchmarks/report_screenshot.py --docs addnorm-out
+	$(PY) -m tools.report_screenshot --docs addnorm-out
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

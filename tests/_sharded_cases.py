@@ -5,7 +5,6 @@ checked against, and a spawn's result by name."""
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
 
 import torch
 
@@ -15,7 +14,6 @@ from addnorm.ops.args import interpreting
 WORLD = 2
 SHAPE = (2, 5, 9)  # Shard(1) and Shard(-1) split unevenly over 2 ranks (3 + 2 rows, 5 + 4 columns)
 TOL = {"atol": 2e-5, "rtol": 2e-5}
-BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
 def _triton_interpreted() -> bool:

@@ -1,4 +1,5 @@
 import contextlib
+import importlib
 import os
 import sys
 import warnings
@@ -18,10 +19,6 @@ torch._functorch.config.enable_autograd_cache = False
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
     os.environ["OMP_NUM_THREADS"] = "1"
-
-# The benchmarks' helpers (procs.py: spawned ranks, /proc) are the tests' too.
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCHMARKS))
 
 
 def pytest_addoption(parser):
@@ -62,13 +59,14 @@ def _seed():
 
 
 @pytest.fixture
-def bench_module(monkeypatch):
-    """``load(name)``: a fresh import of ``benchmarks/<name>.py`` (scripts, not a package)."""
-    monkeypatch.syspath_prepend(str(BENCHMARKS))
+def bench_module():
+    """``load(name)``: a fresh import of the module ``name`` (``"benchmarks.step.lm_step"``; the repository
+    root is on the tests' path: ``pythonpath`` in pyproject.toml), so that a test's changes to one copy's
+    globals reach no other test."""
 
     def load(name):
         sys.modules.pop(name, None)
-        return __import__(name)
+        return importlib.import_module(name)
 
     return load
 

@@ -1,6 +1,6 @@
-"""``make gpu-bench``'s suite (``gpu_suite.py``): its plan fits one device call and passes only flags its
-scripts take, a step past its budget leaves a line and the next one runs, tables are named by device and
-bundled, and a step's trace is copied as it is."""
+"""``make gpu-bench``'s suite (``benchmarks/device/gpu_suite.py``): its plan fits one device call and passes
+only flags its scripts take, a step past its budget leaves a line and the next one runs, tables are named by
+device and bundled, and a step's trace is copied as it is."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     keeps the steps named."""
     import subprocess
 
-    suite = bench_module("gpu_suite")
+    suite = bench_module("benchmarks.device.gpu_suite")
     marked = set(_gpu_marked_files(suite.ROOT))  # pytest's own -m gpu selection, before processes stop
 
     def no_process(*args, **kwargs):
@@ -48,9 +48,11 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     assert steps[0].argv[steps[0].argv.index("--failures-to") + 1] == suite.OUT_TOKEN
     assert "--gpu" in hf and "--profile" in hf and "gpu-bound" in hf and "--diagnose" in hf
     assert {"hf", "lm", "lm-llama"} <= set(trace)  # both LMs: the RMSNorm one lost at 81f67f7
+    root = Path(suite.ROOT)
     for s in steps[1:]:
-        source = Path(s.argv[1]).read_text()
-        flags = [a for a in s.argv[2:] if a.startswith("--")]
+        assert s.argv[1] == "-m" and s.argv[2].startswith("benchmarks."), s.argv  # run from the root
+        source = (root / (s.argv[2].replace(".", "/") + ".py")).read_text()
+        flags = [a for a in s.argv[3:] if a.startswith("--")]
         assert flags and all(f'"{f}"' in source or f == "--out" for f in flags), (s.name, flags)
         assert suite.OUT_TOKEN in s.argv  # each step writes into its own folder
     assert suite.main(["--dry-run", "--only", "ops", "hf_step"]) == 0
@@ -95,7 +97,7 @@ def test_gpu_suite_step_past_its_budget_leaves_a_line_and_the_next_step_runs(ben
     table (copied, named by device); the summary and the bundle hold them all, and --unpack writes them."""
     import sys
 
-    suite = bench_module("gpu_suite")
+    suite = bench_module("benchmarks.device.gpu_suite")
     py = sys.executable
     pid_file = tmp_path / "grandchild.pid"
     partial = (
@@ -146,12 +148,13 @@ def test_gpu_suite_step_past_its_budget_leaves_a_line_and_the_next_step_runs(ben
 
 
 def test_gpu_suite_writes_to_out_env_and_names_tables_by_device(bench_module, monkeypatch):
-    suite = bench_module("gpu_suite")
-    machine = bench_module("machine")
+    suite = bench_module("benchmarks.device.gpu_suite")
+    machine = bench_module("benchmarks.common.machine")
     monkeypatch.setenv("OUT", "/tmp/device-out")
     assert suite.default_out() == Path("/tmp/device-out")
     monkeypatch.delenv("OUT")
-    assert suite.default_out() == suite.RESULTS
+    recorded = suite.default_out("h200", "81f67f7aabbcc")
+    assert recorded.parent == suite.RESULTS / "h200" and recorded.name.endswith("-81f67f7")
     assert suite.table_name("host_overhead_cuda.json", "h200") == "host_overhead_h200.json"
     assert suite.table_name("hf_step_gpu.md", "h100") == "hf_step_h100.md"
     assert suite.table_name("lm_step_h100.md", "h100") == "lm_step_h100.md"
@@ -167,7 +170,7 @@ def test_gpu_suite_writes_to_out_env_and_names_tables_by_device(bench_module, mo
 def test_gpu_suite_copies_a_step_s_trace_as_it_is_and_bundles_its_tables(bench_module, tmp_path):
     """A step's Markdown goes to the output folder and into the bundle; its gzipped trace is copied byte
     for byte beside them and noted, never read as text into the bundle."""
-    suite = bench_module("gpu_suite")
+    suite = bench_module("benchmarks.device.gpu_suite")
     scratch, out = tmp_path / "scratch", tmp_path / "out"
     scratch.mkdir()
     out.mkdir()
@@ -226,7 +229,7 @@ def test_gpu_suite_then_the_study_resumes_a_copy_of_its_folder_and_returns_it_as
     import tarfile
     import time
 
-    suite = bench_module("gpu_suite")
+    suite = bench_module("benchmarks.device.gpu_suite")
     folder = tmp_path / "study_x"
     folder.mkdir()
     with sqlite3.connect(folder / "study.sqlite") as db:
@@ -285,7 +288,7 @@ def test_gpu_suite_skips_the_study_when_the_steps_leave_too_little_and_checks_it
     folder."""
     import time
 
-    suite = bench_module("gpu_suite")
+    suite = bench_module("benchmarks.device.gpu_suite")
     out = tmp_path / "out"
     report = suite.run_suite(
         [], out=out, slug="h200", report=_report(), env=dict(os.environ), budget=30, start=time.monotonic(),

@@ -1,7 +1,8 @@
 """The host-work benchmarks of issue 38 run end to end on the CPU: the trace reading
-(``benchmarks/trace_analysis.py``) against a trace whose answers are known by construction, the step
-trace (``bench_step_trace.py``) and the host-work proxy (``bench_step_host.py``) with the op's CUDA path
-on a faked Triton driver (``fake_launch.py``). The faked launches need Triton's real kernels, so those
+(``benchmarks/host/trace_analysis.py``) against a trace whose answers are known by construction, the step
+trace (``benchmarks/host/step_trace.py``) and the host-work proxy (``benchmarks/host/step_host.py``) with
+the op's CUDA path on a faked Triton driver
+(``benchmarks/host/fake_launch.py``). The faked launches need Triton's real kernels, so those
 run in a process of their own (the tests' process has the interpreter's)."""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
 
 
@@ -27,7 +28,7 @@ def test_trace_reading_finds_busy_time_gaps_launches_syncs_and_addnorm_time(benc
     """A step of 1000 us: kernels at [100, 300) and [250, 400) (busy 300 us, merged), [800, 900); the
     host launches twice, synchronises once (at 500-790, inside the 400-800 gap, under an addnorm frame
     at 450-795 whose own time is 345 - 290 = 55 us); a kernel outside the step is not counted."""
-    ta = bench_module("trace_analysis")
+    ta = bench_module("benchmarks.host.trace_analysis")
     events = [
         _x(ta.STEP_SCOPE, 0, 1000, "user_annotation"),
         _x("k1", 100, 200, "kernel", tid=7, pid=0),
@@ -71,7 +72,7 @@ def test_trace_self_times_leave_record_function_scopes_out_of_the_nesting(bench_
     no child of that builtin: the builtin keeps its 6 us and the frame around both its 100 us less its
     two Python children (the builtin, the frame inside the scope), where the scope, counted as the
     builtin's child, made the builtin's own time negative."""
-    ta = bench_module("trace_analysis")
+    ta = bench_module("benchmarks.host.trace_analysis")
     events = [
         _x("bench.py(1): step", 0, 100, "python_function"),
         _x("<built-in method _record_function_enter_new>", 10, 6, "python_function"),
@@ -87,11 +88,11 @@ def test_trace_self_times_leave_record_function_scopes_out_of_the_nesting(bench_
     }
 
 
-def _run(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def _run(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
-        [sys.executable, str(BENCH / script), *args], cwd=BENCH.parent, env=env, capture_output=True,
-        text=True, timeout=timeout,
+        [sys.executable, "-m", module, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=timeout,
     )  # fmt: skip
 
 
@@ -100,8 +101,8 @@ def test_step_trace_runs_on_the_cpu_and_writes_its_table_and_trace(tmp_path):
     """Plain and fused HF Llama and LM steps (both LMs) traced on the CPU (the fused ones on the op's CUDA
     path, launches faked): a row per run and variant, addnorm's own Python found in the fused runs' stacks
     (far more than in the plain ones), and one trace file holding every run side by side."""
-    out = _run("bench_step_trace.py", "--cpu", "--runs", "hf", "lm", "lm-llama", "--steps", "1", "--warmup",
-               "1", "--out", str(tmp_path))  # fmt: skip
+    out = _run("benchmarks.host.step_trace", "--cpu", "--runs", "hf", "lm", "lm-llama", "--steps", "1",
+               "--warmup", "1", "--out", str(tmp_path))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     rows = json.loads((tmp_path / "step_trace_cpu.json").read_text())["rows"]
     assert [(r["run"], r["variant"]) for r in rows] == [
@@ -139,8 +140,8 @@ def test_host_work_proxy_runs_the_gpu_path_with_its_launches_counted(tmp_path):
     """The proxy's fused steps launch the op's two kernels (forward, backward) per residual add: 4
     layers, 8 adds, each fused with the norm that next reads the stream (the last with the final
     norm; the HF model's first input norm runs unfused)."""
-    out = _run("bench_step_host.py", "--models", "hf", "lm-llama", "lm-gelu", "--layers", "4", "--reps", "2",
-               "--warmup", "1", "--rounds", "2", "--out", str(tmp_path))  # fmt: skip
+    out = _run("benchmarks.host.step_host", "--models", "hf", "lm-llama", "lm-gelu", "--layers", "4",
+               "--reps", "2", "--warmup", "1", "--rounds", "2", "--out", str(tmp_path))  # fmt: skip
     assert out.returncode == 0, out.stderr[-3000:]
     payload = json.loads((tmp_path / "step_host_cpu.json").read_text())
     rows = {r["model"]: r for r in payload["results"]}

@@ -12,7 +12,7 @@ import torch
 
 @pytest.fixture
 def timing(bench_module):
-    return bench_module("timing")
+    return bench_module("benchmarks.common.timing")
 
 
 def test_paired_speedup_is_the_median_of_the_rounds_ratios(timing):
@@ -108,7 +108,7 @@ def test_peak_apart_takes_away_what_the_other_models_hold(timing):
 def test_lm_row_pairs_its_columns_and_the_table_quotes_them(bench_module, tmp_path):
     """The LM step's rows carry the paired ratios of the columns the table compares, one ratio per timed
     round, and the targets read them."""
-    lm = bench_module("bench_lm_step")
+    lm = bench_module("benchmarks.step.lm_step")
     steps = 3
     lm.main(["--tiny", "--placements", "pre", "--modes", "eager", "--steps", str(steps), "--warmup", "1",
              "--out", str(tmp_path)])  # fmt: skip

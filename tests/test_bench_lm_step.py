@@ -1,6 +1,7 @@
-"""The LM step benchmark (``bench_lm_step.py``) runs on tiny shapes, warms each compiled cell in a process
-of its own and builds the models it says it does; its profile classification (``step_profile.py``)
-counts, per step, exactly the work that fusing the connections removes."""
+"""The LM step benchmark (``benchmarks/step/lm_step.py``) runs on tiny shapes, warms each compiled cell in a
+process of its own and builds the models it says it does; its profile classification
+(``benchmarks/step/removable_time.py``) counts, per step, exactly the work that fusing the connections
+removes."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 
 
 def test_lm_step_benchmark_runs_on_tiny_shapes(bench_module, tmp_path):
-    lm = bench_module("bench_lm_step")
+    lm = bench_module("benchmarks.step.lm_step")
     argv = ["--tiny", "--placements", "pre", "post", "--modes", "eager", "--steps", "1", "--warmup", "0"]
     lm.main([*argv, "--models", "gelu", "llama", "--out", str(tmp_path)])
     report = json.loads((tmp_path / "lm_step_cpu.json").read_text())
@@ -58,7 +59,7 @@ def test_lm_step_candidate_columns_step_with_their_candidate_in_force(
     torch; the other is timed eagerly only)."""
     import types
 
-    lm = bench_module("bench_lm_step")
+    lm = bench_module("benchmarks.step.lm_step")
     default = switch()
     cfg = lm.model_config(lm.TINY, model)
     args = types.SimpleNamespace(fp32=False)
@@ -82,7 +83,7 @@ def test_lm_step_compiled_rows_take_only_the_compiled_columns_asked_for(bench_mo
     dropped from the targets."""
     import types
 
-    lm = bench_module("bench_lm_step")
+    lm = bench_module("benchmarks.step.lm_step")
     args = types.SimpleNamespace(models=["gelu", "llama"], placements=["pre"], modes=["eager", "compile"],
                                  columns=["default", "fused=False", "fused"], compile_paths="both",
                                  compiled_columns=["fused=False", "fused"])  # fmt: skip
@@ -102,7 +103,8 @@ def test_lm_step_compiled_rows_take_only_the_compiled_columns_asked_for(bench_mo
         {"default", "fused=False", "fused"},
         {"fused=False", "fused"},
     ]
-    targets = {(t["mode"], t["target"]) for t in bench_module("lm_step_report").check_targets(report)}
+    tables = bench_module("benchmarks.step.lm_step_tables")
+    targets = {(t["mode"], t["target"]) for t in tables.check_targets(report)}
     assert ("compile", "fused / fused=False >= 1.0") in targets
     assert ("eager", "default / fused=False >= 0.98") in targets
     assert ("compile", "default / fused=False >= 0.98") not in targets
@@ -114,7 +116,7 @@ def test_lm_step_warm_compiles_each_compiled_cell_in_its_own_process(bench_modul
     compiles on the CPU)."""
     import subprocess
 
-    lm = bench_module("bench_lm_step")
+    lm = bench_module("benchmarks.step.lm_step")
     started = []
 
     class Done:
@@ -156,7 +158,7 @@ def test_lm_step_llama_model_is_rmsnorm_swiglu_without_dropout(bench_module):
     from addnorm.model.feedforward import FeedForward
     from addnorm.norms import RMSNorm
 
-    lm = bench_module("bench_lm_step")
+    lm = bench_module("benchmarks.step.lm_step")
     cfg = lm.model_config(lm.GPU, "llama")
     assert (cfg["d_ff"], cfg["dropout"], cfg["norm"], cfg["activation"]) == (2816, 0.0, "rmsnorm", "swiglu")
     model = lm.build_lm(lm.model_config(lm.TINY, "llama"), "pre", fused=False, device="cpu")
@@ -173,7 +175,7 @@ def test_lm_step_models_are_the_same_function(bench_module):
     outputs in eval (no dropout), and the nn.TransformerEncoder LM has as many parameters."""
     import torch
 
-    lm = bench_module("bench_lm_step")
+    lm = bench_module("benchmarks.step.lm_step")
     outs = []
     for fused in (None, False):
         torch.manual_seed(0)
@@ -189,7 +191,7 @@ def _tiny_profile(bench_module, fused, layers=2, dropout=0.1):
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    lm, sp = bench_module("bench_lm_step"), bench_module("step_profile")
+    lm, sp = bench_module("benchmarks.step.lm_step"), bench_module("benchmarks.step.removable_time")
     torch.manual_seed(0)
     cfg = {**lm.TINY, "n_layers": layers, "dropout": dropout, "seq": 16, "batch": 3}
     model = lm.build_lm(cfg, "pre", fused=fused, device="cpu")
@@ -246,7 +248,7 @@ def test_removable_time_on_cuda_counts_kernels_once_by_name_or_launching_op(benc
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
 
-    sp = bench_module("step_profile")
+    sp = bench_module("benchmarks.step.removable_time")
     shape = [2, 3, 4]
 
     def cpu(i, name, kernels, shapes=None, start=0):
@@ -299,4 +301,4 @@ def test_removable_time_on_cuda_counts_kernels_once_by_name_or_launching_op(benc
     ],
 )
 def test_inductor_kernels_are_classified_by_what_they_fuse(bench_module, name, cls):
-    assert bench_module("step_profile").inductor_kernel_class(name) == cls
+    assert bench_module("benchmarks.step.removable_time").inductor_kernel_class(name) == cls

@@ -16,7 +16,7 @@ from addnorm.ops.args import interpreting
 
 @pytest.fixture
 def bench(bench_module):
-    return bench_module("bench_add_norm")
+    return bench_module("benchmarks.op.add_norm")
 
 
 def test_add_norm_benchmark_runs_and_writes_its_tables(bench, tmp_path):
@@ -239,7 +239,7 @@ def test_add_norm_times_each_backward_variant_in_one_run(bench, tmp_path, monkey
 
 
 def test_host_overhead_benchmark_runs_and_files_runs_by_label(bench_module, tmp_path):
-    hb = bench_module("bench_host_overhead")
+    hb = bench_module("benchmarks.host.host_overhead")
     argv = ["--cpu", "--calls", "2", "--samples", "1", "--steps", "1", "--out", str(tmp_path)]
     hb.main([*argv, "--label", "before"])
     hb.main([*argv, "--label", "after"])
@@ -267,7 +267,7 @@ def test_host_overhead_stub_launch_times_the_triton_path_without_running_a_kerne
     from addnorm.ops.triton import launchers as k
 
     kernels = k.fwd_kernel, k.bwd_kernel
-    hb = bench_module("bench_host_overhead")
+    hb = bench_module("benchmarks.host.host_overhead")
     argv = ["--stub-launch", "--calls", "2", "--samples", "1"]
     hb.main([*argv, "--no-record", "--out", str(tmp_path)])
     assert not list(tmp_path.iterdir())  # --no-record (CI) writes nothing
@@ -298,7 +298,7 @@ def test_stubbed_launches_run_no_kernel_and_the_path_still_returns_its_outputs(b
 
     from addnorm.ops import add_norm
 
-    hb = bench_module("bench_host_overhead")
+    hb = bench_module("benchmarks.host.host_overhead")
     x, r = (torch.randn(2, 3, 16, requires_grad=True) for _ in range(2))
     w, b = torch.ones(16, requires_grad=True), torch.zeros(16, requires_grad=True)
     with hb.stubbed_launches():
@@ -309,7 +309,7 @@ def test_stubbed_launches_run_no_kernel_and_the_path_still_returns_its_outputs(b
 
 
 def test_commit_is_the_given_one_then_the_file_then_git(bench_module, monkeypatch, tmp_path):
-    rp = bench_module("results_path")
+    rp = bench_module("benchmarks.common.results_path")
     monkeypatch.setattr(rp, "COMMIT_FILE", tmp_path / ".commit")
     monkeypatch.setenv("ADDNORM_COMMIT", "abc1234")
     monkeypatch.setenv("ADDNORM_COMMIT_SOURCE", "--commit")
@@ -324,14 +324,19 @@ def test_commit_is_the_given_one_then_the_file_then_git(bench_module, monkeypatc
     assert rp.commit_info()[0] == "unknown"
 
 
-def test_results_go_to_scratch_unless_recorded(bench_module, tmp_path):
+def test_results_go_to_scratch_unless_recorded(bench_module, tmp_path, monkeypatch):
     import argparse
+    import datetime as dt
 
-    rp = bench_module("results_path")
+    rp = bench_module("benchmarks.common.results_path")
+    monkeypatch.setenv("ADDNORM_COMMIT", "564f000abcdef")
+    monkeypatch.setenv("ADDNORM_COMMIT_SOURCE", "--commit")
+    today = dt.date.today().isoformat()
+    recorded = rp.RESULTS / rp.machine_slug() / f"{today}-564f000"  # <device>/<date>-<commit>/
     ap = argparse.ArgumentParser()
     rp.add_out_argument(ap)
     assert ap.parse_args([]).out == rp.SCRATCH and not ap.parse_args([]).record
-    assert ap.parse_args(["--record"]).out == rp.RESULTS
+    assert ap.parse_args(["--record"]).out == recorded == rp.record_dir()
     assert ap.parse_args(["--record", "--out", str(tmp_path)]).out == tmp_path
     assert ap.parse_args(["--out", str(tmp_path), "--record"]).out == tmp_path
     assert rp.SCRATCH.relative_to(rp.RESULTS) == Path("scratch")
@@ -341,27 +346,32 @@ def test_results_go_to_scratch_unless_recorded(bench_module, tmp_path):
     rp.add_record_argument(plain)
     assert (
         rp.out_dir(plain.parse_args([])) == rp.SCRATCH
-        and rp.out_dir(plain.parse_args(["--record"])) == rp.RESULTS
+        and rp.out_dir(plain.parse_args(["--record"])) == recorded
     )
+    assert rp.window_name("564f000abcde+dirty", "2026-12-01") == "2026-12-01-564f000-dirty"
+    assert rp.window_name("unknown", "2026-12-01") == "2026-12-01-unknown"
+    assert rp.record_dir("h200", "7722722", "2026-11-28") == rp.RESULTS / "h200" / "2026-11-28-7722722"
 
 
 def test_every_benchmark_that_writes_results_defaults_to_scratch(bench_module):
-    """Issue 31: no benchmark overwrites benchmarks/results/ unless --record: each takes its folder
-    from results_path (no script names the results folder itself)."""
-    bench_dir = Path(bench_module("results_path").RESULTS).parent
-    for path in sorted(bench_dir.glob("*.py")):
+    """Issue 31: no benchmark (nor tool) overwrites benchmarks/results/ unless --record: each takes its
+    folder from results_path (no script names the results folder itself)."""
+    root = Path(bench_module("benchmarks.common.results_path").ROOT)
+    scripts = sorted([*(root / "benchmarks").rglob("*.py"), *(root / "tools").glob("*.py")])
+    assert len(scripts) > 30
+    for path in scripts:
         source = path.read_text()
         if (
             "write_results(" not in source
             and "write_text(" not in source
-            or path.name in ("machine.py", "gpu_suite.py")
+            or path.name in ("benchmarks/common/machine.py", "benchmarks/device/gpu_suite.py")
         ):
             continue
         assert '/ "results"' not in source, path.name
 
 
 def test_report_screenshot_cuts_the_report_to_its_title_and_one_section(bench_module):
-    cut = bench_module("report_screenshot").section_page
+    cut = bench_module("tools.report_screenshot").section_page
     report = (
         "<html><head><style>x</style></head><body><h1>t</h1><p>intro</p>"
         "<h2 id='findings'>F</h2>f<h2 id='ranking'>R</h2><table>r</table><h2 id='depth'>D</h2>d</body></html>"
@@ -378,7 +388,7 @@ def test_report_screenshot_cuts_the_report_to_its_title_and_one_section(bench_mo
 def test_host_overhead_lists_each_previous_variant_beside_the_default(bench_module):
     """A GPU run's rows carry the previous variants' times (idle launch hooks passed, randint seeds for
     the dropout case): the table lists each under its own heading, against the default's time."""
-    hb = bench_module("bench_host_overhead")
+    hb = bench_module("benchmarks.host.host_overhead")
     machine = {"device": "NVIDIA H200", "cpu": "x", "logical_cores": 16, "torch_threads": 1, "torch": "2",
                "python": "3", "date": "2026-11-28"}  # fmt: skip
     row = {"clock": "wall", "eager_us": 10.0, "ratio": 1.2, "target": 1.5, "met": True}
@@ -396,14 +406,14 @@ def test_host_overhead_lists_each_previous_variant_beside_the_default(bench_modu
 
 @pytest.mark.triton
 def test_launch_config_sweep_runs_each_candidate_rule_and_restores_the_library_s(bench_module, tmp_path):
-    """sweep_launch_config.py (a GPU tool; here on the CPU interpreter, --device cpu): every case times
-    every candidate rule, each installed while its calls run (the launch specs asked it), and the
+    """benchmarks/op/sweep_launch_config.py (a GPU tool; here on the CPU interpreter, --device cpu): every
+    case times every candidate rule, each installed while its calls run (the launch specs asked it), and the
     library's own rules are back afterwards."""
     if importlib.util.find_spec("triton") is None or not interpreting():
         pytest.skip("needs triton and TRITON_INTERPRET=1")
     from addnorm.ops import launch_config
 
-    sweep = bench_module("sweep_launch_config")
+    sweep = bench_module("benchmarks.op.sweep_launch_config")
     asked = []
 
     def recording(key, fn):

@@ -16,8 +16,9 @@ import warnings
 
 import pytest
 import torch
-from procs import run_spawned  # benchmarks/procs.py
 from torch import nn
+
+from tools.procs import run_spawned
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
 

@@ -133,8 +133,8 @@ def test_import_addnorm_waits_at_exit_for_a_worker_still_releasing(tmp_path):
 
 
 def test_the_program_of_the_docs_is_the_benchmarks():
-    """docs/gloo-exit-abort.md shows the plain-torch program that benchmarks/readme_torchrun.py runs."""
-    from doc_blocks import ALL  # benchmarks/doc_blocks.py
+    """docs/gloo-exit-abort.md shows the plain-torch program that benchmarks/study/readme_torchrun.py runs."""
+    from tools.doc_blocks import ALL
 
     shown = [b.code for b in ALL if b.where.startswith("docs/gloo-exit-abort.md") and b.kind == "python"]
-    assert shown == [(ROOT / "benchmarks" / "gloo_exit_repro.py").read_text()]
+    assert shown == [(ROOT / "tools" / "tools/gloo_exit_repro.py").read_text()]

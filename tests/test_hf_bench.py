@@ -1,4 +1,4 @@
-"""benchmarks/bench_hf_step.py runs end to end on a tiny Llama on the CPU, and its GPU table (tokens/s and
+"""benchmarks/step/hf_step.py runs end to end on a tiny Llama on the CPU, and its GPU table (tokens/s and
 peak memory of plain, fused and Liger) reads the rows a GPU session produces; its rows step the variants
 in alternation and leave transformers as they found it."""
 
@@ -24,7 +24,7 @@ TINY = {
 
 @pytest.fixture
 def bench(bench_module):
-    return bench_module("bench_hf_step")
+    return bench_module("benchmarks.step.hf_step")
 
 
 def test_cpu_benchmark_runs_and_writes_its_table(bench, tmp_path):

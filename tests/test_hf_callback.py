@@ -15,10 +15,10 @@ import warnings
 import pytest
 import torch
 from hf_models import VOCAB, tiny, tokens
-from procs import run_spawned  # benchmarks/procs.py
 
 import addnorm as an
 import addnorm.hf as anhf
+from tools.procs import run_spawned
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")

@@ -163,15 +163,15 @@ def test_direct_launches_equal_launches_through_run(monkeypatch, prenorm, dropou
 
 
 def test_the_launch_path_benchmark_times_both_launches_on_the_cpu():
-    """bench_host_overhead.py --jit-launch (Triton's launch path with the driver faked) times the
+    """benchmarks/host/host_overhead.py --jit-launch (Triton's launch path with the driver faked) times the
     forward and backward launchers through kernel[grid](...) and launched directly."""
     from pathlib import Path
 
-    bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([str(bench), *sys.path])}
-    argv = [sys.executable, str(bench / "bench_host_overhead.py"), "--jit-launch", "--calls", "2"]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    argv = [sys.executable, "-m", "benchmarks.host.host_overhead", "--jit-launch", "--calls", "2"]
     res = subprocess.run(
-        [*argv, "--samples", "1"], capture_output=True, text=True, env=env, timeout=600, cwd=bench
+        [*argv, "--samples", "1"], capture_output=True, text=True, env=env, timeout=600, cwd=root
     )
     assert res.returncode == 0, res.stderr[-3000:]
     cases = [line.rsplit("  ", 1)[0].strip() for line in res.stdout.splitlines() if line.endswith(" us")]

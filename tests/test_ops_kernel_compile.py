@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 def test_launch_configurations_cover_the_hidden_sizes_with_few_variants(bench_module):
     from addnorm.ops.launch_config import bwd_config, fwd_config
 
-    tv = bench_module("triton_variants")  # a build-time tool: benchmarks/, not the runtime package
+    tv = bench_module("benchmarks.kernels.triton_variants")  # a build-time tool, not the runtime package
     HIDDEN_SIZES, variants = tv.HIDDEN_SIZES, tv.variants
 
     for h in HIDDEN_SIZES:
@@ -58,7 +58,7 @@ def test_launch_configurations_cover_the_hidden_sizes_with_few_variants(bench_mo
 @pytest.mark.triton
 @pytest.mark.slow
 def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path, bench_module):
-    tv = bench_module("triton_variants")
+    tv = bench_module("benchmarks.kernels.triton_variants")
     ARCHS, compile_all, variants = tv.ARCHS, tv.compile_all, tv.variants
 
     # cold, as in CI; under `make test`'s two xdist workers one compile process (workers x threads <= cores)

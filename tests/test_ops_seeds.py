@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_launch import FakePhilox  # benchmarks/ (on the tests' path: conftest)
 
 from addnorm.ops import functional, seeds
+from benchmarks.host.fake_launch import FakePhilox
 
 
 class Philox(FakePhilox):

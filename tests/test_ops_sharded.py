@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import tempfile
 import warnings
 
@@ -23,7 +22,6 @@ import pytest
 import torch
 from _sharded_cases import (
     BACKENDS,
-    BENCHMARKS,
     CONFIGS,
     SHAPE,
     TOL,
@@ -33,11 +31,12 @@ from _sharded_cases import (
     _kwargs,
     single_process,
 )
-from procs import run_jobs, run_spawned  # benchmarks/procs.py
+from procs import run_jobs
 
 from addnorm.ops import add_norm, add_norm_reference, dropout_keep_mask
 from addnorm.ops import library as lib
 from addnorm.ops.args import XHAT_FROM_S
+from tools.procs import run_spawned
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
 
@@ -282,7 +281,6 @@ def run_errors() -> dict:
 def _worker(rank: int, port: int, names: list[str], out: str) -> None:
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    sys.path.insert(0, BENCHMARKS)
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
@@ -463,10 +461,10 @@ def test_the_ops_take_leading_dimensions_and_the_rows_of_a_shard(backend, norm):
 
 
 def test_the_communication_benchmark_runs_and_counts_bytes(bench_module, tmp_path):
-    """bench_sharded.py on a tiny shape: every (norm, strategy) row, the SP path silent, the TP path 8
+    """benchmarks/op/sharded.py on a tiny shape: every (norm, strategy) row, the SP path silent, the TP path 8
     (LayerNorm) or 4 (RMSNorm) bytes a row each way (and a row of failure flags), the gather baselines
     whole shards of x and r."""
-    bench = bench_module("bench_sharded")
+    bench = bench_module("benchmarks.op.sharded")
     b, t, h = 2, 4, 8
     report = bench.main(["--shapes", f"{b}x{t}x{h}", "--reps", "1", "--out", str(tmp_path)])
     rows = {(r["norm"], r["strategy"]): r for r in report["rows"]}

@@ -7,16 +7,16 @@ with a bounded collective timeout."""
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import warnings
 
 import pytest
 import torch
-from _sharded_cases import BACKENDS, BENCHMARKS, SHAPE, TOL, WORLD, _data, _got, _kwargs, single_process
-from procs import run_jobs, run_spawned  # benchmarks/procs.py
+from _sharded_cases import BACKENDS, SHAPE, TOL, WORLD, _data, _got, _kwargs, single_process
+from procs import run_jobs
 
 from addnorm.ops import add_norm
+from tools.procs import run_spawned
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
 
@@ -107,7 +107,6 @@ def _fault_worker(rank: int, port: int, out: str) -> None:
 
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    sys.path.insert(0, BENCHMARKS)
     import torch.distributed as dist
 
     # a rank left waiting in a collective errors after this long instead of gloo's 30 minutes (what the

@@ -11,10 +11,10 @@ import time
 
 import pytest
 import yaml
-from procs import interruptible  # benchmarks/procs.py
 
 from addnorm.study import Store, parse_spec, run_study
 from addnorm.study.trackers import Tracker
+from tools.procs import interruptible
 
 pytestmark = pytest.mark.ray
 

@@ -14,7 +14,7 @@ Other marks: ``<!-- test: gpu -->`` runs only where CUDA is (skipped, saying so,
 ``<!-- test: skip (REASON) -->`` never runs, and the test reports REASON. Nothing is skipped silently:
 an unknown mark fails. Blocks in other languages (YAML, diagrams, text) are not programs. A block
 added anywhere in these files is picked up with no change here. The blocks are found, and a torchrun
-block run, by ``benchmarks/doc_blocks.py``, which the torchrun benchmark shares.
+block run, by ``tools/doc_blocks.py``, which the torchrun benchmark shares.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from doc_blocks import ALL, ENV, ROOT, SKIP, TORCHRUN, Block, run_torchrun  # benchmarks/doc_blocks.py
+
+from tools.doc_blocks import ALL, ENV, ROOT, SKIP, TORCHRUN, Block, run_torchrun
 
 
 def _ids(block: Block) -> str:
@@ -69,7 +70,8 @@ def test_torchrun_block_runs_as_written_on_two_processes(block, tmp_path):
     """The block as a user runs it (saved as a script, ``torchrun --standalone --nproc-per-node 2``,
     its own teardown and the interpreter's exit included; a failure on one rank ends the other:
     torchrun stops it) runs to its end on both ranks. The exit used to abort now and then (issue 41,
-    docs/gloo-exit-abort.md); ``benchmarks/readme_torchrun.py`` runs these blocks 50 times under load."""
+    docs/gloo-exit-abort.md); ``benchmarks/study/readme_torchrun.py`` runs these blocks 50 times under
+    load."""
     ran = run_torchrun(block, tmp_path)
     assert ran.returncode == 0, f"{block.where}: torchrun exit {ran.returncode}\n{ran.stderr[-3000:]}"
 

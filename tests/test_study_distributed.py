@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from procs import alive, children, parent  # benchmarks/procs.py
 from typer.testing import CliRunner
 
 import addnorm.train.launch as launch_module
@@ -29,6 +28,7 @@ from addnorm.study.spec import SpecError, load_spec, parse_spec
 from addnorm.study.store import Store
 from addnorm.train import RunConfig, train
 from addnorm.train.launch import launch, launcher_command
+from tools.procs import alive, children, parent
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
 

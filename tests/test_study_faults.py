@@ -13,8 +13,13 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import pool_workers  # benchmarks/procs.py
-from study_faults import (  # benchmarks/study_faults.py, shared with benchmarks/fault_trials.py
+from typer.testing import CliRunner
+
+from addnorm.study import Store, parse_spec, run_study
+from addnorm.study import store as store_module
+from addnorm.study.lock import LOCK_NAME, FolderInUse, folder_lock
+from tools.procs import pool_workers
+from tools.study_faults import (  # shared with tools/fault_trials.py
     ENV,
     SPEC_ERRORS,
     STORAGE_FAULTS,
@@ -28,11 +33,6 @@ from study_faults import (  # benchmarks/study_faults.py, shared with benchmarks
     unprivileged,
     write_spec,
 )
-from typer.testing import CliRunner
-
-from addnorm.study import Store, parse_spec, run_study
-from addnorm.study import store as store_module
-from addnorm.study.lock import LOCK_NAME, FolderInUse, folder_lock
 
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=3, batch_size=4, seq_len=16, eval_every=0)
 HOLD = "import time\nfrom addnorm.study.lock import folder_lock\nwith folder_lock({!r}):\n    {}"
@@ -421,9 +421,9 @@ def test_a_database_killed_before_its_schema_is_an_empty_study(tmp_path, state):
 
 
 def test_the_fault_trials_script_lists_every_fault_and_runs_a_trial(bench_module, tmp_path):
-    """A smoke of ``benchmarks/fault_trials.py``: its table names each fault of issue 23, and one of
+    """A smoke of ``tools/fault_trials.py``: its table names each fault of issue 23, and one of
     its trials (a repeated variant label, through the real command line) holds."""
-    trials = bench_module("fault_trials")
+    trials = bench_module("tools.fault_trials")
     table = trials.trials(repeat=1)
     for fault in ("kill -9", "SIGINT", "SIGTERM", "two studies", "NaN", "pool worker", "truncated",
                   "garbage", "locked", "read-only", "file in place", "full disk", "tracker", "Ray",

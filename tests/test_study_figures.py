@@ -106,9 +106,9 @@ def test_a_log_axis_labels_at_least_three_ticks(low, high):
 
 
 def test_the_readme_screenshots_are_rebuilt_from_the_reports(bench_module, tmp_path):
-    """``make report-screenshots`` (``report_screenshot.py --docs ROOT``): one PNG per docs screenshot,
+    """``make report-screenshots`` (``tools/report_screenshot.py --docs ROOT``): one PNG per docs screenshot,
     each from its study's report under ROOT; the quick one the whole page."""
-    shot = bench_module("report_screenshot")
+    shot = bench_module("tools.report_screenshot")
     docs = Path(__file__).resolve().parents[1] / "docs"
     assert {Path(png).name for _, png, *_ in shot.DOCS} == {p.name for p in docs.glob("report-*.png")}
     with pytest.raises(SystemExit, match="run `addnorm study quick --out"):

@@ -65,7 +65,7 @@ def test_the_estimate_is_above_a_real_runs_peak_memory(which, bench_module):
     measurement: the process image's peak resident memory, not the test session's carried over by
     fork): its peak is below the estimate, and the estimate is not absurdly high (at most 2.5x)."""
     settings = {**MEASURED[which], "steps": 2, "eval_every": 0, "eval_batches": 1, "corpus_bytes": 400_000}
-    got = bench_module("bench_memory_estimate").measure(settings)
+    got = bench_module("benchmarks.study.memory_estimate").measure(settings)
     estimate = estimate_memory(RunConfig(**settings)).total
     assert got["status"] == "done", got["error"]
     assert got["peak"] > 400 * 2**20  # the run, not the interpreter, sets the peak

@@ -36,8 +36,9 @@ from _tp_models import (
     perturbed,
     tp_mesh,
 )
-from procs import run_spawned  # benchmarks/procs.py
 from torch import nn
+
+from tools.procs import run_spawned
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
 

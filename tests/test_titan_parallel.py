@@ -29,7 +29,9 @@ import warnings
 
 import pytest
 import torch
-from procs import run_jobs, run_spawned  # benchmarks/procs.py
+from procs import run_jobs
+
+from tools.procs import run_spawned
 
 pytest.importorskip("torchtitan", reason="needs the torchtitan extra")
 

@@ -1,0 +1,1 @@
+"""The Triton kernels compiled for NVIDIA targets without a GPU: registers, spills, launch configurations."""
