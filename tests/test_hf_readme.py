@@ -1,6 +1,6 @@
-"""The README's end-to-end Trainer example, extracted from README.md and run as written (in a temporary
-directory): it trains, TensorBoard's event reader finds the probe's values, and the reloaded model is
-the trained one in bfloat16."""
+"""The end-to-end Trainer example of docs/huggingface.md, extracted from the page and run as written
+(in a temporary directory): it trains, TensorBoard's event reader finds the probe's values, and the
+reloaded model is the trained one in bfloat16."""
 
 from __future__ import annotations
 
@@ -16,14 +16,13 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "huggingface.md"
 
 
 def _trainer_example() -> str:
-    section = README.read_text().split("## Hugging Face models", 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    blocks = re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
     found = [b for b in blocks if "ProbeCallback" in b and "transformers.Trainer" in b]
-    assert len(found) == 1, "README: the Hugging Face section has one end-to-end Trainer example"
+    assert len(found) == 1, "docs/huggingface.md has one end-to-end Trainer example"
     return found[0]
 
 
@@ -34,7 +33,7 @@ def test_readme_trainer_example_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     torch.manual_seed(0)
     scope: dict = {}
-    exec(compile(_trainer_example(), "README.md", "exec"), scope)
+    exec(compile(_trainer_example(), "docs/huggingface.md", "exec"), scope)
     trainer, model, reloaded = scope["trainer"], scope["model"], scope["reloaded"]
     assert trainer.state.global_step == 20
     events = next((tmp_path / "run").rglob("events.out.tfevents.*")).parent

@@ -154,17 +154,16 @@ def test_the_check_leaves_torch_s_random_state_alone():
 
 
 def test_the_readme_s_registration_runs_as_written_and_is_the_model():
-    """The README's registration block (its Hugging Face section), run as written: Granite's record
+    """The registration block of docs/huggingface.md, run as written: Granite's record
     passes the check, and the fused model is the model."""
     import re
     import textwrap
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    section = readme.split("## Hugging Face models", 1)[1].split("\n## ", 1)[0]
-    blocks = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", section, flags=re.S)]
+    page = (Path(__file__).resolve().parents[1] / "docs" / "huggingface.md").read_text()
+    blocks = [textwrap.dedent(b) for b in re.findall(r"```python\n(.*?)```", page, flags=re.S)]
     found = [b for b in blocks if "register_architecture(" in b]
-    assert len(found) == 1, "README: one registration example in the Hugging Face section"
-    exec(compile(found[0], "README.md", "exec"), {})  # its own imports, as a user copies it
+    assert len(found) == 1, "docs/huggingface.md: one registration example"
+    exec(compile(found[0], "docs/huggingface.md", "exec"), {})  # its own imports, as a user copies it
     assert anhf.ARCHITECTURES["granite"].name == "granite"
     _assert_fused_is_the_model(hf_models.from_config("granite", residual_multiplier=0.22))

@@ -5,8 +5,8 @@ Oracles: the untouched torchtitan model built from the same config and seed (a f
 same state dict, same logits and gradients, 2L fused calls); each placement's formula written out here
 with the model's own attention and FFN modules and a float32 RMSNorm (a re-placed model's first
 forward); Xavier's formula and the placement spec's constants (the initialisation through torchtitan's
-``init_weights``); the job configs through torchtitan's own ``ConfigManager``; the README's example run
-as written. The distributed cases are in ``test_titan_parallel.py``.
+``init_weights``); the job configs through torchtitan's own ``ConfigManager``; the example of
+``docs/torchtitan.md`` run as written. The distributed cases are in ``test_titan_parallel.py``.
 """
 
 from __future__ import annotations
@@ -421,13 +421,13 @@ def test_job_configs_name_addnorm_on_torchtitans_command_line(titan):
         ConfigManager().parse_args(["--module", "addnorm.titan", "--config", "mistral_7b"])
 
 
-# --- the README's example -------------------------------------------------------------------------------
+# --- the example of docs/torchtitan.md ----------------------------------------------------------------------
 
 
 def _readme_example() -> str:
-    section = (ROOT / "README.md").read_text().split("## torchtitan", 1)[1].split("\n## ", 1)[0]
-    found = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert found, "README: the torchtitan section has a Python example"
+    page = (ROOT / "docs" / "torchtitan.md").read_text()
+    found = re.findall(r"```python\n(.*?)```", page, flags=re.S)
+    assert found, "docs/torchtitan.md has a Python example"
     return found[-1]
 
 
