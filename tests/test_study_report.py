@@ -3,10 +3,13 @@ readable with many series (distinct colours, legends outside, small multiples, c
 
 from __future__ import annotations
 
+import html
 import re
 
 from addnorm.study import Store, build_report, parse_spec, run_study
-from addnorm.study.report import MAX_INLINE, _facets, _robust_top, palette
+from addnorm.study.records import Finding
+from addnorm.study.report import MAX_INLINE, _facets, _robust_top, headline_number, palette
+from addnorm.study.rule import NOT_TESTED, SUPPORTED
 
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=4, batch_size=4, seq_len=16, eval_batches=1)
 
@@ -87,3 +90,72 @@ def test_first_step_spikes_are_clipped_not_plotted_to_scale():
     clip, highest = _robust_top(values, steps)
     assert 3.0 < clip < 4.0 and highest == 30.0
     assert _robust_top([2.0 + 0.01 * s for s in steps], steps) is None  # nothing to clip
+
+
+def rows_of(table: str) -> list[tuple[str, str]]:
+    """(claim, verdict) per finding row of the summary's verdict table (the claim cell spans its rows)."""
+    out, claim = [], ""
+    for row in re.findall(r"<tr>(.*?)</tr>", table)[1:]:
+        cells = re.findall(r"<td[^>]*>(.*?)</td>", row)
+        if len(cells) == 3:
+            claim = cells.pop(0)
+        out.append((html.unescape(claim), html.unescape(cells[0])))
+    return out
+
+
+def test_the_first_screen_is_the_summary_and_its_verdicts_are_the_findings(tmp_path):
+    """Issue 51 item 4: the page opens on the headline plots and a verdict table (claim, verdict, one
+    number), then the findings, the experiments and, last, the configuration with the provenance; each
+    verdict of the summary is the findings table's word for that claim, in the same order."""
+    spec = {
+        "name": "first",
+        "base": {**TINY, "eval_every": 2},
+        "experiments": {"warm": {"sweep": {"placement": ["post", "pre"], "warmup": [0, 2], "seed": [0, 1]}}},
+    }
+    run_study(parse_spec(spec), tmp_path, workers=1, progress=False)
+    page = (tmp_path / "report.html").read_text()
+    order = [page.index(f"<h2 id='{name}'>") for name in ("summary", "findings", "warm", "configuration")]
+    assert order == sorted(order) and page.index("<h3>Provenance</h3>") > order[-1]
+    top = section(page, "summary", "findings")
+    assert figures(top) == [
+        "warm: training loss, mean over seeds (shaded: min to max)",
+        "warm: per-layer FFN weight-gradient norm at initialisation",
+    ]
+    table = top[top.index("<table class='verdict-summary'>") : top.index("</table>")]
+    assert "<th>claim</th><th>verdict</th><th>the number</th>" in table
+    found = section(page, "findings", "warm")
+    found = found[found.index("<table class='findings'>") : found.index("</table>")]
+    detail = [
+        (html.unescape(c), html.unescape(v))
+        for c, v in re.findall(
+            r"<tr><td>(.*?)<br><small>.*?</small></td>.*?<td class='[a-z]+'>([^<]*)</td>", found
+        )
+    ]
+    tested = [(c, v) for c, v in detail if v != NOT_TESTED]
+    assert rows_of(table) == tested and len(tested) >= 3  # warmup and both gradient claims at least
+    untested = [c for c, v in detail if v == NOT_TESTED]
+    assert html.unescape(top).count(NOT_TESTED.capitalize() + ": " + "; ".join(untested) + ".") == 1
+    numbers = re.findall(r"<td>([^<]*)</td></tr>", table)
+    assert all(n != "—" for n in numbers) and any("top/first layer" in n for n in numbers)
+
+
+def test_each_finding_gets_one_number_from_its_evidence():
+    f = lambda evidence: Finding("c", "s", evidence, SUPPORTED)  # noqa: E731
+    warm = (
+        "held-out loss, no warmup vs 50 warmup steps: Post-LN 3.9 ± 0.1 (3 seeds) vs 3.1 ± 0.1 (3 seeds); "
+        "difference +0.800 = +8.0 pooled sd; Pre-LN 3.0 ± 0.1 (3 seeds) vs 3.0 ± 0.1 (3 seeds); difference "
+        "+0.010 = +0.1 pooled sd. Supported when Post-LN is worse without warmup and Pre-LN is not"
+    )
+    assert headline_number(f(warm)) == "+0.800 nats (+8.0 sd)"  # the largest difference
+    assert headline_number(f("init xavier: top/first layer = 0.52 (x/÷ 1.03), per seed ...")) == (
+        "top/first layer 0.52"
+    )
+    growth = "log(stream RMS after the top layer / after the first) at the end of training: 8 layers: "
+    assert headline_number(f(growth + "a 0.1 ± 0.01 (2 seeds), b 0.5 ± 0.01 (2 seeds); difference +0.400 = "
+                             "+40.0 pooled sd")) == "+0.400 (+40.0 sd)"  # fmt: skip
+    assert headline_number(f("8 layers: LayerNorm 3.0 (3 seeds), no norm diverged (3 of 3 seeds)")) == (
+        "3 of 3 seeds diverged"
+    )
+    assert (
+        headline_number(f("2 layers: a 3.0 (1 seed), b 3.1 (1 seed); one seed: no spread to judge by")) == ""
+    )

@@ -424,3 +424,31 @@ def growth(placements: list[str], depth: int, series: list[LayerSeries]) -> tupl
     ax.grid(alpha=0.3, which="both")
     legend(fig, [ax], len(series), title="placement")
     return "activation growth per layer", png(fig)
+
+
+def profile_row(experiment: str, record: LayerPanels, metric: str) -> tuple[str, str] | None:
+    """One per-layer metric of ``record`` in one row of panels (one per facet), for the report's first
+    screen: the same lines as :func:`layer_panels` draws for that metric, none of the other metrics."""
+    kept = [s for s in record.series if s.metric == metric]
+    if not kept:
+        return None
+    split, facet_list, series = facets(list(dict.fromkeys(s.label for s in kept)))
+    colours = dict(zip(series, palette(len(series)), strict=True))
+    fig, axes = grid(len(facet_list), width=4.0, height=2.7, max_cols=len(facet_list))
+    panel = dict(zip(facet_list, axes, strict=True))
+    plotted: dict = defaultdict(list)
+    for s in kept:
+        facet, name_ = split[s.label]
+        colour, marker = colours[name_]
+        panel[facet].plot(s.layers, s.values, color=colour, marker=marker, ms=3.5, label=name_)
+        plotted[facet].append((name_, s.layers, s.values))
+    moment = "at initialisation" if record.when == "init" else f"at step {record.step}"
+    for facet, ax in panel.items():
+        layer_axis(ax)
+        log_axis(ax, [y for _, _, ys in plotted[facet] for y in ys])
+        ax.set_ylabel(LAYER_TITLES[metric] + " (log)")
+        title_with_overlaps(ax, facet or LAYER_TITLES[metric], plotted[facet], fontsize=9)
+        ax.grid(alpha=0.3, which="both")
+    legend(fig, axes, len(series))
+    fig.suptitle(f"{experiment}: {LAYER_TITLES[metric]} per layer {moment}, mean over seeds", fontsize=10)
+    return f"{experiment}: per-layer {LAYER_TITLES[metric]} {moment}", png(fig)

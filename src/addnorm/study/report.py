@@ -1,15 +1,19 @@
 """The study report: one self-contained HTML file (PNG plots embedded), a template over the study's
 records (:func:`.analysis.analyse`) and the figures drawn from them (:mod:`.figures`).
 
-It starts with what was run (the base configuration, each experiment's settings, the provenance of the
-runs), then the findings with their rule, the ranking when the spec asks for one, and one section per
-experiment.
+It opens on a summary, what a reader came for (:func:`summary_section`): the headline plots (training curves of
+the placements compared with and without warmup, per-layer gradient profiles at initialisation) beside
+a compact verdict table, one line per finding with its verdict and one number. The detail follows: the
+findings with their rule and evidence, the ranking when the spec asks for one, one section per
+experiment, and last what was run (the base configuration, each experiment's settings, the runs'
+provenance). The summary's verdicts are the findings' own, word for word; it computes nothing.
 """
 
 from __future__ import annotations
 
 import html
 import math
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -29,7 +33,7 @@ from .records import (
     RunRow,
     StudyRecords,
 )
-from .rule import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, VERDICTS
+from .rule import INCONCLUSIVE, NOT_SUPPORTED, NOT_TESTED, RULE, SUPPORTED, VERDICTS
 from .store import Store, write_atomic
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222;line-height:1.4}
@@ -37,7 +41,9 @@ table{border-collapse:collapse;margin:0.6em 0;font-size:13px}td,th{border:1px so
 th{background:#f3f3f3}.supported{color:#0a6d2a;font-weight:600}.not{color:#b3261e;font-weight:600}.inconclusive{color:#8a5a00;font-weight:600}
 .untested{color:#777}img{max-width:100%;height:auto;display:block;margin:0.8em 0}.note{color:#555;font-size:13px}
 .kv th{font-weight:normal;background:#fafafa}.kv td.given{font-weight:600}.cols{display:flex;flex-wrap:wrap;gap:2em}.cols>div{flex:1 1 420px;min-width:0}
-.findings td:nth-child(3){min-width:28em}summary{cursor:pointer;color:#245}"""
+.findings td:nth-child(3){min-width:28em}summary{cursor:pointer;color:#245}
+.summary{display:grid;grid-template-columns:minmax(0,1.1fr) minmax(0,1fr);gap:1.5em;align-items:start}.summary img{margin:0}
+.verdict-summary{font-size:12px;margin-top:0}.verdict-summary td{padding:3px 6px}.headline-note{margin:0.2em 0 0.6em}"""
 
 
 def img(figure: tuple[str, str] | None) -> str:
@@ -102,6 +108,116 @@ def configuration(config: Configuration) -> str:
         f"<table class='kv'>{base_rows}</table></div><div><h3>Experiments</h3>"
         "<table><tr><th>experiment</th><th>runs</th><th>set</th><th>sweep</th></tr>"
         f"{exp_rows}</table><h3>Provenance</h3>{prov}</div></div>"
+    )
+
+
+# --- the first screen: the headline plots and every finding's verdict in one line ----------------------
+DIFFERENCE = re.compile(r"difference ([+-]\d+(?:\.\d+)?) = ([+-]\d+(?:\.\d+)?) pooled sd")
+RATIO = re.compile(r"top/first layer = (\d+(?:\.\d+)?)")
+ALL_DIVERGED = re.compile(r"diverged \((\d+) of (\d+) seeds\)")
+SOME_DIVERGED = re.compile(r"(\d+) of (\d+) diverged")
+CSS = {SUPPORTED: "supported", NOT_SUPPORTED: "not", INCONCLUSIVE: "inconclusive"}
+
+
+def headline_number(finding: Finding) -> str:
+    """The one number of a finding on the first screen, read from its evidence (nothing is recomputed):
+    a gradient profile's top/first-layer ratio; else the largest difference it measured, with that
+    difference in pooled standard deviations (what the rule judges: it counts beyond 2); else how many
+    seeds diverged; else "" (one seed, or nothing measured)."""
+    if m := RATIO.search(finding.evidence):
+        return f"top/first layer {m[1]}"
+    if diffs := DIFFERENCE.findall(finding.evidence):
+        diff, sds = max(diffs, key=lambda d: abs(float(d[1])))
+        unit = "" if "log(" in finding.evidence.split(":", 1)[0] else " nats"
+        return f"{diff}{unit} ({sds} sd)"
+    if m := ALL_DIVERGED.search(finding.evidence) or SOME_DIVERGED.search(finding.evidence):
+        return f"{m[1]} of {m[2]} seeds diverged"
+    return ""
+
+
+def setting_tags(group: list[Finding]) -> list[str]:
+    """What tells the findings of one claim apart: the parts of their settings not shared by all (the
+    seeds aside); "" for a claim measured at one setting."""
+    if len(group) < 2:
+        return [""]
+    parts = [re.sub(r",? ?seeds [\d, ]+$", "", f.scale).replace("; ", ", ").split(", ") for f in group]
+    common = set.intersection(*map(set, parts))
+    return [", ".join(x for x in p if x not in common) for p in parts]
+
+
+def verdict_table(found: list[Finding]) -> str:
+    """Every tested finding in a line: the claim, its verdict (the findings table's word) and one number;
+    the claims this study did not test named below the table."""
+    groups: dict[str, list[Finding]] = {}
+    for f in found:
+        if f.verdict != NOT_TESTED:
+            groups.setdefault(f.claim, []).append(f)
+    rows = []
+    for claim, group in groups.items():
+        for i, (f, tag) in enumerate(zip(group, setting_tags(group), strict=True)):
+            head = f"<td rowspan='{len(group)}'>{esc(claim)}</td>" if i == 0 else ""
+            number = (f"{esc(tag)}: " if tag else "") + esc(headline_number(f) or "—")
+            rows.append(
+                f"<tr>{head}<td class='{CSS.get(f.verdict, 'untested')}'>{esc(f.verdict)}</td><td>{number}</td></tr>"
+            )
+    untested = list(dict.fromkeys(f.claim for f in found if f.verdict == NOT_TESTED))
+    note = (
+        f"<p class='note'>{esc(NOT_TESTED).capitalize()}: {esc('; '.join(untested))}.</p>" if untested else ""
+    )
+    table = (
+        "<table class='verdict-summary'><tr><th>claim</th><th>verdict</th><th>the number</th></tr>"
+        f"{''.join(rows)}</table>"
+        if rows
+        else "<p class='note'>No claim tested yet.</p>"
+    )
+    return table + note
+
+
+def labelled(records: list, key: str) -> bool:
+    return any(key in getattr(r, "label", "") for r in records)
+
+
+def headline_figures(experiments: list[ExperimentRecord]) -> list[tuple[tuple[str, str] | None, str]]:
+    """(figure, the experiment it comes from) for the first screen: the training loss of the first
+    experiment that compares placements with and without warmup (else the first that compares
+    placements), and the FFN weight-gradient profile at initialisation of the deepest experiment that
+    compares placements, one panel per other setting."""
+    out = []
+    with_curves = [e for e in experiments if labelled(e.curves, "placement=")]
+    warm = [e for e in with_curves if labelled(e.curves, "warmup=")] or with_curves
+    if warm:
+        e = warm[0]
+        metric = "train_loss" if any(c.metric == "train_loss" for c in e.curves) else "val_loss"
+        drawn = figures.curves(e.name, [c for c in e.curves if c.metric == metric])
+        out += [(f, e.name) for f in drawn[:1]]
+    profiles = [
+        (max((max(s.layers, default=0) for s in p.series), default=0), -i, e, p)
+        for i, e in enumerate(experiments)
+        for p in e.layers
+        if p.when == "init" and "weight_grad_norm" in p.metrics and labelled(p.series, "placement=")
+    ]
+    if profiles:
+        _, _, e, p = max(profiles, key=lambda x: x[:2])
+        out.append((figures.profile_row(e.name, p, "weight_grad_norm"), e.name))
+    return [(f, name) for f, name in out if f is not None]
+
+
+def summary_section(records: StudyRecords) -> str:
+    """The report's first screen: the verdict table beside the headline training curves, the gradient
+    profiles below, and where the detail is."""
+    shown = [
+        img(f) + f"<p class='note headline-note'>From <a href='#{esc(n)}'>{esc(n)}</a>.</p>"
+        for f, n in headline_figures(records.experiments)
+    ]
+    first, rest = (shown[0], shown[1:]) if shown else ("", [])
+    return (
+        "<h2 id='summary'>Summary</h2><div class='summary'><div>"
+        f"{verdict_table(records.findings)}<p class='note'>Each verdict is the <a href='#findings'>findings"
+        "</a>' own, under their rule; there are the evidence, the setting and what would change it. The "
+        "number: a gradient profile's top/first-layer ratio, else the largest difference measured (in "
+        "pooled standard deviations: the rule counts it beyond 2). Below: the findings, the ranking, each "
+        "experiment, and the <a href='#configuration'>configuration</a> with the runs' provenance.</p>"
+        f"</div><div>{first}</div></div>{''.join(rest)}"
     )
 
 
@@ -349,11 +465,12 @@ def page(records: StudyRecords) -> str:
 <p>{esc(records.description)}</p>
 <p>{records.runs} runs ({summary}). {". ".join(notes) + ". " if notes else ""}Every number below is read from <code>study.sqlite</code>;
 built {datetime.now().astimezone().isoformat(timespec="seconds")}.</p>
-{configuration(records.configuration)}
+{summary_section(records)}
 {findings(records.findings, records.rule)}
 {ranking(records.ranking)}
 {not_applicable(records.not_applicable)}
 {"".join(experiment(e) for e in records.experiments)}
+{configuration(records.configuration)}
 </body></html>"""
 
 
