@@ -154,7 +154,8 @@ def test_gpu_suite_writes_to_out_env_and_names_tables_by_device(bench_module, mo
     assert suite.default_out() == Path("/tmp/device-out")
     monkeypatch.delenv("OUT")
     recorded = suite.default_out("h200", "81f67f7aabbcc")
-    assert recorded.parent == suite.RESULTS / "h200" and recorded.name.endswith("-81f67f7")
+    assert recorded.parent == suite.ROOT / "benchmarks" / "results" / "h200"
+    assert recorded.name.endswith("-81f67f7")  # benchmarks/results/<device>/<date>-<commit>/
     assert suite.table_name("host_overhead_cuda.json", "h200") == "host_overhead_h200.json"
     assert suite.table_name("hf_step_gpu.md", "h100") == "hf_step_h100.md"
     assert suite.table_name("lm_step_h100.md", "h100") == "lm_step_h100.md"

@@ -175,7 +175,7 @@ def test_a_table_recorded_under_another_default_renders_its_variant_column(bench
     """The H200 table at 7722722 was recorded while "slices" was the default, its other column
     ``addnorm_row_sums``: it renders from its JSON byte for byte whatever the default is now, that
     column's speeds and targets included."""
-    recorded = Path(__file__).resolve().parents[1] / "benchmarks/results/h200-2026-11-28-7722722"
+    recorded = Path(__file__).resolve().parents[1] / "benchmarks/results/h200/2026-11-28-7722722"
     report = json.loads((recorded / "add_norm_h200.json").read_text())
     md = bench.to_markdown(report)
     assert md == (recorded / "add_norm_h200.md").read_text()

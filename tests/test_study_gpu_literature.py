@@ -93,9 +93,7 @@ def test_smoke_runs_every_run_of_the_preset_on_the_cpu(tmp_path):
 # (commit 81f67f7, --workers auto): Pre-LN seed 2, sandwich and normed_residual seeds 0-2, Post-LN without
 # warmup seed 0. The tests read the runs with sqlite3 (the study's own code not involved) and check what
 # the study prints against them.
-H200_DB = (
-    Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "study_gpu_literature" / "study.sqlite"
-)
+H200_DB = Path(__file__).resolve().parents[1] / "benchmarks/results/h200/study-gpu-literature/study.sqlite"
 H200 = "NVIDIA H200"
 
 

@@ -28,7 +28,8 @@ uninterrupted study's (every run's status, final numbers and per-step metrics, e
 - a Ray ``--address`` where an HTTP server (not Ray) listens; duplicate spec keys and labels; a model
   too big for the memory and evaluation beyond the held-out data: one line, exit 2.
 
-Writes ``benchmarks/results/fault_trials.md`` and ``.json`` (tried / held per fault, the machine).
+Writes ``fault_trials.md`` and ``.json`` (tried / held per fault, the machine; recorded:
+``benchmarks/results/cpu/2026-11-26-2472a64/``).
 The study the trials run and what they read back from it: ``tools/fault_trial_study.py``; the storage trials:
 ``tools/fault_trial_storage.py``.
 """

@@ -6,8 +6,8 @@ group when it runs over; the next step still runs):
 
 1. ``gpu_tests``: ``pytest -m gpu``, the tests that need CUDA;
 2. ``trace``: where a training step's time goes (``benchmarks/host/step_trace.py``): a torch profiler
-   trace of two steps each of the HF Llama plain / fused and the two LMs ``fused=False`` / fused (the RMSNorm one
-   lost 0.926x at 81f67f7; the GPU-bound HF Llama's trace, which fusion speeds up, left out for time),
+   trace of two steps each of the HF Llama plain / fused and the two LMs ``fused=False`` / fused (the RMSNorm
+   one lost 0.926x at 81f67f7; the GPU-bound HF Llama's trace, which fusion speeds up, left out for time),
    read into a table (GPU busy time and share, the longest GPU idle gaps and the host frames open in
    them, launches, synchronisations, addnorm's own Python) and kept as one gzipped Chrome trace;
 3. ``ops``: the op table (``benchmarks/op/add_norm.py``: bf16, LayerNorm and RMSNorm, Pre-LN and Post-LN,
@@ -65,7 +65,7 @@ installed with ``pip --no-index --no-deps --target`` into a scratch folder on th
     PYTHONPATH=src python -m benchmarks.device.gpu_suite [--dry-run] [--only ops lm_step] [--commit SHA]
         [--budget 480] [--out DIR] [--wheels DIR] [--study PRESET DIR]
 
-**Then a study** (``--study gpu-literature benchmarks/results/study_gpu_literature`` with ``--budget``
+**Then a study** (``--study gpu-literature benchmarks/results/h200/study-gpu-literature`` with ``--budget``
 raised to what the device call allows, e.g. 570 of a 600 s call): after the steps, the study resumes
 from a copy of that folder with the time left (``run_study``: not started with less than
 ``STUDY_MIN_S``; its own ``--budget`` what is left less ``STUDY_RESERVE_S``; ``--workers auto``
@@ -94,7 +94,7 @@ from dataclasses import asdict, dataclass, field
 from importlib.machinery import PathFinder
 from pathlib import Path
 
-from benchmarks.common.results_path import RESULTS, ROOT, commit_info, device_slug, record_dir
+from benchmarks.common.results_path import ROOT, commit_info, device_slug, record_dir
 
 BENCH = ROOT / "benchmarks"
 
@@ -135,10 +135,10 @@ def plan(py: str = sys.executable) -> list[Step]:
     step eager 37 s) and the CPU measurements of compile cost in ``benchmarks/op/add_norm.py`` and
     ``benchmarks/step/lm_step.py`` (cached compiles ~10x cheaper than cold): the op table's 56 shapes compile
     in 8 processes at once, then time from the caches; the LM step's four compiled cells compile in 4
-    processes at once. Resized from the H200 run at 7722722 (``results/h200-2026-11-28-7722722``): the
+    processes at once. Resized from the H200 run at 7722722 (``results/h200/2026-11-28-7722722``): the
     GPU tests (51 s of pytest) and host time ran past 65 and 25 s, the trace took 42 s of 55, the op
     table 101 s of 125; the HF step, now interleaved, times 16 steps of each variant where it timed 6.
-    Resized again from the H200 run at 81f67f7 (``results/h200-2026-11-28-81f67f7``): the GPU tests ran
+    Resized again from the H200 run at 81f67f7 (``results/h200/2026-11-28-81f67f7``): the GPU tests ran
     past 75 s on their 22nd of 23 tests (the compile paths' two compiles come last), the op table took
     110 s of 115 with a candidate column it no longer times, the LM step ran past 135 s compiling."""
     # fmt: off

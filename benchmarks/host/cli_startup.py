@@ -7,7 +7,8 @@ Each command (``addnorm --help``, ``--version``, ``study --list``, ``study --sho
 process ``--repeat`` times (default 7), interleaved so that a change in the machine's load touches
 them alike; the table gives each median wall time and its ratio to the reference's median (issue 32:
 each under 0.5). The same Python and ``PYTHONPATH=src`` as the tests. Writes ``cli_startup_cpu.md``
-and ``.json`` with the machine and commit (scratch; ``--record``: ``benchmarks/results/``).
+and ``.json`` with the machine and commit (scratch; ``--record``:
+``benchmarks/results/<device>/<date>-<commit>/``).
 """
 
 from __future__ import annotations

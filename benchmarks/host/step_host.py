@@ -91,6 +91,7 @@ _NO_KERNEL = frozenset(
 
 
 H200_TABLE = "host_overhead_h200.json"
+H200_WINDOW = RESULTS / "h200" / "2026-11-27-fb82146"  # the H200 window the launch cost L was read from
 EAGER_CASES = {"layernorm fwd": 2, "layernorm prenorm fwd": 2}  # case: its kernels (the add, the norm)
 
 
@@ -102,7 +103,7 @@ def modelled_launch_us(samples: int = 5) -> tuple[float, str]:
     bound where the H200's host runs Python slower than this CPU). Returns L and how it was found."""
     from benchmarks.host import host_overhead as bho
 
-    rows = json.loads((RESULTS / H200_TABLE).read_text())["runs"]["gpu"]["ops"]
+    rows = json.loads((H200_WINDOW / H200_TABLE).read_text())["runs"]["gpu"]["ops"]
     there = {r["case"]: r["eager_us"] for r in rows if r["case"] in EAGER_CASES}
     g = torch.Generator().manual_seed(0)
     x, r = (torch.randn(8, 64, generator=g).requires_grad_(True) for _ in range(2))

@@ -6,8 +6,8 @@ specs and plans, and times the op's training forward (phase ``fwd``) and forward
 hidden (2**27), LayerNorm and RMSNorm, Pre-LN (y, s) and Post-LN (y), and Pre-LN LayerNorm with
 dropout 0.1 (the backward's register-heavy variant). Inputs and calls are ``benchmarks/op/add_norm.py``'s;
 bandwidth is its minimum bytes per phase (fwd+bwd: both phases' bytes). The winners go into
-``launch_config.py`` by hand (2026-11-24: ``results/gpu_h100.md``). ``--device cpu`` runs the kernels in
-Triton's interpreter (``TRITON_INTERPRET=1``; small ``--elements``): what the tests check.
+``launch_config.py`` by hand (2026-11-24: ``results/h100/2026-11-24-fcabca7/gpu_h100.md``). ``--device cpu``
+runs the kernels in Triton's interpreter (``TRITON_INTERPRET=1``; small ``--elements``): what the tests check.
 
     python -m benchmarks.op.sweep_launch_config [--hidden 256 1024 ...] [--reps 20] [--out DIR]
 """
@@ -65,8 +65,9 @@ def bwd_rule(max_one_pass: int, max_one_pass_heavy: int, slice_: Launch, narrow:
 ORIGINAL = {"fwd": tk.fwd_config, "bwd": tk.bwd_config}
 SLICE_4096, SLICE_2048 = Launch(1, 4096, True, 16), Launch(1, 2048, True, 16)
 # candidate rules: (phase, name) -> config function; the backward's: where one pass stops and how wide
-# the slices of a wider row are (no candidate spills: benchmarks/results/kernel_compile_full.md and
-# launch_config's notes: one pass at 4096 does not spill for the heavy variants either)
+# the slices of a wider row are (no candidate spills:
+# benchmarks/results/cpu/2026-11-28-afab0e4/kernel_compile_full.md and launch_config's notes: one pass at 4096
+# does not spill for the heavy variants either)
 CANDIDATES = {
     ("fwd", "current"): tk.fwd_config,
     ("fwd", "row1_epw512"): rule(8192, 1, 512, Launch(1, 2048, True, 8)),

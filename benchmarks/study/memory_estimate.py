@@ -5,7 +5,7 @@ errs high); the ratio says by how much.
 
     python -m benchmarks.study.memory_estimate [--quick]
 
-writes ``benchmarks/results/memory_estimate_cpu.md`` and ``.json``.
+writes ``memory_estimate_cpu.md`` and ``.json`` (recorded: ``benchmarks/results/cpu/2026-11-25-b9179c0/``).
 """
 
 from __future__ import annotations

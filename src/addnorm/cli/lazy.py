@@ -1,6 +1,6 @@
 """The ``addnorm`` command group, quick to start: what lets ``addnorm --help``, ``--version``,
 ``study --list``, ``study --show PRESET`` and ``study --keys [--markdown]`` answer without importing
-torch (``benchmarks/cli_startup.py`` times them against ``import torch``).
+torch (``benchmarks/host/cli_startup.py`` times them against ``import torch``).
 
 - The study commands (``study``, ``report``, ``export``, ``compare``: :mod:`addnorm.cli.study`, which
   imports torch) are registered when one of them runs; until then the group holds placeholders whose

@@ -2,8 +2,8 @@
 gets (:func:`fwd_config`, :func:`bwd_config`, the row-sums pre-pass's :func:`bwd_sums_config`), how
 many programs the backward runs (:func:`bwd_grid`), and which of its variants wide rows take
 (``BWD_VARIANTS``, :func:`use_bwd_variant`). Plain Python, no Triton: the numbers a GPU session tunes
-(``benchmarks/sweep_launch_config.py``) and the compile-time check reads
-(``benchmarks/triton_variants.py``).
+(``benchmarks/op/sweep_launch_config.py``) and the compile-time check reads
+(``benchmarks/kernels/triton_variants.py``).
 
 Every rule reads this module's constants at call time and is cached per hidden size: after changing a
 constant, clear the caches (:func:`addnorm.ops.triton.launchers.clear_caches`, which also forgets the
@@ -71,8 +71,8 @@ class Launch(NamedTuple):
 # Rows up to these widths stay in registers in one pass. Forward: narrow rows share a program (tiles of
 # TILE elements), about 16 fp32 values per thread per tile tensor (ELEMS_PER_WARP 512); wider rows in
 # column chunks of FWD_CHUNK, two passes. Measured on an H100 (bf16, rows = 2**27 / hidden,
-# ``benchmarks/sweep_launch_config.py``, ``benchmarks/results/gpu_h100.md``): the forward's multi-row
-# tiles were as fast as one row or faster.
+# ``benchmarks/op/sweep_launch_config.py``, ``benchmarks/results/h100/2026-11-24-fcabca7/gpu_h100.md``): the
+# forward's multi-row tiles were as fast as one row or faster.
 #
 # Backward: one row per step (BLOCK_M 1: a tile of several rows ran 2.6-4.7x slower on the H100 at hidden
 # 256-8192), 8 values per thread (256 per warp), one pass up to BWD_MAX_ONE_PASS columns
@@ -83,13 +83,13 @@ class Launch(NamedTuple):
 # (from L2: their own programs read them at the same time), so the row's data comes from memory once and
 # no partial sum is read back (the column-chunked backward this replaced read every row twice and read-
 # modify-wrote the partial sums per row: 1.18-1.24 ms at 8192-16384 on the H100 against 0.76 for one
-# pass). Compiled for sm_80 / sm_90 (``benchmarks/results/kernel_compile_full.md``): one pass at 4096 with
-# 16 warps holds at most 128 registers with no spill in every variant, slices of 4096 with 16 warps in the
-# light ones on aligned widths (unaligned fp32 spilled 12-36 bytes on sm_80), slices of 2048 with 16 warps
-# in every variant (at most 125; the heavy ones spilled 12-168 bytes at 4096 in their unaligned and mixed-
-# precision variants); one pass or slices of 8192 spill (16-1072 bytes). The heavy variants' one pass
-# stops at 2048, as measured with the old kernel (which spilled at 4096); with this one a GPU session
-# should time one pass at 4096 against two slices (neither spills).
+# pass). Compiled for sm_80 / sm_90 (``benchmarks/results/cpu/2026-11-28-afab0e4/kernel_compile_full.md``):
+# one pass at 4096 with 16 warps holds at most 128 registers with no spill in every variant, slices of 4096
+# with 16 warps in the light ones on aligned widths (unaligned fp32 spilled 12-36 bytes on sm_80), slices of
+# 2048 with 16 warps in every variant (at most 125; the heavy ones spilled 12-168 bytes at 4096 in their
+# unaligned and mixed-precision variants); one pass or slices of 8192 spill (16-1072 bytes). The heavy
+# variants' one pass stops at 2048, as measured with the old kernel (which spilled at 4096); with this one a
+# GPU session should time one pass at 4096 against two slices (neither spills).
 FWD_MAX_ONE_PASS = 8192
 BWD_MAX_ONE_PASS = 4096
 BWD_MAX_ONE_PASS_HEAVY = 2048
@@ -106,19 +106,19 @@ BWD_ONE_PROGRAM_TILES = 16
 
 # The backward's variants for wide rows, both selectable (BWD_VARIANT, :func:`use_bwd_variant`). The
 # default is the one the measurements chose: an H200 timed both side by side in one run at 7722722
-# (``results/h200-2026-11-28-7722722/add_norm_h200.md``, bf16; ``bench_add_norm.py``'s column
+# (``results/h200/2026-11-28-7722722/add_norm_h200.md``, bf16; ``benchmarks/op/add_norm.py``'s column
 # "addnorm", then "slices", beside "addnorm_row_sums"). On the 28 shapes where "row_sums" engages
 # (hidden >= 4096, or >= 2048 with dropout) its fwd+bwd beat "slices"'s on 27 (0.96x-4.26x; Post-LN
 # RMSNorm with dropout at 16384 3.86 -> 1.07 ms) and torch.compile's on 25 (on the others both run the
 # same kernels); over all 56 shapes its column's fwd+bwd was no slower than torch.compile's on 44,
-# "slices"'s on 25. "slices" stays selectable, and ``bench_add_norm.py`` times it beside the default in
-# every run (column ``addnorm_slices``: each variant that is not the default gets a column).
+# "slices"'s on 25. "slices" stays selectable, and ``benchmarks/op/add_norm.py`` times it beside the default
+# in every run (column ``addnorm_slices``: each variant that is not the default gets a column).
 # - "slices": the rules above. Each slice's program reads the row's other slices for the row
 #   sums, so with n_slices slices a row is read n_slices times (once from DRAM if its siblings run in
 #   step, the rest from L2) and, where s is recomputed (Post-LN from x and residual), the dropout mask
 #   hashed n_slices + 1 times per element (8 + 1 at 16384 columns in 2048-wide slices). The H200
-#   (``results/add_norm_h200.md``, fb82146) timed it at 0.15x-0.94x torch.compile's fwd+bwd from 4096
-#   columns, about twice as slow with dropout.
+#   (``results/h200/2026-11-27-fb82146/add_norm_h200.md``, fb82146) timed it at 0.15x-0.94x
+#   torch.compile's fwd+bwd from 4096 columns, about twice as slow with dropout.
 # - "row_sums" (default): rows of at least BWD_ROW_SUMS_MIN columns (BWD_ROW_SUMS_MIN_HEAVY for dropout
 #   or a gate) go in two kernels (narrower ones in one pass, as in "slices"). A pre-pass with the
 #   forward's tiles (:func:`bwd_sums_config`) reads dy and x_hat's source once and writes each row's
@@ -131,27 +131,27 @@ BWD_ONE_PROGRAM_TILES = 16
 #   bf16, dx and dresidual both written: Pre-LN (dy, ds, s) 10 minimal, "slices" 10 from DRAM + 4 x
 #   (n_slices - 1) from L2, "row_sums" 14; Post-LN from x and residual (dy, x, r) 10 minimal, "slices"
 #   10 + 6 x (n_slices - 1) from L2, "row_sums" 16. Registers (sm_80 / sm_90, no spill):
-#   ``results/kernel_compile_full.md``.
+#   ``results/cpu/2026-11-28-afab0e4/kernel_compile_full.md``.
 # - "kernel_sums" (made without a GPU; timed beside "row_sums" by an H200 at 81f67f7, which kept "row_sums":
-#   ``results/h200-2026-11-28-81f67f7/``): "row_sums"'s kernels, and the programs' partial parameter gradients
+#   ``results/h200/2026-11-28-81f67f7/``): "row_sums"'s kernels, and the programs' partial parameter gradients
 #   added up inside the backward kernel (``triton.tiles.finish_col_sums``): the last program of each group of
 #   BWD_FINISH_GROUP to finish adds its group's rows up, the last group's finisher the groups' rows into the
 #   gradients (in the parameters' dtypes), in fixed groups and order (deterministic), with int32 counters per
 #   device and stream that the kernel sets back to zero (:func:`addnorm.ops.param_grads.counters`). It removes
 #   the aten sum per parameter (and the cast of a bf16 one) after every backward of more than one program: a
 #   launch each, the largest host cost of the op's backward at the GPU's sizes in the CPU proxy
-#   (``bench_step_host.py``). Its GPU cost is a tail: the last finisher reads BWD_FINISH_GROUP rows, then one
-#   row per group (at 8192 rows of 768, 1171 programs: 32 + 37 rows of 3 KB per parameter, from L2), where the
-#   aten sums read all 1171 rows in a kernel of their own each. Measured: its fwd+bwd was slower than
-#   "row_sums"'s on 55 of the 56 shapes (median 1.06x; the finishers' tail costs more GPU time than the host
-#   time it saves at these sizes), level in the LM step (1.006x, 0.998x); selectable, no longer timed each
-#   run.
+#   (``benchmarks/host/step_host.py``). Its GPU cost is a tail: the last finisher reads BWD_FINISH_GROUP
+#   rows, then one row per group (at 8192 rows of 768, 1171 programs: 32 + 37 rows of 3 KB per parameter,
+#   from L2), where the aten sums read all 1171 rows in a kernel of their own each. Measured: its fwd+bwd
+#   was slower than "row_sums"'s on 55 of the 56 shapes (median 1.06x; the finishers' tail costs more GPU
+#   time than the host time it saves at these sizes), level in the LM step (1.006x, 0.998x); selectable, no
+#   longer timed each run.
 BWD_VARIANTS = ("slices", "row_sums", "kernel_sums")
 BWD_VARIANT = "row_sums"
-# the variants that the GPU suite times beside the default in every run (``bench_add_norm.py``'s
+# the variants that the GPU suite times beside the default in every run (``benchmarks/op/add_norm.py``'s
 # ``addnorm_<variant>`` columns) until a measurement decides: none pending. "slices" lost to "row_sums"
 # on 27 of 28 shapes at 7722722, "kernel_sums" on 55 of 56 at 81f67f7; both stay selectable
-# (``bench_add_norm.py --impls addnorm addnorm_slices addnorm_kernel_sums``)
+# (``benchmarks/op/add_norm.py --impls addnorm addnorm_slices addnorm_kernel_sums``)
 BWD_CANDIDATES: tuple[str, ...] = ()
 BWD_FINISH_GROUP = 32
 BWD_ROW_SUMS_MIN = 4096
@@ -204,7 +204,7 @@ def use_bwd_variant(variant: str) -> str:
     previous one. Cached call plans hold launch specs, so a change makes every plan anew on its next call
     (:func:`addnorm.ops.policy.invalidate`); the launch specs of both variants stay cached side by side
     (``triton.launchers.bwd_spec`` keys them on the variant), so flipping back and forth between calls
-    (``benchmarks/bench_add_norm.py``) compiles and builds nothing twice. A graph torch.compile traced
+    (``benchmarks/op/add_norm.py``) compiles and builds nothing twice. A graph torch.compile traced
     through the registered op (compile path "kernel") keeps the variant it was traced with."""
     global BWD_VARIANT
     if variant not in BWD_VARIANTS:
@@ -219,9 +219,9 @@ def use_bwd_variant(variant: str) -> str:
 
 def bwd_register_heavy(s_dtype: torch.dtype, dropout: bool, gate_code: int) -> bool:
     """Whether a backward variant holds so many values live that one pass over a wide row spills:
-    dropout or a gate, in any dtype (``benchmarks/results/kernel_compile_full.md``; with 16 warps a
-    thread has 128 registers). ``s_dtype``, the stream's dtype, is part of the rule's signature: the
-    spills were measured per dtype and fp32 spills most."""
+    dropout or a gate, in any dtype (``benchmarks/results/cpu/2026-11-28-afab0e4/kernel_compile_full.md``;
+    with 16 warps a thread has 128 registers). ``s_dtype``, the stream's dtype, is part of the rule's
+    signature: the spills were measured per dtype and fp32 spills most."""
     return dropout or gate_code != 0
 
 

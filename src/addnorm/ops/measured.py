@@ -94,21 +94,21 @@ MEASURED = (
     # a tiny Pre-LN LM step on 2 CPU cores (d_model 64, dropout 0.1): the hashed NumPy mask costs more
     # than nn.Dropout; without dropout the op runs the unfused modules' own torch ops
     Measured("cpu", "step", None, None, None, True, 0, None, 1.061,
-             "27781 us, 1.061x fused=False", "host_overhead_cpu.md"),
+             "27781 us, 1.061x fused=False", "cpu/2026-11-23-8d56b42/host_overhead_cpu.md"),
     # the same step on the H100 (8 x 16 tokens x d_model 64 = 8192 elements a call), host-bound
     Measured(_H100, "step", "eager", None, None, None, 0, 8192, 1.278,
-             "10518 us, 1.278x fused=False", "host_overhead_cuda.md"),
+             "10518 us, 1.278x fused=False", "h100/2026-11-24-fcabca7/host_overhead_cuda.md"),
     # HF Llama 134M (RMSNorm, no dropout, 8 x 1024 x 768 elements a call), eager: fused 1.048x plain
     Measured(_H100, "step", "eager", None, None, False, 0, None, 1 / 1.048,
-             "| eager | 122162 | 128054 |", "hf_step_gpu.md"),
+             "| eager | 122162 | 128054 |", "h100/2026-11-24-fcabca7/hf_step_gpu.md"),
     # the H200 at 81f67f7 (each a median of paired rounds, quartiles beyond the spread), eager: HF Llama
     # 134M (RMSNorm, no dropout) 1.051x plain, fused (the GPU-bound size: 1.074x); addnorm's LM with
     # RMSNorm + SwiGLU, no dropout, 0.926x fused=False. Level (no row): the LM with LayerNorm and dropout
     # 0.1 (0.999x). Not timed: compiled steps. (fb82146's rows, 0.715x-0.859x, timed older kernels.)
     Measured(_H200, "step", "eager", None, None, False, 0, None, 1 / 1.051,
-             "| 134m eager | 154975 | 169825 |", "h200-2026-11-28-81f67f7/hf_step_h200.md", "hf"),
+             "| 134m eager | 154975 | 169825 |", "h200/2026-11-28-81f67f7/hf_step_h200.md", "hf"),
     Measured(_H200, "step", "eager", None, None, False, 0, None, 1 / 0.926,
-             "| llama | pre | eager | 211,181 |", "h200-2026-11-28-81f67f7/lm_step_h200.md", "addnorm"),
+             "| llama | pre | eager | 211,181 |", "h200/2026-11-28-81f67f7/lm_step_h200.md", "addnorm"),
     # --- the op alone: its auto backend (none: see the module docstring) ------------------------------
 )
 # fmt: on

@@ -166,8 +166,9 @@ def resolve_backend(
 COMPILE_PATHS = ("composite", "kernel")
 # Inductor's fusion of the composite with its neighbours beat the opaque op on an H100 (issue 10:
 # compiled fused 0.78-0.83x of compiled unfused, 0.97x with CUDA graphs). Re-measured 2026-11-24
-# (benchmarks/results/gpu_h100.md, LM d_model 1024 x 12 layers, bf16): the composite path 1.009x the
-# compiled unfused model at no extra memory; bench_lm_step.py --compile-paths both revisits it.
+# (benchmarks/results/h100/2026-11-24-fcabca7/gpu_h100.md, LM d_model 1024 x 12 layers, bf16): the composite
+# path 1.009x the compiled unfused model at no extra memory; benchmarks/step/lm_step.py --compile-paths both
+# revisits it.
 _compile_path = "composite"
 
 
@@ -327,7 +328,7 @@ def _decide(
     return FusionDecision(
         False,
         f"no recorded step on {name} ran faster fused for this call ({call}); "
-        "measure with benchmarks/bench_lm_step.py, or set_fusion('always')",
+        "measure with benchmarks/step/lm_step.py, or set_fusion('always')",
     )
 
 

@@ -5,10 +5,10 @@
 GPU. On the CPU a step is per-layer host time plus training FLOPs at a FLOP rate, both fitted on a 2-core
 AMD EPYC with one torch thread per run. On a GPU the host queues kernels while the device computes, so a
 step takes the longer of the two: host time per layer measured on an H100's host (a 4-layer LM step,
-AdamW included, took 8.2 ms: ``benchmarks/results/host_overhead_cuda.md``), and the FLOPs at the share
-of the H100's dense bf16 peak measured eager (``benchmarks/results/``): 25% for addnorm's LM at d_model
-1024 (``lm_step_cuda.md``), 9.5% for a Hugging Face family (Llama at hidden 768, ``hf_step_gpu.md``).
-Models of d_model 512 at 8k tokens a step are host-bound there or nearly.
+AdamW included, took 8.2 ms: ``benchmarks/results/h100/2026-11-24-fcabca7/host_overhead_cuda.md``), and the
+FLOPs at the share of the H100's dense bf16 peak measured eager (``benchmarks/results/``): 25% for addnorm's
+LM at d_model 1024 (``lm_step_cuda.md``), 9.5% for a Hugging Face family (Llama at hidden 768,
+``hf_step_gpu.md``). Models of d_model 512 at 8k tokens a step are host-bound there or nearly.
 
 **What was measured wins** (:class:`Estimator`): the runs already stored for *this device* (the run's
 ``provenance.device``, a CPU model or a GPU name) are the estimate for the runs still to train, at the

@@ -21,10 +21,10 @@ alone (no model is built):
   backward's gradients add two layers' worth and the logits' gradient;
 - times :data:`SAFETY` on the activations.
 
-``benchmarks/bench_memory_estimate.py`` checks it against the measured peak resident memory of
-real runs (``benchmarks/results/memory_estimate_cpu.md``): the estimate is above every measured peak.
-On CUDA the same count is made in fp32 (bf16 autocast keeps many activations in half the bytes, so
-it errs high there), with a CUDA context instead of the host process; it has not been checked
+``benchmarks/study/memory_estimate.py`` checks it against the measured peak resident memory of
+real runs (``benchmarks/results/cpu/2026-11-25-b9179c0/memory_estimate_cpu.md``): the estimate is above every
+measured peak. On CUDA the same count is made in fp32 (bf16 autocast keeps many activations in half the bytes,
+so it errs high there), with a CUDA context instead of the host process; it has not been checked
 against a GPU's measured peak.
 
 **The limit** (:func:`memory_limit`): on the CPU the memory available now (``MemAvailable``, or the

@@ -4,7 +4,7 @@ Per call, ``JITFunction.run`` (Triton 3.4+) reads three knobs, looks up the curr
 runs the pre-run hooks, binds and specialises every argument (a generated binder: a dict of ~35
 arguments and a native call per argument), builds and looks up a cache key (``str`` of the options
 dict), checks the kernel's globals, builds the launch metadata and then calls the compiled kernel's
-launcher. On a CPU with the driver faked (``benchmarks/bench_host_overhead.py --jit-launch``) that is
+launcher. On a CPU with the driver faked (``benchmarks/host/host_overhead.py --jit-launch``) that is
 ~12 us a launch, more than the rest of a small fused call. A launcher that knows its arguments' kinds
 knows which of them can change the specialisation from call to call (the dtypes and 16-byte alignment
 of the tensors it is given, the class of its varying integers: 1, a multiple of 16, 64-bit), keys the
@@ -62,7 +62,7 @@ except ImportError:  # an older Triton: a hook or None
 
 # hand the launch no hook (and so no metadata) where the knob's hook would do nothing; False: pass the
 # knobs and the metadata as JITFunction.run does (the previous launch, which the GPU suite's host-time
-# step times beside this one: bench_host_overhead.py)
+# step times beside this one: benchmarks/host/host_overhead.py)
 SKIP_IDLE_HOOKS = True
 
 
