@@ -241,9 +241,9 @@ def test_packaging_metadata_license_and_readme_facts():
     assert "END OF TERMS AND CONDITIONS" in license_text  # the whole licence, not a stub
     assert {"Homepage", "Repository", "Issues"} <= set(meta["urls"])
     assert any(dep.startswith("rich") for dep in meta["dependencies"])
-    readme = (ROOT / "README.md").read_text()
+    page = (ROOT / "docs" / "study.md").read_text()
     quick = len(load_spec("quick").expand())
-    assert f"it trains {quick} small" in readme, "README: the quick preset's run count is stale"
+    assert f"it trains {quick} small" in page, "docs/study.md: the quick preset's run count is stale"
 
 
 # --- an instant command line (issue 32): answers without importing torch ---------------------------

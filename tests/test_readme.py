@@ -20,6 +20,7 @@ block run, by ``tools/doc_blocks.py``, which the torchrun benchmark shares.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -34,13 +35,57 @@ def _ids(block: Block) -> str:
     return block.where
 
 
+# The topic pages the front page links to (issue 51); each opens with code.
+PAGES = (
+    "guide.md",
+    "fused-op.md",
+    "huggingface.md",
+    "torchtitan.md",
+    "distributed.md",
+    "study.md",
+    "study-statistics.md",
+    "cli.md",
+    "performance.md",
+    "placements.md",
+    "architecture.md",
+    "study-spec.md",
+)
+# A commit hash: 7 to 40 hex digits with at least one digit and one letter (so no word or plain number).
+COMMIT_HASH = re.compile(r"\b(?=[0-9a-f]*[0-9])(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}\b")
+
+
 def test_the_readme_has_its_blocks_and_every_mark_is_known():
-    """The extraction finds the README's examples (so this test cannot pass on nothing), and every
-    mark is one of the four: an unknown one would skip silently."""
+    """The extraction finds the README's and every page's examples (so this test cannot pass on
+    nothing), and every mark is one of the four: an unknown one would skip silently."""
     readme = [b for b in ALL if b.where.startswith("README.md")]
-    assert sum(b.kind == "python" for b in readme) >= 7 and any(b.kind == "shell" for b in readme)
+    assert sum(b.kind == "python" for b in readme) >= 3 and any(b.kind == "shell" for b in readme)
+    for page in PAGES[:9]:
+        assert any(b.where.startswith(f"docs/{page}:") for b in ALL), f"docs/{page} has no runnable block"
     for block in ALL:
         assert block.mark in ("", "torchrun 2", "gpu") or SKIP.match(block.mark), (block.where, block.mark)
+
+
+def test_the_readme_is_a_front_page():
+    """At most 200 lines, Python within its first 60, a pip install line, a link to every topic page,
+    and no commit hash or window-by-window history (that lives beside the result tables)."""
+    text = (ROOT / "README.md").read_text()
+    lines = text.splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines"
+    first_python = next(i for i, line in enumerate(lines, 1) if line.strip() == "```python")
+    assert first_python <= 60, f"the first Python block opens at line {first_python}"
+    assert 'pip install "addnorm[' in text and 'pip install -e ".[dev]"' in text
+    for page in PAGES:
+        assert f"](docs/{page})" in text, f"README.md does not link docs/{page}"
+    assert "](docs/report-quick.png)" in text
+    assert not COMMIT_HASH.findall(text), COMMIT_HASH.findall(text)
+
+
+def test_every_topic_page_opens_with_code():
+    """A page's first thing after its title is a code block (a mark line may stand before it)."""
+    for page in PAGES[:9]:
+        lines = [line for line in (ROOT / "docs" / page).read_text().splitlines() if line.strip()]
+        body = [line for line in lines[1:] if not line.lstrip().startswith("<!--")]
+        assert lines[0].startswith("# ") and body[0].startswith("```"), f"docs/{page} does not open with code"
 
 
 @pytest.mark.parametrize("block", [b for b in ALL if b.mark != "torchrun 2"], ids=_ids)
