@@ -4,13 +4,14 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-# The optional integrations are installed for the tests too, so CI exercises every extra.
-EXTRAS ?= triton,hf,dev,ray,tensorboard,mlflow,torchtitan
+# The optional integrations are installed for the tests too, so CI exercises every extra (docs: the site's
+# build, which the tests run too).
+EXTRAS ?= triton,hf,dev,ray,tensorboard,mlflow,torchtitan,docs
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.addnorm-installed
 ARGS ?=
 
-.PHONY: run test lint format bench gpu-bench install clean report-screenshots
+.PHONY: run test lint format bench gpu-bench install clean report-screenshots docs browser
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +57,20 @@ gpu-bench:
 # reports under addnorm-out/ (run those studies first); needs chromium (apt-get install chromium).
 report-screenshots: $(STAMP)
 	$(PY) -m tools.report_screenshot --docs addnorm-out
+
+# The docs site (mkdocs.yml) into site/, strict: a broken link, a missing page, a page left out of the nav
+# or a docstring that griffe cannot read fails the build.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --site-dir site
+
+# Chromium (Debian's package) for the docs site's browser test and the report screenshots: installed when
+# apt-get is there and we are root, else nothing (tests/test_docs_site.py then skips, saying why).
+browser:
+	@if command -v chromium >/dev/null 2>&1; then echo "browser: $$(command -v chromium)"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) \
+			|| echo "browser: apt-get could not install chromium: the browser test will skip"; \
+	else echo "browser: no chromium, and no apt-get as root to install it: the browser test will skip"; fi
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
