@@ -143,12 +143,22 @@ class AddNorm(nn.Module):
         placement: a name from ``addnorm.PLACEMENTS`` or a :class:`Placement`.
         norm: a name from ``addnorm.NORMS``; ``"none"`` is the no-normalization ablation.
         dropout: dropout rate D.
-        eps, bias, norm_options: passed to the norms (``bias=None`` takes the norm's default).
+        eps: the norms' epsilon.
+        bias: whether the norms have a learned shift (``None``: the norm's default).
+        norm_options: the norm's own options (``zero_centered`` for RMSNorm, ``alpha0`` for DyT).
         residual: ``False`` removes the add (the no-residual ablation): s = f.
         dropout_at: ``"branch"`` (on F's output before the add, as the original Transformer) or
             ``"after_add"`` (on the sum).
         alpha: the residual scale; ``None`` takes the placement's (DeepNorm's depends on depth).
         gate_init: initial gate value (ReZero 0, LayerScale 0.1 by default).
+        fused: let the add run inside :func:`addnorm.ops.add_norm` where the fusion rule allows it
+            (below); ``False`` keeps the unfused modules.
+        device: where the parameters are created.
+        dtype: the parameters' dtype.
+
+    Raises:
+        ValueError: a ``d_model`` that is not a positive int, a dropout outside [0, 1), an unknown
+            ``dropout_at``, placement or norm.
 
     ``conn.placement = "post"`` switches placement at run time between placements whose parameters
     are the same (same number of norms, same gate); otherwise it raises ``ValueError``.

@@ -263,8 +263,25 @@ def build_norm(
     dtype=None,
     **options,
 ) -> nn.Module:
-    """Build a norm by registry name. ``bias=None`` takes the norm's default (LayerNorm yes, RMSNorm no);
-    ``options`` are the norm's own (``zero_centered`` for RMSNorm, ``alpha0`` for DyT)."""
+    """Build a norm by registry name.
+
+    Args:
+        name: a name of :data:`NORMS` (``layernorm``, ``rmsnorm``, ``scalenorm``, ``dyt``, ...).
+        dim: the feature size (the last dimension).
+        eps: added inside the square root.
+        affine: learn a per-feature gain.
+        bias: learn a per-feature shift; ``None`` takes the norm's default (LayerNorm yes, RMSNorm no).
+        device: where the parameters are created.
+        dtype: the parameters' dtype.
+        **options: the norm's own options (``zero_centered`` for RMSNorm, ``alpha0`` for DyT).
+
+    Returns:
+        The norm module.
+
+    Raises:
+        UnknownNameError: ``name`` is not registered (a ValueError and a KeyError).
+        ValueError: an option the norm does not take.
+    """
     cls = NORMS[name]
     accepted = set(inspect.signature(cls).parameters) - {"dim", "eps", "affine", "bias", "device", "dtype"}
     unknown = sorted(set(options) - accepted)

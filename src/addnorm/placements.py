@@ -126,7 +126,18 @@ PLACEMENTS: Registry[Placement] = Registry("placement")
 
 
 def register_placement(placement: Placement, aliases: tuple[str, ...] = ()) -> Placement:
-    """Add a placement to the registry (for users' own placements too)."""
+    """Add a placement to the registry (for users' own placements too).
+
+    Args:
+        placement: the placement; its ``name`` is its key.
+        aliases: other names that find it.
+
+    Returns:
+        ``placement``, as registered.
+
+    Raises:
+        ValueError: the name or an alias is taken.
+    """
     return PLACEMENTS.register(placement.name, placement, aliases=aliases)
 
 
@@ -368,7 +379,18 @@ register_placement(
 
 
 def get_placement(placement: str | Placement) -> Placement:
-    """A Placement from a name or a Placement."""
+    """A Placement from a name or a Placement.
+
+    Args:
+        placement: a registered name or alias (case-insensitive, ``-`` and ``_`` alike: ``"Pre-LN"``),
+            or a :class:`Placement`, returned as it is.
+
+    Returns:
+        The placement.
+
+    Raises:
+        UnknownNameError: no placement has that name (the message lists them).
+    """
     if isinstance(placement, Placement):
         return placement
     return PLACEMENTS[placement]

@@ -48,7 +48,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from ..probe import Probe
+from ..probe import LayerSelector, Probe
 
 __all__ = ["METRICS", "ProbeCallback"]
 
@@ -113,7 +113,12 @@ class ProbeCallback:
     """
 
     def __init__(
-        self, every: int = 1, *, metrics: tuple[str, ...] = METRICS, prefix: str = "probe/", layers=None
+        self,
+        every: int = 1,
+        *,
+        metrics: tuple[str, ...] = METRICS,
+        prefix: str = "probe/",
+        layers: LayerSelector = None,
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"every: expected a positive int, got {every!r}")

@@ -54,8 +54,17 @@ def fuse(model: nn.Module) -> nn.Module:
     runs in one fused op with it, within layers and from layer to layer into the final norm; returns it.
 
     Logits, loss and gradients are the model's (see the module docstring for numerics and dropout);
-    ``unfuse(model)`` or ``with fused(model):`` restores its forward. Raises ``ValueError`` for an
-    unsupported model type (listing the supported ones) or a model already rewired.
+    ``unfuse(model)`` or ``with fused(model):`` restores its forward.
+
+    Args:
+        model: a ``transformers`` model of a supported type (:data:`addnorm.hf.ARCHITECTURES`).
+
+    Returns:
+        ``model`` itself, rewired.
+
+    Raises:
+        ValueError: an unsupported model type (the message lists the supported ones), a model already
+            rewired, or one without layers.
     """
     arch = architecture_of(model)
     if rewiring_of(model) is not None:

@@ -106,14 +106,23 @@ def with_placement(
     """Re-place ``model``'s Add & Norm in place with ``placement`` (see the module docstring); returns it.
 
     Args:
+        model: a ``transformers`` model of a supported type (:data:`addnorm.hf.ARCHITECTURES`).
         placement: a name from :func:`supported_placements` (post, pre, sandwich, mix, deepnorm,
             layerscale, rezero, ...) or a :class:`~addnorm.Placement`.
-        norm: the norm kind (default: the model's, Gemma's with gain 1 + w); ``eps`` its epsilon
-            (default: the model's).
+        norm: the norm kind (default: the model's, Gemma's with gain 1 + w).
+        eps: the norm's epsilon (default: the model's).
         dropout: residual dropout on each branch (default: the model's, 0 for the Llama family).
         mix_fraction: for ``"mix"``, the fraction of layers from the bottom that use Post-LN.
         fused: let each add run in the fused op with the norm that reads it (``False``: unfused modules).
         init: apply the placement's initialisation (DeepNet); ``False`` keeps the weights as they are.
+
+    Returns:
+        ``model`` itself, re-placed.
+
+    Raises:
+        ValueError: a placement the model's modules cannot take (the message lists the supported
+            ones), an option out of range, or a model already re-placed.
+        TypeError: a ``norm`` that is not a name.
 
     A fused model (:func:`addnorm.hf.fuse`) is unfused first; a model already re-placed is refused.
     Admin's omegas start at 1: run ``addnorm.admin_init(model, input_ids)`` for its profiling pass.

@@ -155,7 +155,15 @@ class Transformer(nn.Module):
 
 class LanguageModel(nn.Module):
     """Decoder-only language model: embeddings, a causal stack of self-attention layers, a final norm
-    where the placement needs one, and a linear head. ``forward(tokens (B, T)) -> logits (B, T, vocab)``."""
+    where the placement needs one, and a linear head. ``forward(tokens (B, T)) -> logits (B, T, vocab)``.
+
+    Args:
+        cfg: the model's dimensions, placement, norm and initialisation.
+        vocab: the vocabulary size (the embedding's rows and the head's outputs).
+        tie_embeddings: the head shares the token embedding's weight.
+        device: where the parameters are created.
+        dtype: the parameters' dtype.
+    """
 
     def __init__(
         self, cfg: TransformerConfig, vocab: int, *, tie_embeddings: bool = False, device=None, dtype=None

@@ -405,6 +405,31 @@ def add_norm(
     gathering, the dropout mask the whole tensor's (hashed, also with ``seed=None``: seed every rank
     alike). Weight, bias and gate Replicate, or Shard(0) where x's hidden dimension is sharded; their
     gradients come out ``Partial()`` where x's rows are sharded. See :mod:`addnorm.ops.sharded`.
+
+    Args:
+        x: the branch output F(...), shape (..., hidden).
+        residual: the residual stream, the shape of ``x``.
+        weight: the norm's gain w, shape (hidden,), or None for no affine.
+        bias: the norm's shift b, shape (hidden,), or None.
+        norm: ``"layernorm"`` or ``"rmsnorm"``.
+        eps: added to the variance (mean square) before the square root.
+        prenorm: also return the sum s (the stream a Pre-LN stack carries on).
+        alpha: the residual scale (DeepNorm's alpha > 1).
+        gate: None, a one-element tensor (ReZero) or a (hidden,) vector (LayerScale).
+        dropout_p: the dropout probability on ``x``.
+        training: dropout applies only when True.
+        residual_in_fp32: keep s in float32 whatever the inputs' dtype.
+        out_dtype: the dtype of y (default x's).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        seed: the dropout mask's seed (an int or a one-element tensor); None draws one.
+
+    Returns:
+        y, or ``(y, s)`` when ``prenorm``.
+
+    Raises:
+        ValueError: inputs of different shapes or devices, or an argument out of its range.
+        RuntimeError: ``backend="triton"`` without Triton, or where it cannot run.
+        TypeError: ``backend="triton"`` for a dtype other than float32, float16 and bfloat16.
     """
     global _last
     compiling, key, plan = is_compiling(), None, None

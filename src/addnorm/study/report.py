@@ -475,8 +475,19 @@ built {datetime.now().astimezone().isoformat(timespec="seconds")}.</p>
 
 
 def build_report(out_dir: str | Path, mix_devices: bool = False) -> Path:
-    """Write ``out_dir/report.html`` from ``out_dir/study.sqlite``; returns its path. ``mix_devices``: rank
-    runs of one setting measured on different devices in one table (by default one per device)."""
+    """Write ``out_dir/report.html`` from ``out_dir/study.sqlite`` alone.
+
+    Args:
+        out_dir: the study's folder.
+        mix_devices: rank runs of one setting measured on different devices in one table (by default
+            one table per device).
+
+    Returns:
+        The report's path.
+
+    Raises:
+        ValueError: ``out_dir`` holds no study database.
+    """
     out = Path(out_dir)
     db = out / "study.sqlite"
     if not db.is_file():

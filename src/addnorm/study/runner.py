@@ -312,7 +312,26 @@ def run_study(
     version or other settings (:mod:`.resume`). With a ``budget`` (:class:`~.budget.Budget`) a run
     starts only if its estimate fits in what is left of it; the others are counted in ``left`` for the
     next invocation. ``mix_devices``: the report ranks runs of one setting measured on different
-    devices in one table (by default one table per device)."""
+    devices in one table (by default one table per device).
+
+    Args:
+        spec: the study (:func:`parse_spec`, :func:`load_spec`).
+        out_dir: its folder: ``study.sqlite`` and ``report.html``.
+        workers: processes running at once, or ``"auto"`` (1: in this process).
+        threads: torch threads per worker (default 1).
+        executor: where the runs execute (default: by ``workers``).
+        progress: print each run's progress.
+        report: write the report at the end.
+        prune: delete stored runs that are not part of this spec.
+        stream: where progress goes (default stderr).
+        trackers: experiment trackers every run is logged to as well.
+        memory_limit: a size per run, or ``"off"``.
+        budget: a time budget: runs whose estimate does not fit are left for the next invocation.
+        mix_devices: see above.
+
+    Returns:
+        What ran, what failed, what is left, and the report's path.
+    """
     out = Path(out_dir)
     plan = spec.resolved()  # the spec's one expansion: the runs, the store's plan, the report's left-out runs
     planned, members = list(plan.runs), plan.memberships

@@ -177,7 +177,18 @@ def _expand_experiment(name: str, exp: dict, base: dict) -> list[PlannedRun]:
 
 
 def parse_spec(data: object, source: str = "<spec>") -> StudySpec:
-    """Validate a loaded YAML document and build the StudySpec (every run is resolved once here)."""
+    """Validate a loaded YAML document and build the StudySpec (every run is resolved once here).
+
+    Args:
+        data: the document, a mapping with ``name``, ``base``, ``experiments`` (docs/study-spec.md).
+        source: what error messages call it (a file name or a preset).
+
+    Returns:
+        The spec.
+
+    Raises:
+        SpecError: the document is not a valid spec (the message names the key and what it expects).
+    """
     if not isinstance(data, dict):
         raise SpecError(
             f"{source}: expected a mapping with keys {', '.join(SPEC_KEYS)}, got {type(data).__name__}"
@@ -448,8 +459,19 @@ def spec_keys_markdown() -> str:
 def load_spec(
     name_or_path: str | Path | None = None, overrides: list[str] | None = None, smoke: bool = False
 ) -> StudySpec:
-    """A preset by name (default ``quick``) or a YAML file by path, with ``--set`` overrides applied
-    (then shrunk to smoke size with ``smoke``, see :func:`smoke_spec`)."""
+    """A preset by name (default ``quick``) or a YAML file by path, with ``--set`` overrides applied.
+
+    Args:
+        name_or_path: a preset name (:func:`preset_names`) or a ``.yaml`` path; None: ``quick``.
+        overrides: ``KEY=VALUE`` settings, as ``addnorm study --set`` takes them.
+        smoke: shrink the spec to a smoke size (:func:`smoke_spec`).
+
+    Returns:
+        The spec.
+
+    Raises:
+        SpecError: no such preset or file, YAML that does not parse, or an invalid spec.
+    """
     name_or_path = name_or_path or "quick"
     path = Path(name_or_path)
     if path.suffix in (".yaml", ".yml") or path.exists():

@@ -253,7 +253,18 @@ def train(
     ``on_progress(phase, done, total)`` says what a long run is doing between steps: ``("build", 0,
     1)`` when it starts building its model and ``("build", 1, 1)`` when that is done; ``("eval", done,
     total)`` after each held-out batch, counted over the whole run (``total`` is
-    :func:`eval_batches_total`). Like ``on_step`` it only observes."""
+    :func:`eval_batches_total`). Like ``on_step`` it only observes.
+
+    Args:
+        cfg: the run.
+        on_step: called with ``(step, loss)`` after every step.
+        device: where to train (default: CUDA when there is a GPU, else the CPU).
+        sync_every: steps between reads of the loss from the device.
+        on_progress: called with ``(phase, done, total)`` while building and evaluating.
+
+    Returns:
+        The run's :class:`RunResult`: its status, losses, metrics and timings.
+    """
     start = time.perf_counter()
     progress = on_progress or (lambda phase, done, total: None)
     progress("build", 0, 1)
