@@ -37,6 +37,7 @@ says. What the study commands do, and their exit codes, is in [the study guide](
 `--set` takes are in [the spec reference](study-spec.md).
 """
 
+
 def _cell(text: object) -> str:
     """``text`` on one line, safe inside a Markdown table cell."""
     return " ".join(str(text).split()).replace("|", "\\|")
