@@ -434,7 +434,7 @@ def profile_row(experiment: str, record: LayerPanels, metric: str) -> tuple[str,
         return None
     split, facet_list, series = facets(list(dict.fromkeys(s.label for s in kept)))
     colours = dict(zip(series, palette(len(series)), strict=True))
-    fig, axes = grid(len(facet_list), width=4.0, height=2.7, max_cols=len(facet_list))
+    fig, axes = grid(len(facet_list), width=2.8, height=2.4, max_cols=len(facet_list))
     panel = dict(zip(facet_list, axes, strict=True))
     plotted: dict = defaultdict(list)
     for s in kept:
@@ -443,10 +443,11 @@ def profile_row(experiment: str, record: LayerPanels, metric: str) -> tuple[str,
         panel[facet].plot(s.layers, s.values, color=colour, marker=marker, ms=3.5, label=name_)
         plotted[facet].append((name_, s.layers, s.values))
     moment = "at initialisation" if record.when == "init" else f"at step {record.step}"
-    for facet, ax in panel.items():
+    for i, (facet, ax) in enumerate(panel.items()):
         layer_axis(ax)
         log_axis(ax, [y for _, _, ys in plotted[facet] for y in ys])
-        ax.set_ylabel(LAYER_TITLES[metric] + " (log)")
+        if i == 0:  # one y label for the row: the panels show one metric
+            ax.set_ylabel(LAYER_TITLES[metric] + " (log)")
         title_with_overlaps(ax, facet or LAYER_TITLES[metric], plotted[facet], fontsize=9)
         ax.grid(alpha=0.3, which="both")
     legend(fig, axes, len(series))

@@ -1,12 +1,12 @@
 """The study report: one self-contained HTML file (PNG plots embedded), a template over the study's
 records (:func:`.analysis.analyse`) and the figures drawn from them (:mod:`.figures`).
 
-It opens on a summary, what a reader came for (:func:`summary_section`): the headline plots (training curves of
-the placements compared with and without warmup, per-layer gradient profiles at initialisation) beside
-a compact verdict table, one line per finding with its verdict and one number. The detail follows: the
-findings with their rule and evidence, the ranking when the spec asks for one, one section per
-experiment, and last what was run (the base configuration, each experiment's settings, the runs'
-provenance). The summary's verdicts are the findings' own, word for word; it computes nothing.
+It opens on a summary, what a reader came for (:func:`summary_section`): the headline plots (training
+curves of the placements compared with and without warmup, per-layer gradient profiles at
+initialisation) beside a compact verdict table, one line per finding with its verdict and one number.
+The detail follows: the findings with their rule and evidence, the ranking when the spec asks for one,
+one section per experiment, and last what was run (the base configuration, each experiment's settings,
+the runs' provenance). The summary's verdicts are the findings' own, word for word; it computes nothing.
 """
 
 from __future__ import annotations
@@ -42,8 +42,8 @@ th{background:#f3f3f3}.supported{color:#0a6d2a;font-weight:600}.not{color:#b3261
 .untested{color:#777}img{max-width:100%;height:auto;display:block;margin:0.8em 0}.note{color:#555;font-size:13px}
 .kv th{font-weight:normal;background:#fafafa}.kv td.given{font-weight:600}.cols{display:flex;flex-wrap:wrap;gap:2em}.cols>div{flex:1 1 420px;min-width:0}
 .findings td:nth-child(3){min-width:28em}summary{cursor:pointer;color:#245}
-.summary{display:grid;grid-template-columns:minmax(0,1.1fr) minmax(0,1fr);gap:1.5em;align-items:start}.summary img{margin:0}
-.verdict-summary{font-size:12px;margin-top:0}.verdict-summary td{padding:3px 6px}.headline-note{margin:0.2em 0 0.6em}"""
+.summary{display:grid;grid-template-columns:minmax(0,0.95fr) minmax(0,1.05fr);gap:1.5em;align-items:start}.summary img{margin:0}
+.verdict-summary{font-size:12px;margin-top:0}.verdict-summary td{padding:3px 6px}.verdict-summary td+td{white-space:nowrap}.headline-note{margin:0.1em 0 0.5em}"""
 
 
 def img(figure: tuple[str, str] | None) -> str:
@@ -203,13 +203,11 @@ def headline_figures(experiments: list[ExperimentRecord]) -> list[tuple[tuple[st
 
 
 def summary_section(records: StudyRecords) -> str:
-    """The report's first screen: the verdict table beside the headline training curves, the gradient
-    profiles below, and where the detail is."""
-    shown = [
+    """The report's first screen: the verdict table beside the headline plots, and where the detail is."""
+    shown = "".join(
         img(f) + f"<p class='note headline-note'>From <a href='#{esc(n)}'>{esc(n)}</a>.</p>"
         for f, n in headline_figures(records.experiments)
-    ]
-    first, rest = (shown[0], shown[1:]) if shown else ("", [])
+    )
     return (
         "<h2 id='summary'>Summary</h2><div class='summary'><div>"
         f"{verdict_table(records.findings)}<p class='note'>Each verdict is the <a href='#findings'>findings"
@@ -217,7 +215,7 @@ def summary_section(records: StudyRecords) -> str:
         "number: a gradient profile's top/first-layer ratio, else the largest difference measured (in "
         "pooled standard deviations: the rule counts it beyond 2). Below: the findings, the ranking, each "
         "experiment, and the <a href='#configuration'>configuration</a> with the runs' provenance.</p>"
-        f"</div><div>{first}</div></div>{''.join(rest)}"
+        f"</div><div>{shown}</div></div>"
     )
 
 
