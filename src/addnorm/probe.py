@@ -124,6 +124,9 @@ class Probe:
             - a callable ``(name, module) -> bool`` over ``model.named_modules()``;
             - an explicit sequence of modules.
 
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
     Within a layer, each ``AddNorm`` child is a sublayer named by its ``connection_role`` (``self_attn``,
     ``ff``; a child without a role by its attribute name) whose weight matrices are the >= 2-D
     parameters of the layer's children the role names (e.g. ``ff.w1.weight``).
@@ -296,6 +299,12 @@ class Probe:
         ``metric`` is one of :data:`METRICS`; ``param`` names the weight (relative to the layer) for
         ``weight_grad_norm``/``weight_norm`` and is ``None`` for stream metrics. Weight gradients are
         read from ``p.grad`` now (absent when ``p.grad`` is None).
+
+        Args:
+            step: the training step the rows are tagged with.
+
+        Returns:
+            One dict per recorded value.
         """
         rows: list[dict] = []
 
