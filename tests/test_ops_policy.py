@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import re
+import json
 from pathlib import Path
 
 import pytest
@@ -20,7 +20,8 @@ from addnorm.ops import measured, policy
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
-ROW_IDS = [f"{m.device}-{m.scope}-{m.source}-{m.min_hidden}-{m.dropout}" for m in measured.MEASURED]
+PROV = measured.Provenance("a test row", "/ratio", "0000000", "2026-12-01")  # a made-up row's
+ROW_IDS = lambda m: f"{m.device}-{m.scope}-{m.source}-{m.dropout}-{m.model}"  # noqa: E731
 
 
 @pytest.fixture
@@ -36,19 +37,80 @@ def gpu_named(monkeypatch):
     policy.set_fusion("measured")
 
 
+def _json_value(data, key: str):
+    """The value at JSON pointer ``key`` (RFC 6901), walked here without the tool that wrote the rows."""
+    for part in key.split("/")[1:]:
+        part = part.replace("~1", "/").replace("~0", "~")
+        data = data[int(part)] if isinstance(data, list) else data[part]
+    return data
+
+
 @pytest.mark.parametrize("row", measured.MEASURED, ids=ROW_IDS)
-def test_each_measured_row_is_a_recorded_number_beyond_the_spread(row):
-    """Each row names its source table, which holds its evidence line and the device it names, and a
-    number on that line is its ratio (fused / unfused time, or its inverse where the table gives
-    speeds); the ratio is beyond the runs' spread (a tie is not a rule)."""
-    text = (RESULTS / row.source).read_text()
-    assert row.device in text, (row.source, row.device)
-    (line,) = [ln for ln in text.splitlines() if row.evidence in ln][:1]
-    numbers = [float(v) for v in re.findall(r"(\d+\.\d+)x", line)]
-    numbers += [float(v) for v in re.findall(r"\| (\d+\.\d+)x? \|", line)]
-    assert any(abs(v - row.ratio) < 1e-3 or abs(1 / v - row.ratio) < 1e-2 for v in numbers), (line, row)
+def test_each_measured_row_is_the_number_its_benchmark_json_holds(row):
+    """Each row's ratio is the value its benchmark wrote: at its key in its JSON file (divided by the
+    value at ``over``, inverted where the file gives unfused over fused); the file is in the window
+    of the row's commit and date and names the row's device; the ratio is beyond the runs' spread (a
+    tie is not a rule)."""
+    p = row.provenance
+    data = json.loads((RESULTS / p.file).read_text())
+    value = float(_json_value(data, p.key)) / (float(_json_value(data, p.over)) if p.over else 1.0)
+    assert row.ratio == (1 / value if p.inverse else value), (row, value)
+    device, window = Path(p.file).parts[:2]
+    assert window.startswith(p.date) and p.commit in window, (p, window)
+    assert (
+        row.device == "cpu"
+        and device == "cpu"
+        or row.device in json.dumps(data)
+        or row.device in (RESULTS / p.file).with_suffix(".md").read_text()
+    )
     assert row.slower or row.faster
     assert row.scope in measured.SCOPES
+
+
+@pytest.mark.parametrize("row", [m for m in measured.MEASURED if m.scope == "step"], ids=ROW_IDS)
+def test_the_decision_on_the_call_each_step_row_timed_is_that_row(row, gpu_named):
+    """``fusion_decision`` on the very call a step row was recorded on (its device, mode, dropout,
+    elements per call and model) answers with that row: not fused where it ran slower, fused where
+    it ran faster."""
+    device = "cpu" if row.device == "cpu" else "cuda"
+    if device == "cuda":
+        gpu_named(row.device)
+    numel = row.max_numel if row.max_numel is not None else 8 * 1024 * 768
+    d = policy.fusion_decision(
+        device,
+        dropout=bool(row.dropout),
+        numel=numel,
+        compiling=row.mode == "compile",
+        model=row.model or "addnorm",
+    )
+    assert d.row == row and d.fuse == row.faster and row.source in d.why, d
+
+
+def test_the_rows_tool_writes_a_row_from_a_window_json_and_refuses_a_tie(tmp_path):
+    """``tools.measured_rows add`` reads the ratio where the benchmark wrote it and the commit and date
+    from the window folder; the row it writes loads back as written; a ratio within the spread is
+    refused with one line; ``check`` names a row whose file no longer holds its value."""
+    from tools import measured_rows
+
+    results, rows = tmp_path / "results", tmp_path / "rows"
+    window = results / "h200" / "2026-12-01-abcdef1"
+    window.mkdir(parents=True)
+    rows.mkdir()
+    (window / "step.json").write_text(json.dumps({"r": [{"a/b": {"fused": 90.0, "plain": 100.0}}]}))
+    argv = ["add", "h200", "--device", H200, "--json", "h200/2026-12-01-abcdef1/step.json"]
+    argv += ["--key", "/r/0/a~1b/fused", "--over", "/r/0/a~1b/plain", "--scope", "step", "--mode", "eager"]
+    argv += ["--dropout", "false", "--model", "hf", "--what", "a test step"]
+    args = measured_rows.parser().parse_args(argv)
+    measured_rows.add(args, rows, results)
+    (row,) = measured.load_rows(rows)
+    assert row.device == H200 and row.ratio == 0.9 and row.faster and row.model == "hf" and not row.dropout
+    assert (row.provenance.commit, row.provenance.date) == ("abcdef1", "2026-12-01")
+    assert measured_rows.check(rows, results) == []
+    (window / "step.json").write_text(json.dumps({"r": [{"a/b": {"fused": 99.0, "plain": 100.0}}]}))
+    (bad,) = measured_rows.check(rows, results)
+    assert "row 0.9, file 0.99" in bad
+    with pytest.raises(ValueError, match="within the spread"):
+        measured_rows.add(args, rows, results)
 
 
 @pytest.mark.parametrize(
@@ -95,7 +157,7 @@ def test_on_the_cpu_a_model_fuses_unless_a_recorded_step_ran_slower():
     yes = policy.fusion_decision("cpu", dropout=False)
     assert yes.fuse and yes.row is None and "torch's own ops" in yes.why
     no = policy.fusion_decision(torch.device("cpu"), dropout=True)
-    assert not no.fuse and no.row.source == "host_overhead_cpu.md" and "1.06x slower" in no.why
+    assert not no.fuse and no.row.source.endswith("host_overhead_cpu.json") and "1.06x slower" in no.why
     assert policy.fusion_decision("cpu", dropout=True, sharded=True).fuse
     assert policy.fused_op_preferred("cpu", dropout=False) and not policy.fused_op_preferred(
         "cpu", dropout=True
@@ -112,17 +174,17 @@ def test_on_a_gpu_a_model_fuses_only_where_that_gpu_ran_the_step_faster(gpu_name
     gpu_named(H100)
     for model in measured.MODELS:
         d = policy.fusion_decision("cuda", dropout=False, numel=big, model=model)
-        assert d.fuse and d.row.source == "hf_step_gpu.md" and "1.05x faster" in str(d)
+        assert d.fuse and d.row.source.endswith("hf_step_gpu.json") and "1.05x faster" in str(d)
     d = policy.fusion_decision(torch.device("cuda", 0), dropout=False, numel=tiny)
-    assert not d.fuse and d.row.source == "host_overhead_cuda.md"
+    assert not d.fuse and d.row.source.endswith("host_overhead_cuda.json")
     d = policy.fusion_decision("cuda", dropout=True, numel=big)
     assert not d.fuse and d.row is None and "no recorded step on NVIDIA H100 80GB HBM3" in d.why
     assert not policy.fusion_decision("cuda", dropout=False, numel=big, compiling=True).fuse
     gpu_named(H200)  # an H100 row does not decide for an H200
     d = policy.fusion_decision("cuda", dropout=False, numel=big, model="hf")
-    assert d.fuse and d.row.source.endswith("81f67f7/hf_step_h200.md") and "1.05x faster" in d.why
+    assert d.fuse and d.row.source.endswith("81f67f7/hf_step_h200.json") and "1.05x faster" in d.why
     d = policy.fusion_decision("cuda", dropout=False, numel=big)  # model="addnorm", the default
-    assert not d.fuse and d.row.source.endswith("81f67f7/lm_step_h200.md") and "1.08x slower" in d.why
+    assert not d.fuse and d.row.source.endswith("81f67f7/lm_step_h200.json") and "1.08x slower" in d.why
     for model in measured.MODELS:
         d = policy.fusion_decision("cuda", dropout=True, numel=big, model=model)
         assert not d.fuse and d.row is None and f"{model} model, eager, with dropout" in d.why
@@ -144,7 +206,7 @@ def test_a_connection_asks_for_its_models_rows_hugging_face_ones_for_hf(monkeypa
     from addnorm import hf as anhf
     from addnorm.hf.tiny import tiny_model
 
-    row = measured.Measured("cpu", "step", None, None, None, None, 0, None, 2.0, "", "", "hf")
+    row = measured.Measured("cpu", "step", None, None, None, None, 0, None, 2.0, "", PROV, "hf")
     monkeypatch.setitem(measured._BY_DEVICE, ("cpu", "step"), (row,))
     policy.set_fusion("measured")  # forget cached decisions
     calls = []
@@ -204,7 +266,7 @@ def test_the_op_s_auto_backend_takes_its_torch_path_only_where_a_row_of_that_gpu
     for name in (H100, H200):
         gpu_named(name)
         assert policy.resolve_backend("auto", cuda, 16384, bf16, "layernorm", False, False) == "triton"
-    row = measured.Measured(H200, "op", None, "layernorm", False, None, 16384, None, 2.0, "", "")
+    row = measured.Measured(H200, "op", None, "layernorm", False, None, 16384, None, 2.0, "", PROV)
     monkeypatch.setitem(measured._BY_DEVICE, (H200, "op"), (row,))
     assert policy.resolve_backend("auto", cuda, 16384, bf16, "layernorm", False, True) == "torch"
     assert policy.resolve_backend("auto", cuda, 8192, bf16, "layernorm", False, True) == "triton"
@@ -220,7 +282,7 @@ def test_a_model_runs_unfused_where_a_size_rule_covers_its_calls(monkeypatch, to
     """AddNorm asks the policy with its stream's element count: a CPU step row up to 3 x 16 elements (a
     stand-in for the H100's tiny-call row) sends a 3-token call to the unfused modules and leaves a
     4-token call to the op; both give the unfused model's values."""
-    row = measured.Measured("cpu", "step", None, None, None, None, 0, 3 * 16, 2.0, "", "")
+    row = measured.Measured("cpu", "step", None, None, None, None, 0, 3 * 16, 2.0, "", PROV)
     monkeypatch.setitem(measured._BY_DEVICE, ("cpu", "step"), (row,))
     policy.set_fusion("measured")  # forget cached decisions
     calls = []

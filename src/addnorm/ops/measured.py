@@ -1,15 +1,18 @@
-"""Where the fused op was measured against the unfused ops: one table of recorded numbers, keyed on the
-device that measured them, that the policy (:mod:`addnorm.ops.policy`) reads.
+"""Where the fused op was measured against the unfused ops: the recorded verdicts, one data file per
+device (``measured_rows/<device>.json``, package data), that the policy (:mod:`addnorm.ops.policy`) reads.
 
-Each :class:`Measured` row is a line of a table under ``benchmarks/results`` (``source``, ``evidence``):
-on one device, by its name as torch reports it (``"NVIDIA H200"``, ``"NVIDIA H100 80GB HBM3"``; ``"cpu"``
-stands for any CPU), a ``scope`` (``"step"``: a model's training step, which decides where a model fuses;
-``"op"``: the op alone against the eager ops it replaces, which decides the op's ``auto`` backend), the
-calls it covers (execution mode, norm, Pre-LN or not, branch dropout, hidden sizes from ``min_hidden``,
-elements per call up to ``max_numel``, and ``model``: which models' step it timed, :data:`MODELS`) and
-``ratio``, the fused time over the unfused time. A row counts only beyond the runs' spread
-(:data:`SPREAD`): slower (``ratio > 1 + SPREAD``) or faster (``ratio < 1 - SPREAD``); a tie is no row.
-A GPU session that re-measures (``make gpu-bench``) edits the rows.
+Each :class:`Measured` row is a number a benchmark wrote into a JSON file under ``benchmarks/results``
+(its :class:`Provenance`: the file, the key of the value in it as a JSON pointer, the commit and the date
+it was recorded at): on one device, by its name as torch reports it (``"NVIDIA H200"``, ``"NVIDIA H100
+80GB HBM3"``; ``"cpu"`` stands for any CPU), a ``scope`` (``"step"``: a model's training step, which
+decides where a model fuses; ``"op"``: the op alone against the eager ops it replaces, which decides the
+op's ``auto`` backend), the calls it covers (``regime``: execution mode, norm, Pre-LN or not, branch
+dropout, hidden sizes from ``min_hidden``, elements per call up to ``max_numel``, and ``model``: which
+models' step it timed, :data:`MODELS`) and ``ratio``, the fused time over the unfused time. A row counts
+only beyond the runs' spread (:data:`SPREAD`): slower (``ratio > 1 + SPREAD``) or faster (``ratio < 1 -
+SPREAD``); a tie is no row. The rows are written from a window's JSON by ``python -m
+tools.measured_rows add ...`` (which refuses a tie), and a test reads every row's value again from its
+file and key.
 
 An ``"op"`` row sends the op's ``auto`` backend to its torch path, so it needs a table in which that
 path (not eager PyTorch's own ops) ran faster than the kernels. None does today: the op tables time
@@ -17,7 +20,8 @@ the kernels against eager PyTorch (``F.layer_norm(x + r)``), and for a bf16 stre
 is its fp32 composite, slower than either. The H100 row this table held (Post-LN LayerNorm from 16384
 columns, 0.64x eager with an older backward) sent that shape to the composite, on every GPU: on the
 H200 the "addnorm" cell there timed the composite, 2.39 ms forward against the kernels' 0.40 ms for
-Pre-LN (``add_norm_h200.md``; found with the kernels' compile table, which showed no fault in them).
+Pre-LN (``h200/2026-11-27-fb82146/add_norm_h200.md``; found with the kernels' compile table, which
+showed no fault in them).
 
 No Triton here, and torch only for the device's name.
 """
@@ -25,11 +29,23 @@ No Triton here, and torch only for the device's name.
 from __future__ import annotations
 
 import functools
+import json
+from importlib import resources
 from typing import NamedTuple
 
 import torch
 
-__all__ = ["MEASURED", "MODELS", "SCOPES", "SPREAD", "Measured", "device_name", "rows_for"]
+__all__ = [
+    "MEASURED",
+    "MODELS",
+    "SCOPES",
+    "SPREAD",
+    "Measured",
+    "Provenance",
+    "device_name",
+    "load_rows",
+    "rows_for",
+]
 
 SCOPES = ("step", "op")
 # Whose training step a "step" row timed, since the host code around the op is theirs: "hf", a Hugging
@@ -41,6 +57,21 @@ MODELS = ("hf", "addnorm")
 # identical fused=False models timed side by side differed by up to ~2% on the H100 (lm_step_cuda.md,
 # gpu_h100.md) and by 2.2% on the H200 (host_overhead_h200.md): a difference within it is a tie
 SPREAD = 0.02
+# the fields of a row's regime (the calls it covers), in the order Measured holds them
+REGIME = ("mode", "norm", "prenorm", "dropout", "min_hidden", "max_numel", "model")
+
+
+class Provenance(NamedTuple):
+    """Where a row's ratio was read: ``file`` (a JSON file under ``benchmarks/results``), the value at
+    JSON pointer ``key`` in it, divided by the value at ``over`` where given, inverted where ``inverse``
+    (a speed-up of fused over unfused is a time ratio's inverse); ``commit`` and ``date`` of the run."""
+
+    file: str
+    key: str
+    commit: str
+    date: str
+    over: str | None = None
+    inverse: bool = False
 
 
 class Measured(NamedTuple):
@@ -56,9 +87,14 @@ class Measured(NamedTuple):
     min_hidden: int
     max_numel: int | None
     ratio: float
-    evidence: str
-    source: str
+    what: str
+    provenance: Provenance
     model: str | None = None
+
+    @property
+    def source(self) -> str:
+        """The result file the ratio was read from (relative to ``benchmarks/results``)."""
+        return self.provenance.file
 
     @property
     def slower(self) -> bool:
@@ -86,32 +122,49 @@ class Measured(NamedTuple):
             and (self.max_numel is None or (numel is not None and numel <= self.max_numel))
         )
 
+    def record(self) -> dict:
+        """The row as its data file holds it (the device is the file's)."""
+        return {
+            "scope": self.scope,
+            "regime": {name: getattr(self, name) for name in REGIME},
+            "ratio": self.ratio,
+            "what": self.what,
+            "provenance": {k: v for k, v in self.provenance._asdict().items() if v not in (None, False)},
+        }
 
-_H100, _H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
-# fmt: off
-MEASURED = (
-    # --- training steps: where a model fuses ------------------------------------------------------
-    # a tiny Pre-LN LM step on 2 CPU cores (d_model 64, dropout 0.1): the hashed NumPy mask costs more
-    # than nn.Dropout; without dropout the op runs the unfused modules' own torch ops
-    Measured("cpu", "step", None, None, None, True, 0, None, 1.061,
-             "27781 us, 1.061x fused=False", "cpu/2026-11-23-8d56b42/host_overhead_cpu.md"),
-    # the same step on the H100 (8 x 16 tokens x d_model 64 = 8192 elements a call), host-bound
-    Measured(_H100, "step", "eager", None, None, None, 0, 8192, 1.278,
-             "10518 us, 1.278x fused=False", "h100/2026-11-24-fcabca7/host_overhead_cuda.md"),
-    # HF Llama 134M (RMSNorm, no dropout, 8 x 1024 x 768 elements a call), eager: fused 1.048x plain
-    Measured(_H100, "step", "eager", None, None, False, 0, None, 1 / 1.048,
-             "| eager | 122162 | 128054 |", "h100/2026-11-24-fcabca7/hf_step_gpu.md"),
-    # the H200 at 81f67f7 (each a median of paired rounds, quartiles beyond the spread), eager: HF Llama
-    # 134M (RMSNorm, no dropout) 1.051x plain, fused (the GPU-bound size: 1.074x); addnorm's LM with
-    # RMSNorm + SwiGLU, no dropout, 0.926x fused=False. Level (no row): the LM with LayerNorm and dropout
-    # 0.1 (0.999x). Not timed: compiled steps. (fb82146's rows, 0.715x-0.859x, timed older kernels.)
-    Measured(_H200, "step", "eager", None, None, False, 0, None, 1 / 1.051,
-             "| 134m eager | 154975 | 169825 |", "h200/2026-11-28-81f67f7/hf_step_h200.md", "hf"),
-    Measured(_H200, "step", "eager", None, None, False, 0, None, 1 / 0.926,
-             "| llama | pre | eager | 211,181 |", "h200/2026-11-28-81f67f7/lm_step_h200.md", "addnorm"),
-    # --- the op alone: its auto backend (none: see the module docstring) ------------------------------
-)
-# fmt: on
+
+def row_of(device: str, record: dict) -> Measured:
+    """A row from its data file's ``record`` (see :meth:`Measured.record`) on ``device``; a missing or
+    unknown field is a one-line error naming it."""
+    regime = dict(record.get("regime", {}))
+    unknown = set(regime) - set(REGIME)
+    if unknown or record.get("scope") not in SCOPES:
+        raise ValueError(f"measured row {record!r}: expected scope in {SCOPES} and regime keys {REGIME}")
+    regime.setdefault("min_hidden", 0)
+    fields = {name: regime.get(name) for name in REGIME}
+    return Measured(
+        device=device,
+        scope=record["scope"],
+        ratio=float(record["ratio"]),
+        what=record["what"],
+        provenance=Provenance(**record["provenance"]),
+        **fields,
+    )
+
+
+def load_rows(folder=None) -> tuple[Measured, ...]:
+    """Every row of every device's data file in ``folder`` (default: the package's
+    ``measured_rows``), the files in name order, each file's rows in its order."""
+    folder = resources.files(__package__).joinpath("measured_rows") if folder is None else folder
+    rows: list[Measured] = []
+    for path in sorted(folder.iterdir(), key=lambda p: p.name):
+        if path.name.endswith(".json"):
+            data = json.loads(path.read_text())
+            rows.extend(row_of(data["device"], r) for r in data["rows"])
+    return tuple(rows)
+
+
+MEASURED = load_rows()
 
 # the rows by (device name, scope)
 _BY_DEVICE: dict[tuple[str, str], tuple[Measured, ...]] = {}

@@ -12,7 +12,8 @@ policy it was made under.
 held-back adds, a Post-LN connection's add and norm) asks: fuse on a GPU only where a recorded training
 step on that GPU ran faster fused, and say why (:class:`FusionDecision`); :func:`fused_op_preferred` is
 its answer alone, :func:`set_fusion` (``ADDNORM_FUSION``) overrides it. The op itself picks its backend.
-The recorded numbers are one data table, :data:`~addnorm.ops.measured.MEASURED`, keyed on the device's
+The recorded numbers are :data:`~addnorm.ops.measured.MEASURED`, read from one data file per device
+(``ops/measured_rows/*.json``, each row with the JSON file and key it was read from), keyed on the device's
 name: the steps for the model's choice, the op alone for its ``auto`` backend (:func:`eager_faster`).
 :func:`compile_path` is what
 ``addnorm.ops.add_norm`` gives Inductor while ``torch.compile`` traces it: its composite of torch ops
