@@ -4,6 +4,7 @@ imported lazily, only by ``ops/triton*`` modules (and by ``library`` where CUDA 
 
 from .args import MAX_FUSED_HIDDEN
 from .functional import add_norm
+from .native import call_path, set_call_path
 from .policy import (
     BACKENDS,
     FusionDecision,
@@ -23,6 +24,7 @@ __all__ = [
     "FusionDecision",
     "add_norm",
     "add_norm_reference",
+    "call_path",
     "compile_path",
     "dropout_keep_mask",
     "dropout_threshold",
@@ -31,6 +33,7 @@ __all__ = [
     "fusion_decision",
     "hash32",
     "resolve_backend",
+    "set_call_path",
     "set_compile_path",
     "set_fusion",
 ]

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.compiler import is_compiling
 
-from . import policy, seeds
+from . import native, policy, seeds
 from .args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y, FwdArgs
 from .library import add_norm_fwd
 from .policy import BACKENDS, is_dtensor, resolve_backend
@@ -105,6 +105,8 @@ class Plan:
                 EagerLaunch(self, x.dtype, residual.dtype, weight is not None, bias is not None, code)
                 for code in (0, 1, 2)
             ]
+            if native.call_path() == "native":  # opt-in: the C++ autograd node (ops/native)
+                native.attach(self, self.launches)
             self.apply = self.launches[0].apply  # no gate: the common call
         self.run = self._triton_runner() if self.triton else self._run_torch  # the eager call's path
 

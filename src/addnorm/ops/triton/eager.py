@@ -30,7 +30,18 @@ class EagerLaunch:
     ``apply(x, residual, weight, bias[, gate[, seed]])`` -> y or (y, s), the seed an int64 tensor or a
     host seed (an int, :mod:`addnorm.ops.seeds`)."""
 
-    __slots__ = ("apply", "bwd", "bwd_ds", "dropout", "fwd", "keep_r", "keep_x", "prenorm", "save_y")
+    __slots__ = (
+        "apply",
+        "bwd",
+        "bwd_ds",
+        "dropout",
+        "fwd",
+        "keep_r",
+        "keep_x",
+        "native",
+        "prenorm",
+        "save_y",
+    )
 
     def __init__(self, plan, x_dtype, res_dtype, has_w: bool, has_b: bool, gate_code: int):
         n, p, prenorm = plan.hidden, plan.p, plan.prenorm
@@ -51,6 +62,7 @@ class EagerLaunch:
             plan.y_dtype, stats,
         )  # fmt: skip
         self.apply = _function_for(self)
+        self.native = None  # the native call where it replaces ``apply`` (:mod:`addnorm.ops.native`)
 
 
 class TritonAddNorm(torch.autograd.Function):

@@ -394,6 +394,7 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
             return y, s
         return y
 
+    launch.direct = direct  # its compiled kernels, which the native call registers (ops/native)
     return launch
 
 
@@ -554,4 +555,5 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
             return (dx, dres, *param_grads(*outs, True, weight, bias, gate))
         return (dx, dres, *param_grads(dw_part, db_part, dg_part, programs == 1, weight, bias, gate))
 
+    launch.direct = direct  # as the forward's
     return launch
