@@ -9,7 +9,7 @@ import re
 from addnorm.study import Store, build_report, parse_spec, run_study
 from addnorm.study.records import Finding
 from addnorm.study.report import MAX_INLINE, _facets, _robust_top, headline_number, palette
-from addnorm.study.rule import NOT_TESTED, SUPPORTED
+from addnorm.study.rule import INCONCLUSIVE, NOT_SUPPORTED, NOT_TESTED, SUPPORTED
 
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=4, batch_size=4, seq_len=16, eval_batches=1)
 
@@ -146,7 +146,14 @@ def test_each_finding_gets_one_number_from_its_evidence():
         "difference +0.800 = +8.0 pooled sd; Pre-LN 3.0 ± 0.1 (3 seeds) vs 3.0 ± 0.1 (3 seeds); difference "
         "+0.010 = +0.1 pooled sd. Supported when Post-LN is worse without warmup and Pre-LN is not"
     )
-    assert headline_number(f(warm)) == "+0.800 nats (+8.0 sd)"  # the largest difference
+    assert headline_number(f(warm)) == "+0.800 nats (+8.0 sd)"  # the difference that counts
+    # supported at the deepest depth (+2.5 sd) though better without a norm at 2 layers (-17.0 sd): the
+    # number is the one the verdict rests on, in its direction
+    both = "2 layers: difference -0.262 = -17.0 pooled sd; 8 layers: difference +0.240 = +2.5 pooled sd"
+    assert headline_number(f(both)) == "+0.240 nats (+2.5 sd)"
+    against = Finding("c", "s", both, NOT_SUPPORTED)
+    assert headline_number(against) == "-0.262 nats (-17.0 sd)"
+    assert headline_number(Finding("c", "s", both, INCONCLUSIVE)) == "-0.262 nats (-17.0 sd)"  # the largest
     assert headline_number(f("init xavier: top/first layer = 0.52 (x/÷ 1.03), per seed ...")) == (
         "top/first layer 0.52"
     )

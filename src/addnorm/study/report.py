@@ -33,7 +33,7 @@ from .records import (
     RunRow,
     StudyRecords,
 )
-from .rule import INCONCLUSIVE, NOT_SUPPORTED, NOT_TESTED, RULE, SUPPORTED, VERDICTS
+from .rule import INCONCLUSIVE, NOT_SUPPORTED, NOT_TESTED, RULE, SUPPORTED, VERDICTS, K
 from .store import Store, write_atomic
 
 STYLE = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222;line-height:1.4}
@@ -121,17 +121,22 @@ CSS = {SUPPORTED: "supported", NOT_SUPPORTED: "not", INCONCLUSIVE: "inconclusive
 
 def headline_number(finding: Finding) -> str:
     """The one number of a finding on the first screen, read from its evidence (nothing is recomputed):
-    a gradient profile's top/first-layer ratio; else the largest difference it measured, with that
-    difference in pooled standard deviations (what the rule judges: it counts beyond 2); else how many
-    seeds diverged; else "" (one seed, or nothing measured)."""
+    a gradient profile's top/first-layer ratio; else the difference the verdict rests on, with that
+    difference in pooled standard deviations (the rule counts it beyond ``K`` = 2): the largest that
+    counts in the verdict's direction (positive: as the claim predicts), else how many seeds diverged,
+    else the largest difference measured; else "" (one seed, or nothing measured)."""
     if m := RATIO.search(finding.evidence):
         return f"top/first layer {m[1]}"
-    if diffs := DIFFERENCE.findall(finding.evidence):
-        diff, sds = max(diffs, key=lambda d: abs(float(d[1])))
+    diffs = DIFFERENCE.findall(finding.evidence)
+    sign = {SUPPORTED: 1, NOT_SUPPORTED: -1}.get(finding.verdict, 0)
+    counted = [d for d in diffs if sign * float(d[1]) > K]
+    diverged = ALL_DIVERGED.search(finding.evidence) or SOME_DIVERGED.search(finding.evidence)
+    if diverged and not counted:
+        return f"{diverged[1]} of {diverged[2]} seeds diverged"
+    if counted or diffs:
+        diff, sds = max(counted or diffs, key=lambda d: abs(float(d[1])))
         unit = "" if "log(" in finding.evidence.split(":", 1)[0] else " nats"
         return f"{diff}{unit} ({sds} sd)"
-    if m := ALL_DIVERGED.search(finding.evidence) or SOME_DIVERGED.search(finding.evidence):
-        return f"{m[1]} of {m[2]} seeds diverged"
     return ""
 
 
@@ -212,8 +217,8 @@ def summary_section(records: StudyRecords) -> str:
         "<h2 id='summary'>Summary</h2><div class='summary'><div>"
         f"{verdict_table(records.findings)}<p class='note'>Each verdict is the <a href='#findings'>findings"
         "</a>' own, under their rule; there are the evidence, the setting and what would change it. The "
-        "number: a gradient profile's top/first-layer ratio, else the largest difference measured (in "
-        "pooled standard deviations: the rule counts it beyond 2). Below: the findings, the ranking, each "
+        "number: a gradient profile's top/first-layer ratio, else the difference the verdict rests on "
+        "(the largest that counts in its direction; in pooled standard deviations, counted beyond 2). Below: the findings, the ranking, each "
         "experiment, and the <a href='#configuration'>configuration</a> with the runs' provenance.</p>"
         f"</div><div>{shown}</div></div>"
     )
