@@ -145,7 +145,7 @@ def test_lm_step_warm_compiles_each_compiled_cell_in_its_own_process(bench_modul
     assert cells == {(m, c) for m in ("gelu", "llama") for c in ("default", "fused=False")}
     assert all(a[a.index("--modes") + 1] == "compile" for a in started)
     monkeypatch.undo()
-    worker = [a if a != "compile" else "eager" for a in started[0][2:]]
+    worker = [a if a != "compile" else "eager" for a in started[0][3:]]  # [python, -m, module, ...]
     lm.main([*worker, "--out", str(tmp_path)])  # runs the one cell's step, writes nothing
     assert not list(tmp_path.iterdir())
 

@@ -137,4 +137,4 @@ def test_the_program_of_the_docs_is_the_benchmarks():
     from tools.doc_blocks import ALL
 
     shown = [b.code for b in ALL if b.where.startswith("docs/gloo-exit-abort.md") and b.kind == "python"]
-    assert shown == [(ROOT / "tools" / "tools/gloo_exit_repro.py").read_text()]
+    assert shown == [(ROOT / "tools" / "gloo_exit_repro.py").read_text()]

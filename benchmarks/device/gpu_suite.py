@@ -484,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
         "(raise --budget for it), its folder returned as study_<PRESET>.tar",
     )
     args = ap.parse_args(argv)
-    out = args.out or default_out()
+    out = args.out or default_out(None, args.commit)
     if args.unpack is not None:
         for path in unpack(args.unpack, args.out or bundle_dir(args.unpack)):
             print(f"wrote {path}")

@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from benchmarks.common.machine import cpu_model, write_results
-from benchmarks.common.results_path import add_out_argument
+from benchmarks.common.results_path import ROOT, add_out_argument
 from benchmarks.common.timing import interleaved
 
 D_MODEL, HEADS, D_FF, LAYERS, BATCH, SEQ, DROPOUT = 64, 4, 128, 4, 4, 32, 0.1
@@ -79,8 +79,9 @@ def measure(reps: int, warmup: int) -> dict[str, dict[str, float]]:
 def _child(src: Path, reps: int, warmup: int) -> dict[str, dict[str, float]]:
     """:func:`measure` in a fresh process that imports addnorm from ``src``."""
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
-    argv = [sys.executable, __file__, "--measure-only", "--reps", str(reps), "--warmup", str(warmup)]
-    out = subprocess.run(argv, env=env, check=True, capture_output=True, text=True)
+    argv = [sys.executable, "-m", __spec__.name, "--measure-only", "--reps", str(reps), "--warmup"]
+    argv.append(str(warmup))
+    out = subprocess.run(argv, cwd=ROOT, env=env, check=True, capture_output=True, text=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if not Path(result["addnorm"]).resolve().is_relative_to(src):
         raise RuntimeError(f"--baseline: the child imported addnorm from {result['addnorm']}, not {src}")

@@ -59,7 +59,7 @@ import torch.nn.functional as F  # noqa: E402
 import addnorm as an  # noqa: E402
 from addnorm.ops import policy, seeds  # noqa: E402
 from benchmarks.common.machine import machine_info, write_results  # noqa: E402
-from benchmarks.common.results_path import RESULTS, add_out_argument  # noqa: E402
+from benchmarks.common.results_path import RESULTS, ROOT, add_out_argument  # noqa: E402
 from benchmarks.common.timing import interleaved  # noqa: E402
 from benchmarks.common.variant_plans import BackwardVariant, SublayerCast  # noqa: E402
 from benchmarks.host.step_host_tables import (  # noqa: E402
@@ -323,11 +323,13 @@ def instructions(name: str, layers: int, steps: int = 5) -> dict[str, float]:
                 os.mkdir(folder)
                 env = {**os.environ, "TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
                 argv = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={folder}/cg.%p",
-                        sys.executable, __file__, "--child", name, variant, str(layers), str(steps),
-                        folder]  # fmt: skip
+                        sys.executable, "-m", __spec__.name, "--child", name, variant, str(layers),
+                        str(steps), folder]  # fmt: skip
                 procs[variant] = (
                     folder,
-                    subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
+                    subprocess.Popen(
+                        argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+                    ),
                 )
             for variant, (folder, proc) in procs.items():
                 _reached(proc, f"{folder}/warm", variant)

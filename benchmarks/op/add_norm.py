@@ -80,7 +80,7 @@ from addnorm.ops import launch_config as lc
 from addnorm.ops.args import interpreting
 from addnorm.ops.policy import using_compile_path
 from benchmarks.common.machine import machine_info, record_rows
-from benchmarks.common.results_path import add_out_argument
+from benchmarks.common.results_path import ROOT, add_out_argument
 from benchmarks.common.timing import interleaved
 from benchmarks.op.add_norm_tables import GPU_IMPLS, IMPLS, OPS, _line, speed_key, to_markdown
 from benchmarks.op.add_norm_tables import (
@@ -321,9 +321,10 @@ def warm(args, grid: list[dict], device: str) -> dict:
     t0 = time.monotonic()
     procs = []
     for i in range(n):
-        argv = [sys.executable, __file__, "--warm-only", f"{i}/{n}", *args.argv_shapes]
+        argv = [sys.executable, "-m", __spec__.name, "--warm-only", f"{i}/{n}", *args.argv_shapes]
         log = tempfile.TemporaryFile("w+")
-        procs.append((subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True), log))
+        child = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+        procs.append((child, log))
     status = {}
     for i, (proc, log) in enumerate(procs):
         left = max(1.0, args.warm_timeout - (time.monotonic() - t0))

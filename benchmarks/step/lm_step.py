@@ -60,7 +60,7 @@ from torch import nn
 import addnorm as an
 from addnorm.ops import policy
 from benchmarks.common.machine import machine_info, record_rows
-from benchmarks.common.results_path import add_out_argument
+from benchmarks.common.results_path import ROOT, add_out_argument
 from benchmarks.common.timing import ORDER, interleaved, paired_speedup, peak_apart, resident_bytes
 from benchmarks.common.variant_plans import BackwardVariant, SublayerCast
 from benchmarks.step.lm_step_tables import AUTOCAST_H, CANDIDATES, KERNEL_SUMS, RATIOS, to_markdown
@@ -380,7 +380,7 @@ def warm_compiles(args, device: str) -> dict:
     workers = max(1, min(args.warm, len(jobs)))
     env = dict(os.environ)
     env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(max(1, (os.cpu_count() or 1) // workers)))
-    base = [sys.executable, __file__, "--steps", "1", "--warmup", "1"]
+    base = [sys.executable, "-m", __spec__.name, "--steps", "1", "--warmup", "1"]
     base += ["--tiny"] if args.tiny else ["--small"] if args.small else []
     base += ["--cpu"] if args.cpu else []
     base += ["--fp32"] if args.fp32 else []
@@ -403,7 +403,7 @@ def warm_compiles(args, device: str) -> dict:
                 col,
             ]
             log = tempfile.TemporaryFile("w+")
-            proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
+            proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=log, text=True)
             running.append((job, proc, log))
         time.sleep(0.2)
         for entry in list(running):
