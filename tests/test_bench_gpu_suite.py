@@ -30,13 +30,18 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     out = capsys.readouterr().out
     steps = suite.plan()
     names = [s.name for s in steps]
-    assert names == ["gpu_tests", "trace", "ops", "host_overhead", "lm_step", "hf_step"]
+    assert names == ["gpu_tests", "trace", "ops", "host_overhead", "native_call", "lm_step", "hf_step"]
     assert suite.CALL_S == 480 and suite.STARTUP_S + sum(s.timeout_s for s in steps) <= suite.CALL_S
     assert all(f"[{s.name}] <= {s.timeout_s} s" in out for s in steps) and "nothing run" in out
     assert steps[0].argv[2:5] == ["pytest", "-m", "gpu"]
     # only the files with a GPU test are collected: every one of them, and none without
     files = [a for a in steps[0].argv if a.startswith("tests/")]
-    assert "tests/test_ops_add_norm.py" in files and set(files) == marked
+    own = {f"tests/{name}" for name in suite.OWN_STEP}  # the native call's grid: its own step runs it
+    assert "tests/test_ops_add_norm.py" in files and set(files) == marked - own and own <= marked
+    # issue 52's A/B: the native call beside today's, its check grid, the extension prebuilt meanwhile
+    native = steps[names.index("native_call")].argv
+    assert {"--gpu", "--check"} <= set(native) and "[native_call prebuild]" in out
+    assert suite.NATIVE_PREBUILD_S < steps[0].timeout_s  # the prebuild ends within the GPU tests' step
     trace, ops, lm, hf = (steps[names.index(n)].argv for n in ("trace", "ops", "lm_step", "hf_step"))
     # the inner budget of the op table leaves its process time to start and write before its limit
     assert float(ops[ops.index("--budget") + 1]) < steps[names.index("ops")].timeout_s - 10

@@ -62,7 +62,7 @@ def _floor_function():
     return Floor.apply
 
 
-def callers(norm: str, p: float, rows: int, n: int):
+def callers(norm: str, p: float, rows: int, n: int, device: str = "cpu"):
     """The four paths' calls for one case: name -> (forward, forward + backward), and the versions of
     the op's plans (today's, native's) each call selects."""
     import torch
@@ -72,10 +72,10 @@ def callers(norm: str, p: float, rows: int, n: int):
     from addnorm.ops import policy
 
     g = torch.Generator().manual_seed(0)
-    x, r = (torch.randn(rows, n, generator=g, requires_grad=True) for _ in range(2))
-    w = torch.randn(n, generator=g, requires_grad=True)
-    b = torch.randn(n, generator=g, requires_grad=True) if norm == "layernorm" else None
-    dy = torch.randn(rows, n, generator=g)
+    x, r = (torch.randn(rows, n, generator=g).to(device).requires_grad_() for _ in range(2))
+    w = torch.randn(n, generator=g).to(device).requires_grad_()
+    b = torch.randn(n, generator=g).to(device).requires_grad_() if norm == "layernorm" else None
+    dy = torch.randn(rows, n, generator=g).to(device)
     leaves = (x, r, w) if b is None else (x, r, w, b)
     floor = _floor_function()
 
@@ -128,7 +128,7 @@ def batch(fn, calls: int):
     return timer
 
 
-def run(rounds: int, calls: int, rows: int = 8, n: int = 64) -> dict:
+def run(rounds: int, calls: int, rows: int = 8, n: int = 64, device: str = "cpu") -> dict:
     """Time every case; returns the report (medians in us, ratios to eager)."""
     import torch
 
@@ -137,7 +137,7 @@ def run(rounds: int, calls: int, rows: int = 8, n: int = 64) -> dict:
     torch.set_num_threads(1)
     results = {}
     for case, (norm, p) in CASES.items():
-        calls_of = callers(norm, p, rows, n)
+        calls_of = callers(norm, p, rows, n, device)
         timers = {}
         for name in PATHS:
             f, fb = calls_of[name]
@@ -154,19 +154,76 @@ def run(rounds: int, calls: int, rows: int = 8, n: int = 64) -> dict:
             }  # fmt: skip
             for name in PATHS
         }
+    if device == "cuda":
+        torch.cuda.synchronize()
     return {"rounds": rounds, "calls_per_timer": calls, "shape": [rows, n], "order": ORDER, "cases": results}
+
+
+# the device check (issue 52): y, s and every gradient of the native call against today's path
+CHECK_SHAPES = ((8, 64), (256, 1024), (64, 4096))
+
+
+def correctness(device: str = "cuda") -> list[dict]:
+    """The native call against today's path on ``CHECK_SHAPES`` x fp32/bf16 x Pre/Post-LN x dropout
+    (LayerNorm, a seed given): one row per combination, the largest absolute difference over y, s and
+    every gradient (0 where the launches are the same kernels with the same arguments), and which path
+    the call took (the grad_fn's name)."""
+    import torch
+
+    from addnorm import ops
+
+    rows_out = []
+    for rows, n in CHECK_SHAPES:
+        for dtype in (torch.float32, torch.bfloat16):
+            for prenorm in (False, True):
+                for p in (0.0, 0.1):
+                    g = torch.Generator().manual_seed(rows + n)
+                    x, r = (
+                        torch.randn(rows, n, generator=g).to(device, dtype).requires_grad_() for _ in "xr"
+                    )
+                    w = torch.randn(n, generator=g).to(device).requires_grad_()
+                    b = torch.randn(n, generator=g).to(device).requires_grad_()
+                    leaves = (x, r, w, b)
+                    got = {}
+                    for path in ("python", "native"):
+                        ops.set_call_path(path)
+                        for _ in range(2):  # the second call: kernels registered, launched natively
+                            out = ops.add_norm(x, r, w, b, prenorm=prenorm, dropout_p=p, seed=7)
+                        outs = out if isinstance(out, tuple) else (out,)
+                        loss = sum((o.float() * (i + 1.5)).sum() for i, o in enumerate(outs))
+                        got[path] = ([o.detach() for o in outs], torch.autograd.grad(loss, leaves))
+                        got[path + " node"] = type(outs[0].grad_fn).__name__
+                    ops.set_call_path("python")
+                    py_all = [*got["python"][0], *got["python"][1]]
+                    nat_all = [*got["native"][0], *got["native"][1]]
+                    diffs = [
+                        (u.float() - v.float()).abs().max().item()
+                        for u, v in zip(py_all, nat_all, strict=True)
+                    ]
+                    rows_out.append({
+                        "shape": [rows, n], "dtype": str(dtype).removeprefix("torch."), "prenorm": prenorm,
+                        "p": p, "max_abs_diff": max(diffs), "node": got["native node"],
+                    })  # fmt: skip
+    return rows_out
 
 
 def to_markdown(report: dict) -> str:
     from benchmarks.common.machine import machine_line
 
+    fake = (
+        "(real launches)"
+        if report["machine"]["device"] != "cpu"
+        else (
+            "Triton's real launcher (and the native call's cuLaunchKernel) onto a fake driver that returns "
+            "at once"
+        )
+    )
     lines = [
         "# Per-call host time: eager aten, today's op, the native call, the Python floor",
         "",
         machine_line(report["machine"]),
         "",
-        f"{report['shape'][0]}x{report['shape'][1]} fp32, Post-LN, one thread; Triton's real launcher "
-        "(and the native call's cuLaunchKernel) onto a fake driver that returns at once; medians of "
+        f"{report['shape'][0]}x{report['shape'][1]} fp32, Post-LN, one thread; {fake}; medians of "
         f"{report['rounds']} interleaved rounds ({report['order']}), each timer {report['calls_per_timer']} "
         "calls.",
         "",
@@ -190,8 +247,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=200)
     parser.add_argument("--calls", type=int, default=50, help="calls per timer (a batch)")
+    parser.add_argument("--gpu", action="store_true", help="on CUDA: real launches, and --check")
+    parser.add_argument("--check", action="store_true", help="--gpu: also the correctness grid")
     add_out_argument(parser)
     args = parser.parse_args(argv)
+    if args.gpu:
+        return _main_gpu(args)
     fake_driver.install(STREAM)
     ext = build.extension()
     if ext is None:
@@ -201,6 +262,30 @@ def main(argv: list[str] | None = None) -> None:
         report = run(args.rounds, args.calls)
     report["machine"] = machine_info("cpu")
     write_results(args.out, "host_call_cpu", to_markdown(report), report)
+
+
+def _main_gpu(args) -> None:
+    """The device's A/B: real launches on the current stream, the native call beside today's."""
+    import torch
+
+    from benchmarks.common.machine import machine_info, write_results
+    from benchmarks.common.results_path import device_slug
+
+    if build.extension() is None:
+        raise SystemExit(f"host_call: the native extension did not build: {build.failure()}")
+    report = {"check": correctness() if args.check else []}
+    report |= run(args.rounds, args.calls, device="cuda")
+    report["machine"] = machine_info("cuda")
+    md = to_markdown(report)
+    if report["check"]:
+        md += "\n| shape | dtype | Pre-LN | p | max abs diff (y, s, grads) | node |\n"
+        md += "| --- | --- | --- | --- | ---: | --- |\n"
+        md += "".join(
+            f"| {c['shape'][0]}x{c['shape'][1]} | {c['dtype']} | {c['prenorm']} | {c['p']} | "
+            f"{c['max_abs_diff']:.3g} | {c['node']} |\n"
+            for c in report["check"]
+        )
+    write_results(args.out, f"host_call_{device_slug(torch.cuda.get_device_name())}", md, report)
 
 
 if __name__ == "__main__":
