@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 
@@ -58,13 +59,20 @@ def test_launch_configurations_cover_the_hidden_sizes_with_few_variants(bench_mo
 @pytest.mark.triton
 @pytest.mark.slow
 def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path, bench_module):
+    """Every variant's cubin for sm_80 and sm_90: no spills, at most 255 registers. A variant whose
+    kernel source (with every function it calls), specialisation, target and Triton are those of a
+    compile recorded in ``benchmarks/kernels/kernel_usage.json`` takes that compile's ptxas usage;
+    every other one compiles here (and is recorded). One recorded variant per arch compiles again
+    here and must report exactly what the record says, so a record cannot drift from ptxas."""
     tv = bench_module("benchmarks.kernels.triton_variants")
     ARCHS, compile_all, variants = tv.ARCHS, tv.compile_all, tv.variants
+    record = Path(tv.__file__).with_name("kernel_usage.json")
 
-    # cold, as in CI; under `make test`'s two xdist workers one compile process (workers x threads <= cores)
+    # under `make test`'s two xdist workers one compile process (workers x threads <= cores)
     workers = 1 if os.environ.get("PYTEST_XDIST_WORKER") else None
-    results = compile_all(variants(), ARCHS, workers=workers, cache_dir=str(tmp_path))
-    assert {r["arch"] for r in results} == {80, 90}
+    vs = variants()
+    results = compile_all(vs, ARCHS, workers=workers, cache_dir=str(tmp_path), usage_cache=record)
+    assert {r["arch"] for r in results} == {80, 90} and len(results) == len(vs) * len(ARCHS)
     spilled = [
         (r["variant"].kernel, r["variant"].launch, r["variant"].options, r["arch"], r["spill_bytes"])
         for r in results
@@ -72,3 +80,16 @@ def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path
     ]
     assert not spilled, spilled
     assert all(0 < r["regs"] <= 255 for r in results)
+    # the record against ptxas itself: the heaviest recorded variant per arch, compiled cold
+    cached = [r for r in results if r.get("cached")]
+    for arch in ARCHS if cached else ():
+        (again,) = compile_all(
+            [max((r for r in cached if r["arch"] == arch), key=lambda r: r["regs"])["variant"]],
+            [arch],
+            workers=1,
+            cache_dir=str(tmp_path / "again"),
+        )
+        was = next(r for r in cached if r["variant"] == again["variant"] and r["arch"] == arch)
+        assert {k: again[k] for k in ("regs", "spill_bytes", "stack_bytes", "static_shared")} == {
+            k: was[k] for k in ("regs", "spill_bytes", "stack_bytes", "static_shared")
+        }, (again, was)

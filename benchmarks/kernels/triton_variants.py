@@ -33,12 +33,14 @@ This module does not import triton at import time.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from typing import NamedTuple
 
 __all__ = ["ARCHS", "HIDDEN_SIZES", "Variant", "compile_all", "compile_variant", "variants"]
@@ -388,14 +390,8 @@ def _resource_usage(kernel, arch: int) -> dict:
     }
 
 
-def compile_variant(v: Variant, arch: int) -> dict:
-    """Compile ``v`` for sm_``arch`` (needs no GPU) and return its resource usage."""
-    import time
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def _kernel_fn(v: Variant):
+    """The JIT function that ``v`` compiles (built for the compiler, not the interpreter)."""
     from addnorm.ops.triton import kernels as k
     from addnorm.ops.triton import tp_kernels as ts
 
@@ -406,6 +402,45 @@ def compile_variant(v: Variant, arch: int) -> dict:
     }[v.kernel]  # fmt: skip
     if not hasattr(fn, "arg_names"):
         raise RuntimeError("compile_variant: the kernels were built for the interpreter (TRITON_INTERPRET=1)")
+    return fn
+
+
+def usage_key(v: Variant, arch: int) -> str:
+    """What a compiled variant's resource usage depends on, hashed: the kernel's source with every
+    function and global it reads (``JITFunction.cache_key``), its specialisation (signature,
+    constexprs, alignment) and options, the target, and Triton's version (whose wheel ships the
+    ptxas that allocates the registers)."""
+    import hashlib
+
+    import triton
+
+    fn = _kernel_fn(v)
+    signature, constexprs, attrs = _signature(v, fn.arg_names)
+    text = repr(
+        (
+            fn.cache_key,
+            sorted(signature.items()),
+            sorted((name, repr(c)) for name, c in constexprs.items()),
+            sorted((str(i), repr(a)) for i, a in attrs.items()),
+            v.num_warps,
+            v.maxnreg,
+            arch,
+            triton.__version__,
+            os.environ.get("TRITON_DEFAULT_FP_FUSION"),
+        )
+    )
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def compile_variant(v: Variant, arch: int) -> dict:
+    """Compile ``v`` for sm_``arch`` (needs no GPU) and return its resource usage."""
+    import time
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = _kernel_fn(v)
     signature, constexprs, attrs = _signature(v, fn.arg_names)
     t0 = time.perf_counter()
     kernel = triton.compile(
@@ -430,16 +465,46 @@ def _compile_one(job: tuple[Variant, int]) -> dict:
     return {"variant": v, **compile_variant(v, arch)}
 
 
+def _key_one(job: tuple[Variant, int]) -> str:
+    return usage_key(*job)
+
+
 def compile_all(
-    vs: list[Variant], archs=ARCHS, workers: int | None = None, cache_dir: str | None = None
+    vs: list[Variant],
+    archs=ARCHS,
+    workers: int | None = None,
+    cache_dir: str | None = None,
+    usage_cache: Path | None = None,
 ) -> list[dict]:
     """Compile every variant for every arch in worker processes (spawned with TRITON_INTERPRET=0, so
     this works from a process that runs the kernels in the interpreter), with triton's cache in
-    ``cache_dir`` (None: its default)."""
+    ``cache_dir`` (None: its default).
+
+    With ``usage_cache`` (a JSON file of earlier compiles' resource usage by :func:`usage_key`), a
+    variant whose kernel source, specialisation, target and Triton are unchanged takes its recorded
+    usage (marked ``"cached": True``) and only the others compile; the file is rewritten with the keys
+    of this call (what a changed kernel no longer needs is dropped)."""
     import multiprocessing
 
     jobs = [(v, a) for v in vs for a in archs]
     ctx = multiprocessing.get_context("spawn")
     n = workers or os.cpu_count() or 1
     with ProcessPoolExecutor(n, mp_context=ctx, initializer=_worker_init, initargs=(cache_dir,)) as pool:
-        return list(pool.map(_compile_one, jobs))
+        if usage_cache is None:
+            return list(pool.map(_compile_one, jobs))
+        keys = list(pool.map(_key_one, jobs))
+        known = json.loads(usage_cache.read_text()) if usage_cache.exists() else {}
+        todo = [(job, key) for job, key in zip(jobs, keys, strict=True) if key not in known]
+        compiled = pool.map(_compile_one, [job for job, _ in todo])
+        fresh = dict(zip((key for _, key in todo), compiled, strict=True))
+    results, kept = [], {}
+    for (v, _), key in zip(jobs, keys, strict=True):
+        if key in fresh:
+            results.append(fresh[key])
+            kept[key] = {f: x for f, x in fresh[key].items() if f not in ("variant", "compile_s")}
+        else:
+            results.append({"variant": v, **known[key], "cached": True})
+            kept[key] = known[key]
+    if kept != known:
+        usage_cache.write_text(json.dumps(dict(sorted(kept.items())), indent=0) + "\n")
+    return results
