@@ -11,7 +11,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.addnorm-installed
 ARGS ?=
 
-.PHONY: run test lint format bench gpu-bench install clean report-screenshots docs browser
+.PHONY: run test test-all lint format bench gpu-bench install clean report-screenshots docs browser
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -26,11 +26,19 @@ run: $(STAMP)
 	$(VENV)/bin/addnorm study $(ARGS)
 
 # TRITON_INTERPRET=1 runs the Triton kernels on the CPU, so CI checks them without a GPU.
+# Two tiers: `make test` (the README's) runs every test not marked slow (<= 5 min on 2 cores), and
+# fails if it imported no test of some module of the package (tests/tiers.py); `make test-all` runs
+# everything (<= 10 min; .ci/run). A module is slow by cause (spawned ranks, compilers, smoke studies,
+# process pools, benchmarks run end to end), marked with its pytestmark.
 # TEST_WORKERS pytest-xdist workers of one thread each (tests/conftest.py), a test file per worker so a
 # module's shared spawn of ranks runs once; TEST_WORKERS=0 runs in this process alone.
 TEST_WORKERS ?= 2
+PYTEST = TRITON_INTERPRET=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
+
+test-all: $(STAMP)
+	$(PYTEST) $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks tools

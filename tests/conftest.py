@@ -6,6 +6,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import tiers
 import torch
 import torch._functorch.config
 import torch._inductor.config
@@ -50,6 +51,7 @@ _failures_to: list[str | None] = [None]
 
 def pytest_configure(config):
     _failures_to[0] = config.getoption("--failures-to", default=None)
+    tiers.register(config)
 
 
 @pytest.fixture(autouse=True)
@@ -177,3 +179,21 @@ def registries_restored():
             registry._entries.update(entries)
             registry._aliases.clear()
             registry._aliases.update(aliases)
+
+
+@pytest.fixture
+def native_path():
+    """The native call path on (``addnorm.ops.set_call_path("native")``), CPU tensors let through (the
+    interpreter's Triton backend), restored after."""
+    from addnorm import ops
+    from addnorm.ops import functional, native
+
+    previous = ops.set_call_path("native")
+    native._ALLOW_CPU = True
+    functional.clear_plans()
+    try:
+        yield
+    finally:
+        native._ALLOW_CPU = False
+        ops.set_call_path(previous)
+        functional.clear_plans()

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # benchmarks run end to end
+
 
 def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module, monkeypatch, capsys):
     """make gpu-bench's plan: the GPU tests, the step trace, the op table, host time, the LM steps and the

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # benchmarks run end to end (callgrind, the profiler)
+
 ROOT = Path(__file__).resolve().parents[1]
 HAS_TRITON = __import__("importlib").util.find_spec("triton") is not None
 

@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+pytestmark = pytest.mark.slow  # compilers (compiled LM steps)
+
 
 def test_lm_step_benchmark_runs_on_tiny_shapes(bench_module, tmp_path):
     lm = bench_module("benchmarks.step.lm_step")

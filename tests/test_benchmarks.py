@@ -13,6 +13,8 @@ import pytest
 
 from addnorm.ops.args import interpreting
 
+pytestmark = pytest.mark.slow  # benchmarks run end to end
+
 
 @pytest.fixture
 def bench(bench_module):

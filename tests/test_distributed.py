@@ -20,7 +20,11 @@ from torch import nn
 
 from tools.procs import run_spawned
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
+# slow: spawned ranks
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed"),
+]
 
 WORLD, STEPS, VOCAB, BATCH, SEQ, TOL = 2, 3, 50, 4, 9, 1e-5
 PLACEMENTS = ["pre", "post", "sandwich", "deepnorm", "resi_dual", "ngpt", "b2t", "mix", "hybridnorm"]

@@ -20,6 +20,8 @@ import addnorm as an
 import addnorm.hf as anhf
 from tools.procs import run_spawned
 
+pytestmark = pytest.mark.slow  # spawned ranks (DDP)
+
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 pytest.importorskip("tensorboard")

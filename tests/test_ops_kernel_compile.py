@@ -10,7 +10,11 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed")
+# slow: compilers (Triton's real compiler, ptxas)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton not installed"),
+]
 
 
 def test_launch_configurations_cover_the_hidden_sizes_with_few_variants(bench_module):
@@ -57,7 +61,6 @@ def test_launch_configurations_cover_the_hidden_sizes_with_few_variants(bench_mo
 
 
 @pytest.mark.triton
-@pytest.mark.slow
 def test_every_kernel_variant_compiles_for_sm80_and_sm90_without_spills(tmp_path, bench_module):
     """Every variant's cubin for sm_80 and sm_90: no spills, at most 255 registers. A variant whose
     kernel source (with every function it calls), specialisation, target and Triton are those of a

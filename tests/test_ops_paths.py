@@ -25,6 +25,8 @@ from addnorm.ops import library as lib
 from addnorm.ops.args import XHAT_FROM_S, XHAT_FROM_XR, XHAT_FROM_Y
 from addnorm.ops.reference import dropout_keep_mask_numpy
 
+pytestmark = pytest.mark.slow  # compilers (torch.compile)
+
 # --- the NumPy mask (the eager CPU path) ---------------------------------------------------------
 
 
@@ -227,7 +229,6 @@ def test_policy_prefers_unfused_modules_on_the_cpu_only_with_dropout():
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
-@pytest.mark.slow
 def test_triton_op_registration_finds_the_kernels_and_traces_on_the_cpu():
     """Where CUDA is present the ops are torch.library.triton_ops (forced here with ADDNORM_TRITON_OP=1):
     their schemas come from FwdArgs/BwdArgs, triton_op finds the kernels in their bodies (the backward's

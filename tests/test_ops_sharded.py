@@ -38,7 +38,11 @@ from addnorm.ops import library as lib
 from addnorm.ops.args import XHAT_FROM_S
 from tools.procs import run_spawned
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
+# slow: spawned ranks
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed"),
+]
 
 # placements of x and residual per mesh: (mesh shape, x placements as (kind, dim))
 LAYOUTS = {

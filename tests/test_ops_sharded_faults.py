@@ -18,7 +18,11 @@ from procs import run_jobs
 from addnorm.ops import add_norm
 from tools.procs import run_spawned
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
+# slow: spawned ranks
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed"),
+]
 
 # --- a rank with no columns, and a rank that fails inside the collectives ---------------------------------
 

@@ -16,7 +16,7 @@ from addnorm.study import Store, parse_spec, run_study
 from addnorm.study.trackers import Tracker
 from tools.procs import interruptible
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.slow, pytest.mark.ray]  # slow: a Ray cluster
 
 ray_executor = pytest.importorskip("addnorm.study.ray_executor")
 

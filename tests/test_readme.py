@@ -7,7 +7,7 @@ indented or not, runs on the CPU in a fresh temporary folder:
   another block fails);
 - a Python block marked ``<!-- test: torchrun 2 -->`` (the line before its fence) as a user runs it:
   saved as a script and started with ``torchrun --standalone --nproc-per-node 2``, its teardown and
-  the interpreter's exit included;
+  the interpreter's exit included (``tests/test_readme_torchrun.py``, in the slow tier: spawned ranks);
 - a shell block through ``bash -e``, with this tree's ``addnorm`` and ``python``.
 
 Other marks: ``<!-- test: gpu -->`` runs only where CUDA is (skipped, saying so, elsewhere);
@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools.doc_blocks import ALL, ENV, ROOT, SKIP, TORCHRUN, Block, run_torchrun
+from tools.doc_blocks import ALL, ENV, ROOT, SKIP, Block
 
 
 def _ids(block: Block) -> str:
@@ -108,17 +108,6 @@ def test_block_runs_as_written(block, tmp_path, monkeypatch, registries_restored
         return
     torch.manual_seed(0)
     exec(compile(block.code, block.where, "exec"), {"__name__": "__readme__"})  # noqa: S102
-
-
-@pytest.mark.parametrize("block", TORCHRUN, ids=_ids)
-def test_torchrun_block_runs_as_written_on_two_processes(block, tmp_path):
-    """The block as a user runs it (saved as a script, ``torchrun --standalone --nproc-per-node 2``,
-    its own teardown and the interpreter's exit included; a failure on one rank ends the other:
-    torchrun stops it) runs to its end on both ranks. The exit used to abort now and then (issue 41,
-    docs/gloo-exit-abort.md); ``benchmarks/study/readme_torchrun.py`` runs these blocks 50 times under
-    load."""
-    ran = run_torchrun(block, tmp_path)
-    assert ran.returncode == 0, f"{block.where}: torchrun exit {ran.returncode}\n{ran.stderr[-3000:]}"
 
 
 def test_make_run_passes_its_args_to_the_study():

@@ -30,7 +30,11 @@ from addnorm.train import RunConfig, train
 from addnorm.train.launch import launch, launcher_command
 from tools.procs import alive, children, parent
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed")
+# slow: spawned ranks (torchrun)
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="needs torch.distributed"),
+]
 
 TINY = {
     "d_model": 16,

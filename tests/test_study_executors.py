@@ -9,6 +9,8 @@ import torch
 from addnorm.study import LocalExecutor, ProcessExecutor, Store, make_executor, parse_spec, run_study
 from addnorm.study import executors as ex
 
+pytestmark = pytest.mark.slow  # process pools
+
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=3, batch_size=4, seq_len=16, eval_every=0)
 
 

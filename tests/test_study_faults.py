@@ -34,6 +34,8 @@ from tools.study_faults import (  # shared with tools/fault_trials.py
     write_spec,
 )
 
+pytestmark = pytest.mark.slow  # fault injection (killed processes)
+
 TINY = dict(d_model=16, n_heads=2, d_ff=32, n_layers=2, steps=3, batch_size=4, seq_len=16, eval_every=0)
 HOLD = "import time\nfrom addnorm.study.lock import folder_lock\nwith folder_lock({!r}):\n    {}"
 

@@ -25,6 +25,8 @@ from addnorm.study.cost_model import GPU_HOST_S_PER_LAYER_STEP, estimate_seconds
 from addnorm.train import RunConfig
 from addnorm.train.hf_model import not_applicable
 
+pytestmark = pytest.mark.slow  # smoke studies
+
 PRESET = "gpu-literature"
 
 

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 from typer.testing import CliRunner
 
 from addnorm.cli import app
 from addnorm.study import Store, load_spec
+
+pytestmark = pytest.mark.slow  # smoke studies
 
 KEPT = ("placement", "n_layers", "seed", "init", "precision", "lr", "task", "norm", "schedule", "model")
 

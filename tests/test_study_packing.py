@@ -17,6 +17,8 @@ from addnorm.study.packing import MEMORY_SHARE, Sharing, choose, memory_need, pl
 from addnorm.study.spec import PlannedRun
 from addnorm.train import RunConfig
 
+pytestmark = pytest.mark.slow  # process pools
+
 TINY = dict(TINY_SIZES, steps=3, eval_every=0)
 GPU = "NVIDIA H200"
 

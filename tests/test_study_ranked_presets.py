@@ -10,6 +10,8 @@ from typer.testing import CliRunner
 from addnorm.cli import app
 from addnorm.study import Store, compute_findings
 
+pytestmark = pytest.mark.slow  # smoke studies
+
 CLAIMS = (
     "DeepNorm trains better than Post-LN at depth",
     "Peri-LN (sandwich) keeps the residual stream's activations from growing with depth as Pre-LN's do",

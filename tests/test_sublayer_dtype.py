@@ -15,6 +15,8 @@ from addnorm.model import stream
 from addnorm.model.stream import Connection, Stream, sublayer_dtype
 from addnorm.ops import policy
 
+pytestmark = pytest.mark.slow  # compilers (torch.compile)
+
 VOCAB = 50
 MODELS = {
     "gelu": {"activation": "gelu", "norm": "layernorm", "bias": True, "dropout": 0.1},

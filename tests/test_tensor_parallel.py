@@ -40,7 +40,11 @@ from torch import nn
 
 from tools.procs import run_spawned
 
-pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed")
+# slow: spawned ranks
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed"),
+]
 
 STEPS, BATCH, SEQ, TOL = 3, 4, 9, 1e-5
 

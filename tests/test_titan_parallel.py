@@ -33,6 +33,8 @@ from procs import run_jobs
 
 from tools.procs import run_spawned
 
+pytestmark = pytest.mark.slow  # spawned ranks
+
 pytest.importorskip("torchtitan", reason="needs the torchtitan extra")
 
 WORLD = 2
