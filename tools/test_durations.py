@@ -1,0 +1,95 @@
+"""``benchmarks/results/cpu/<date>-<commit>/test_durations.md``: the two test tiers' times on a fresh
+clone, per test file, from pytest's JUnit XML of each tier::
+
+    make test     PYTEST_ARGS="-q -p no:cacheprovider --junitxml=fast.xml"
+    make test-all PYTEST_ARGS="-q -p no:cacheprovider --junitxml=all.xml"
+    python -m tools.test_durations --fast fast.xml 290 --all all.xml 560 --install 180 --out FOLDER
+
+The numbers after each file are the tier's wall seconds as ``time`` measured them (pytest's own
+count leaves out the start-up); a file's time is the sum of its tests' times (setup, call and teardown,
+so a module's shared spawn of ranks counts once, in its first test), which under two xdist workers
+includes the load the other worker put beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import platform
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+
+def per_file(junit: Path) -> tuple[dict[str, float], dict[str, int], dict[str, int]]:
+    """(seconds, tests, skipped) per test file of a JUnit XML report."""
+    seconds: dict[str, float] = collections.Counter()
+    tests: dict[str, int] = collections.Counter()
+    skipped: dict[str, int] = collections.Counter()
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        name = case.get("classname", "").split(".")[-1] + ".py"
+        seconds[name] += float(case.get("time", 0))
+        tests[name] += 1
+        skipped[name] += case.find("skipped") is not None
+    return dict(seconds), dict(tests), dict(skipped)
+
+
+def _minutes(s: float) -> str:
+    return f"{int(s // 60)} min {int(round(s % 60)):02d} s"
+
+
+def markdown(fast: Path, fast_wall: float, every: Path, all_wall: float, install: float, machine: str) -> str:
+    f_s, f_n, f_k = per_file(fast)
+    a_s, a_n, a_k = per_file(every)
+    lines = [
+        "# The test tiers on a fresh clone, per file",
+        "",
+        f"Machine: {machine}. `make test` (every test not marked `slow`) and `make test-all` (every test),",
+        "each on a fresh clone beside `shared/`, two xdist workers of one thread (`--dist loadfile`).",
+        "",
+        "| tier | tests (skipped) | wall | test CPU time (both workers) |",
+        "| --- | --- | --- | --- |",
+        f"| install (`make install`) | | {_minutes(install)} | |",
+        f"| fast: `make test` | {sum(f_n.values())} ({sum(f_k.values())}) | **{_minutes(fast_wall)}** | "
+        f"{sum(f_s.values()):.0f} s |",
+        f"| all: `make test-all` | {sum(a_n.values())} ({sum(a_k.values())}) | **{_minutes(all_wall)}** | "
+        f"{sum(a_s.values()):.0f} s |",
+        "",
+        "Per file, slowest first (seconds in `make test-all`; the fast tier's where the file is in it):",
+        "",
+        "| file | tier | tests | all: s | fast: s |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, s in sorted(a_s.items(), key=lambda kv: -kv[1]):
+        tier = "fast" if name in f_s else "slow"
+        fast_s = f"{f_s[name]:.1f}" if name in f_s else ""
+        lines.append(f"| `tests/{name}` | {tier} | {a_n[name]} | {s:.1f} | {fast_s} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tools.test_durations", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--fast", nargs=2, metavar=("XML", "WALL_S"), required=True)
+    parser.add_argument("--all", nargs=2, metavar=("XML", "WALL_S"), required=True)
+    parser.add_argument("--install", type=float, required=True, metavar="WALL_S")
+    parser.add_argument("--machine", default=f"{platform.processor() or platform.machine()}, Python "
+                        f"{platform.python_version()}")  # fmt: skip
+    parser.add_argument("--out", type=Path, required=True, help="the results folder")
+    args = parser.parse_args(argv)
+    text = markdown(
+        Path(args.fast[0]),
+        float(args.fast[1]),
+        Path(args.all[0]),
+        float(args.all[1]),
+        args.install,
+        args.machine,
+    )
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "test_durations.md").write_text(text)
+    print(args.out / "test_durations.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
