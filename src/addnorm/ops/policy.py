@@ -24,18 +24,18 @@ rounding.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import os
 import sys
 import warnings
-from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from typing import NamedTuple
 
 import torch
 from torch.compiler import is_compiling
 
 from .args import MAX_FUSED_HIDDEN, TRITON_DTYPES, interpreting
+from .choices import one_of, scoped
 from .measured import MODELS, Measured, device_name, rows_for
 
 __all__ = [
@@ -196,20 +196,12 @@ def set_compile_path(path: str) -> None:
     """Choose what ``add_norm`` hands torch.compile (affects graphs traced afterwards: a compiled
     model re-traces when this changes)."""
     global _compile_path
-    if path not in COMPILE_PATHS:
-        raise ValueError(f"path: expected one of {COMPILE_PATHS}, got {path!r}")
-    _compile_path = path
+    _compile_path = one_of("path", path, COMPILE_PATHS)
 
 
-@contextlib.contextmanager
-def using_compile_path(path: str) -> Iterator[None]:
+def using_compile_path(path: str) -> AbstractContextManager[None]:
     """``set_compile_path(path)`` for a block, then the previous path again."""
-    previous = _compile_path
-    set_compile_path(path)
-    try:
-        yield
-    finally:
-        set_compile_path(previous)
+    return scoped(set_compile_path, compile_path, path)
 
 
 FUSION_MODES = ("measured", "always", "never")
@@ -229,9 +221,7 @@ class FusionDecision(NamedTuple):
 
 def _fusion_env() -> str:
     mode = os.environ.get("ADDNORM_FUSION", "measured").strip().lower() or "measured"
-    if mode not in FUSION_MODES:
-        raise ValueError(f"ADDNORM_FUSION: expected one of {FUSION_MODES}, got {mode!r}")
-    return mode
+    return one_of("ADDNORM_FUSION", mode, FUSION_MODES)
 
 
 _fusion = _fusion_env()
@@ -244,21 +234,13 @@ def set_fusion(mode: str) -> None:
     ``"never"`` (the unfused modules everywhere, as ``AddNorm(fused=False)``). The environment variable
     ``ADDNORM_FUSION`` sets it at import. Affects graphs traced afterwards."""
     global _fusion
-    if mode not in FUSION_MODES:
-        raise ValueError(f"mode: expected one of {FUSION_MODES}, got {mode!r}")
-    _fusion = mode
+    _fusion = one_of("mode", mode, FUSION_MODES)
     _decisions.clear()
 
 
-@contextlib.contextmanager
-def fusion(mode: str) -> Iterator[None]:
+def fusion(mode: str) -> AbstractContextManager[None]:
     """``set_fusion(mode)`` for a block, then the previous mode again."""
-    previous = _fusion
-    set_fusion(mode)
-    try:
-        yield
-    finally:
-        set_fusion(previous)
+    return scoped(set_fusion, lambda: _fusion, mode)
 
 
 def fusion_decision(

@@ -29,11 +29,13 @@ tensors.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
+
+from .choices import one_of, scoped
 
 __all__ = ["SEED_SOURCES", "mix", "seed_source", "seeder_for", "set_seed_source"]
 
@@ -43,34 +45,19 @@ _LOW61 = (1 << 61) - 1
 _TOP = 1 << 61
 
 
-def _source_from_env() -> str:
-    source = os.environ.get("ADDNORM_SEED_SOURCE", "generator")
-    if source not in SEED_SOURCES:
-        raise ValueError(f"ADDNORM_SEED_SOURCE: expected one of {SEED_SOURCES}, got {source!r}")
-    return source
-
-
-SEED_SOURCE = _source_from_env()
+SEED_SOURCE = one_of("ADDNORM_SEED_SOURCE", os.environ.get("ADDNORM_SEED_SOURCE", "generator"), SEED_SOURCES)
 
 
 def set_seed_source(source: str) -> None:
     """Where a dropout call without a seed takes its seed on a GPU: ``"generator"`` (the host, from the
     CUDA generator's state) or ``"randint"`` (a one-element ``torch.randint`` on the device)."""
     global SEED_SOURCE
-    if source not in SEED_SOURCES:
-        raise ValueError(f"source: expected one of {SEED_SOURCES}, got {source!r}")
-    SEED_SOURCE = source
+    SEED_SOURCE = one_of("source", source, SEED_SOURCES)
 
 
-@contextlib.contextmanager
-def seed_source(source: str) -> Iterator[None]:
+def seed_source(source: str) -> AbstractContextManager[None]:
     """``set_seed_source(source)`` for a block, then the previous source again."""
-    previous = SEED_SOURCE
-    set_seed_source(source)
-    try:
-        yield
-    finally:
-        set_seed_source(previous)
+    return scoped(set_seed_source, lambda: SEED_SOURCE, source)
 
 
 def mix(seed: int, offset: int) -> int:
