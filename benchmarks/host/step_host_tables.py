@@ -60,11 +60,30 @@ def round_ratios(row: dict, launch_us: float, variant: str = "fused", base: str 
     ]
 
 
-def _section(title: str, prose: str, head: str) -> list[str]:
-    """A Markdown section's opening lines: its title, its prose and its table's head (``head`` the
-    columns, ``|``-separated)."""
+def _section(title: str, prose: str, head: str, rows: list[dict], row_lines) -> list[str]:
+    """A Markdown section of the rows ``rows`` (none where that is empty): its title, its prose, its
+    table's head (``head`` the columns, ``|``-separated) and ``row_lines(row)``'s lines for each row."""
+    if not rows:
+        return []
     columns = head.count("|") + 1
-    return ["", f"## {title}", "", prose, "", f"| {head} |", "| --- " * columns + "|"]
+    head_lines = ["", f"## {title}", "", prose, "", f"| {head} |", "| --- " * columns + "|"]
+    return head_lines + [line for r in rows for line in row_lines(r)]
+
+
+def _having(rows: list[dict], variant: str) -> list[dict]:
+    """The rows that timed ``variant``."""
+    return [r for r in rows if variant in r["cpu_ms"]]
+
+
+def _met(value: float, target: float) -> str:
+    """A row's target and whether ``value`` meets it: two cells."""
+    return f"<= {target} | {'yes' if value <= target else 'NO'}"
+
+
+def _variant_cells(r: dict, k: str, label: str, work: dict[str, float]) -> str:
+    """A side-by-side row's first cells: the model, the variant ``k`` as ``label``, its CPU ms,
+    launches and host work."""
+    return f"| {MODELS[r['model']]} | {label} | {r['cpu_ms'][k]:.2f} | {r['launches'][k]} | {work[k]:.2f} |"
 
 
 def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_us: float, how: str) -> str:
@@ -97,13 +116,74 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
         c, calls, la = r["cpu_ms"], r["python_calls"], r["launches"]
         work, pair = host_work(r, launch_us), paired_ratio(r, launch_us)
         cpu = paired_speedup(r["cpu_rounds_ms"], "fused", "plain")
-        target = TARGETS[r["model"]]
         lines.append(
             f"| {MODELS[r['model']]} | {c['plain']:.2f} | {c['fused']:.2f} | {pair_cell(cpu)} | "
             f"{la['plain']} | {la['fused']} | {work['plain']:.2f} | {work['fused']:.2f} | "
-            f"{pair_cell(pair)} | <= {target} | {'yes' if pair['median'] <= target else 'NO'} | "
+            f"{pair_cell(pair)} | {_met(pair['median'], TARGETS[r['model']])} | "
             f"{calls['plain']} | {calls['fused']} | {calls['fused'] / calls['plain']:.3f}x |"
         )
+
+    def by_round(r: dict) -> list[str]:
+        per, best = round_ratios(r, launch_us), host_work(r, launch_us)
+        met = sum(x <= TARGETS[r["model"]] for x in per)
+        return [
+            f"| {MODELS[r['model']]} | {min(per):.3f}x | {statistics.median(per):.3f}x | {max(per):.3f}x | "
+            f"{best['fused'] / best['plain']:.3f}x | {met} of {len(per)} |"
+        ]
+
+    def floor(r: dict) -> list[str]:
+        over_floor = paired_speedup(r["cpu_rounds_ms"], "fused", FLOOR)
+        floor_pair, fused_pair = paired_ratio(r, launch_us, FLOOR), paired_ratio(r, launch_us)
+        return [
+            f"| {MODELS[r['model']]} | {r['cpu_ms'][FLOOR]:.2f} | {pair_cell(floor_pair)} | "
+            f"{pair_cell(fused_pair)} | {pair_cell(over_floor)} | {r['python_calls'][FLOOR]} |"
+        ]
+
+    def seeded(r: dict) -> list[str]:
+        work = host_work(r, launch_us)
+        return [
+            f"{_variant_cells(r, k, label, work)} {pair_cell(paired_ratio(r, launch_us, k))} |"
+            for k, label in (("fused", "host (default)"), (PREVIOUS, "randint (previous)"))
+        ]
+
+    def kernel_sums(r: dict) -> list[str]:
+        work, pairs = (
+            host_work(r, launch_us),
+            {k: paired_ratio(r, launch_us, k) for k in ("fused", KERNEL_SUMS)},
+        )
+        return [
+            f"{_variant_cells(r, k, label, work)} {pair_cell(pairs[k])} | "
+            f"{_met(pairs[k]['median'], TARGETS[r['model']])} |"
+            for k, label in (("fused", "default"), (KERNEL_SUMS, '"kernel_sums"'))
+        ]
+
+    def autocast(r: dict) -> list[str]:
+        work = host_work(r, launch_us)
+        over = {
+            (k, base): "-" if k == base else pair_cell(paired_ratio(r, launch_us, k, base))
+            for k in AUTOCAST
+            for base in (AUTOCAST_PLAIN, AUTOCAST_FUSED)
+        }
+        return [
+            f"{_variant_cells(r, k, k, work)} {over[k, AUTOCAST_PLAIN]} | {over[k, AUTOCAST_FUSED]} |"
+            for k in AUTOCAST
+        ]
+
+    def instructions(r: dict) -> list[str]:
+        ins, la = r["instructions"], r["launches"]
+        rate = ins["plain"] / (r["cpu_ms"]["plain"] * 1e3)
+        work = {k: ins[k] + la[k] * launch_us * rate for k in ins}
+        ratio = work["fused"] / work["plain"]
+        extra = [
+            f"{ins[k] / 1e6:.1f} | {work[k] / work['plain']:.3f}x |" if k in ins else "- | - |"
+            for k in (FLOOR, KERNEL_SUMS)
+        ]
+        return [
+            f"| {MODELS[r['model']]} | {ins['plain'] / 1e6:.1f} | {ins['fused'] / 1e6:.1f} | "
+            f"{ins['fused'] / ins['plain']:.3f}x | {ratio:.3f}x | {_met(ratio, TARGETS[r['model']])} | "
+            + " ".join(extra)
+        ]
+
     lines += _section(
         "Round by round",
         f"Host work fused / plain in each of the {rounds} rounds (each round's own medians, the variants "
@@ -111,118 +191,62 @@ def to_markdown(rows: list[dict], machine: dict, reps: int, rounds: int, launch_
         "target holds. Best of rounds: the ratio of the two variants' best-of-rounds host work (the "
         "table's ratio before 2026-11-28: each variant's quietest round, not necessarily the same one).",
         "model | min | median | max | best of rounds | rounds within target",
+        rows,
+        by_round,
     )
-    for r in rows:
-        per = round_ratios(r, launch_us)
-        best = host_work(r, launch_us)
-        met = sum(x <= TARGETS[r["model"]] for x in per)
-        lines.append(
-            f"| {MODELS[r['model']]} | {min(per):.3f}x | {statistics.median(per):.3f}x | {max(per):.3f}x | "
-            f"{best['fused'] / best['plain']:.3f}x | {met} of {len(per)} |"
-        )
-    floor = [r for r in rows if FLOOR in r["cpu_ms"]]
-    if floor:
-        lines += _section(
-            "The floor: a do-nothing Python op in the op's place",
-            "The fused model with each fused add & norm replaced by an `autograd.Function` that only "
-            "allocates its outputs and gradients (`_Floor`: nothing computed, the fused step's launches "
-            "counted for it): the least any Python op can cost this step. Fused over floor: the op's own "
-            "host code, beyond what calling a Python op at all costs.",
-            "model | floor CPU ms | floor host work / plain | fused host work / plain | "
-            "fused / floor CPU time | floor Python calls",
-        )
-        for r in floor:
-            over_floor = paired_speedup(r["cpu_rounds_ms"], "fused", FLOOR)
-            floor_pair, fused_pair = paired_ratio(r, launch_us, FLOOR), paired_ratio(r, launch_us)
-            lines.append(
-                f"| {MODELS[r['model']]} | {r['cpu_ms'][FLOOR]:.2f} | {pair_cell(floor_pair)} | "
-                f"{pair_cell(fused_pair)} | {pair_cell(over_floor)} | {r['python_calls'][FLOOR]} |"
-            )
-    seeded = [r for r in rows if PREVIOUS in r["cpu_ms"]]
-    if seeded:
-        lines += _section(
-            "The dropout seed's source, side by side",
-            "The fused step as above (dropout seeds drawn on the host from the generator's Philox state, "
-            "`addnorm.ops.seeds`) and with the previous source (`set_seed_source('randint')`: a one-element "
-            "`torch.randint` on the device per dropout call), timed in the same interleaved rounds.",
-            "model | seeds | CPU ms | launches | host work ms | host work / plain",
-        )
-        for r in seeded:
-            work = host_work(r, launch_us)
-            for k, label in (("fused", "host (default)"), (PREVIOUS, "randint (previous)")):
-                lines.append(
-                    f"| {MODELS[r['model']]} | {label} | {r['cpu_ms'][k]:.2f} | {r['launches'][k]} | "
-                    f"{work[k]:.2f} | {pair_cell(paired_ratio(r, launch_us, k))} |"
-                )
-    candidate = [r for r in rows if KERNEL_SUMS in r["cpu_ms"]]
-    if candidate:
-        lines += _section(
-            'The backward\'s partial sums added up in its kernel (variant "kernel_sums"), side by side',
-            "The fused step as above (the default backward variant: its programs' partial parameter "
-            "gradients summed after the kernel, an aten sum each) and with the candidate variant "
-            '"kernel_sums" (the last programs add them up inside the kernel: no sum launched), timed in the '
-            "same interleaved rounds. A candidate made without a GPU: it becomes the default only where a "
-            "GPU measures it no slower (`launch_config.BWD_CANDIDATES`).",
-            "model | backward | CPU ms | launches | host work ms | host work / plain | target | met",
-        )
-        for r in candidate:
-            work, target = host_work(r, launch_us), TARGETS[r["model"]]
-            for k, label in (("fused", "default"), (KERNEL_SUMS, '"kernel_sums"')):
-                pair = paired_ratio(r, launch_us, k)
-                lines.append(
-                    f"| {MODELS[r['model']]} | {label} | {r['cpu_ms'][k]:.2f} | {r['launches'][k]} | "
-                    f"{work[k]:.2f} | {pair_cell(pair)} | <= {target} | "
-                    f"{'yes' if pair['median'] <= target else 'NO'} |"
-                )
-    cast = [r for r in rows if AUTOCAST_H in r["cpu_ms"]]
-    if cast:
-        lines += _section(
-            "Under autocast to bfloat16, and the candidate sublayer input, side by side",
-            "addnorm's LMs as the GPU's steps run them, under `torch.autocast` to bfloat16 (here the CPU's: "
-            "its linear layers compute in bfloat16 on this CPU, the same work in each of the three): plain, "
-            "fused as above, and fused with the candidate `stream.AUTOCAST_SUBLAYER_INPUT` (the op writes "
-            "each sublayer's normed input in bfloat16, which its linear layer would cast it to: no cast, no "
-            "cast's backward), timed in the same interleaved rounds. A candidate made without a GPU: the "
-            'default where the GPU suite\'s LM step measures it no slower (column "fused (autocast h)").',
-            "model | step | CPU ms | launches | host work ms | host work / plain (autocast) | "
-            "host work / fused (autocast)",
-        )
-        for r in cast:
-            work = host_work(r, launch_us)
-            for k in AUTOCAST:
-                over_fused = (
-                    "-" if k == AUTOCAST_FUSED else pair_cell(paired_ratio(r, launch_us, k, AUTOCAST_FUSED))
-                )
-                over_plain = (
-                    "-" if k == AUTOCAST_PLAIN else pair_cell(paired_ratio(r, launch_us, k, AUTOCAST_PLAIN))
-                )
-                lines.append(
-                    f"| {MODELS[r['model']]} | {k} | {r['cpu_ms'][k]:.2f} | {r['launches'][k]} | "
-                    f"{work[k]:.2f} | {over_plain} | {over_fused} |"
-                )
-    counted = [r for r in rows if r.get("instructions")]
-    if counted:
-        lines += _section(
-            "Instructions per step (valgrind's callgrind; the same count whatever the machine's load)",
-            "Each variant in its own process under callgrind, counters zeroed after 3 warmup steps, 5 steps "
-            "counted. Host work in instructions: instructions + launches x L x r, r = the plain step's "
-            "instructions per us of its CPU time above.",
-            "model | plain M instr/step | fused M instr/step | fused / plain | host work fused / plain | "
-            'target | met | floor M instr/step | host work floor / plain | "kernel_sums" M instr/step | '
-            'host work "kernel_sums" / plain',
-        )
-        for r in counted:
-            ins, la = r["instructions"], r["launches"]
-            rate = ins["plain"] / (r["cpu_ms"]["plain"] * 1e3)
-            work = {k: ins[k] + la[k] * launch_us * rate for k in ins}
-            ratio, target = work["fused"] / work["plain"], TARGETS[r["model"]]
-            extra = [
-                f"{ins[k] / 1e6:.1f} | {work[k] / work['plain']:.3f}x |" if k in ins else "- | - |"
-                for k in (FLOOR, KERNEL_SUMS)
-            ]
-            lines.append(
-                f"| {MODELS[r['model']]} | {ins['plain'] / 1e6:.1f} | {ins['fused'] / 1e6:.1f} | "
-                f"{ins['fused'] / ins['plain']:.3f}x | {ratio:.3f}x | <= {target} | "
-                f"{'yes' if ratio <= target else 'NO'} | " + " ".join(extra)
-            )
+    lines += _section(
+        "The floor: a do-nothing Python op in the op's place",
+        "The fused model with each fused add & norm replaced by an `autograd.Function` that only "
+        "allocates its outputs and gradients (`_Floor`: nothing computed, the fused step's launches "
+        "counted for it): the least any Python op can cost this step. Fused over floor: the op's own "
+        "host code, beyond what calling a Python op at all costs.",
+        "model | floor CPU ms | floor host work / plain | fused host work / plain | "
+        "fused / floor CPU time | floor Python calls",
+        _having(rows, FLOOR),
+        floor,
+    )
+    lines += _section(
+        "The dropout seed's source, side by side",
+        "The fused step as above (dropout seeds drawn on the host from the generator's Philox state, "
+        "`addnorm.ops.seeds`) and with the previous source (`set_seed_source('randint')`: a one-element "
+        "`torch.randint` on the device per dropout call), timed in the same interleaved rounds.",
+        "model | seeds | CPU ms | launches | host work ms | host work / plain",
+        _having(rows, PREVIOUS),
+        seeded,
+    )
+    lines += _section(
+        'The backward\'s partial sums added up in its kernel (variant "kernel_sums"), side by side',
+        "The fused step as above (the default backward variant: its programs' partial parameter "
+        "gradients summed after the kernel, an aten sum each) and with the candidate variant "
+        '"kernel_sums" (the last programs add them up inside the kernel: no sum launched), timed in the '
+        "same interleaved rounds. A candidate made without a GPU: it becomes the default only where a "
+        "GPU measures it no slower (`launch_config.BWD_CANDIDATES`).",
+        "model | backward | CPU ms | launches | host work ms | host work / plain | target | met",
+        _having(rows, KERNEL_SUMS),
+        kernel_sums,
+    )
+    lines += _section(
+        "Under autocast to bfloat16, and the candidate sublayer input, side by side",
+        "addnorm's LMs as the GPU's steps run them, under `torch.autocast` to bfloat16 (here the CPU's: "
+        "its linear layers compute in bfloat16 on this CPU, the same work in each of the three): plain, "
+        "fused as above, and fused with the candidate `stream.AUTOCAST_SUBLAYER_INPUT` (the op writes "
+        "each sublayer's normed input in bfloat16, which its linear layer would cast it to: no cast, no "
+        "cast's backward), timed in the same interleaved rounds. A candidate made without a GPU: the "
+        'default where the GPU suite\'s LM step measures it no slower (column "fused (autocast h)").',
+        "model | step | CPU ms | launches | host work ms | host work / plain (autocast) | "
+        "host work / fused (autocast)",
+        _having(rows, AUTOCAST_H),
+        autocast,
+    )
+    lines += _section(
+        "Instructions per step (valgrind's callgrind; the same count whatever the machine's load)",
+        "Each variant in its own process under callgrind, counters zeroed after 3 warmup steps, 5 steps "
+        "counted. Host work in instructions: instructions + launches x L x r, r = the plain step's "
+        "instructions per us of its CPU time above.",
+        "model | plain M instr/step | fused M instr/step | fused / plain | host work fused / plain | "
+        'target | met | floor M instr/step | host work floor / plain | "kernel_sums" M instr/step | '
+        'host work "kernel_sums" / plain',
+        [r for r in rows if r.get("instructions")],
+        instructions,
+    )
     return "\n".join(lines) + "\n"
