@@ -8,6 +8,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 __all__ = [
     "ORDER",
@@ -20,6 +21,7 @@ __all__ = [
     "speedup",
     "speedup_cell",
     "training_step",
+    "within",
 ]
 
 
@@ -77,6 +79,18 @@ def training_step(model, loss_of: Callable[[], object], lr: float = 1e-4) -> Cal
         return time.perf_counter() - t0
 
     return step
+
+
+def within(step: Callable[[], None], context: Callable[[], AbstractContextManager]) -> Callable[[], None]:
+    """``step`` run inside ``context()``, entered anew for each call: a variant's step under the setting it
+    is timed with (a switch object that returns itself when called, or a factory of one-shot contexts
+    such as ``functools.partial(policy.fusion, "always")``)."""
+
+    def run() -> None:
+        with context():
+            step()
+
+    return run
 
 
 def paired_speedup(wall: dict[str, list[float]], base: str, other: str) -> dict[str, float]:

@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import json
 import os
 import pstats
@@ -60,7 +61,7 @@ import addnorm as an  # noqa: E402
 from addnorm.ops import policy, seeds  # noqa: E402
 from benchmarks.common.machine import machine_info, write_results  # noqa: E402
 from benchmarks.common.results_path import RESULTS, ROOT, add_out_argument  # noqa: E402
-from benchmarks.common.timing import interleaved  # noqa: E402
+from benchmarks.common.timing import interleaved, within  # noqa: E402
 from benchmarks.common.variant_plans import BackwardVariant, SublayerCast  # noqa: E402
 from benchmarks.host.step_host_tables import (  # noqa: E402
     AUTOCAST_FUSED,
@@ -389,35 +390,20 @@ def _child(name: str, variant: str, layers: int, steps: int, folder: str) -> Non
 def with_variant(step: Callable[[], None], variant: str) -> Callable[[], None]:
     """``step`` with the op's backward variant ``variant``, its call plans kept apart from the default's
     (:class:`variant_plans.BackwardVariant`: no plan rebuilt in a timed step)."""
-    switch = BackwardVariant(variant)
-
-    def run() -> None:
-        with switch:
-            step()
-
-    return run
+    return within(step, BackwardVariant(variant))
 
 
 def with_autocast(step: Callable[[], None], cast: bool) -> Callable[[], None]:
     """``step`` under autocast to bfloat16 (the CPU's, for the CPU tensors that stand in for CUDA ones),
     the candidate ``stream.AUTOCAST_SUBLAYER_INPUT`` set to ``cast`` (:class:`variant_plans.SublayerCast`)."""
-    switch = SublayerCast(cast)
-
-    def run() -> None:
-        with switch, torch.autocast("cpu", dtype=torch.bfloat16):
-            step()
-
-    return run
+    return within(
+        within(step, functools.partial(torch.autocast, "cpu", dtype=torch.bfloat16)), SublayerCast(cast)
+    )
 
 
 def with_seed_source(step: Callable[[], None], source: str) -> Callable[[], None]:
     """``step`` with the fused op's dropout seeds from ``source`` (:mod:`addnorm.ops.seeds`)."""
-
-    def run() -> None:
-        with seeds.seed_source(source):
-            step()
-
-    return run
+    return within(step, functools.partial(seeds.seed_source, source))
 
 
 def _timer(step: Callable[[], None]) -> Callable[[], float]:

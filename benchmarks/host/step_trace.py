@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gzip
 import json
 import os
@@ -56,7 +57,7 @@ import torch  # noqa: E402
 from addnorm.ops import policy  # noqa: E402
 from benchmarks.common.machine import device_slug, machine_info, machine_line, write_results  # noqa: E402
 from benchmarks.common.results_path import add_out_argument  # noqa: E402
-from benchmarks.common.timing import round_order  # noqa: E402
+from benchmarks.common.timing import round_order, within  # noqa: E402
 from benchmarks.host.trace_analysis import STEP_SCOPE, analyze, trim  # noqa: E402
 
 RUNS = ("hf", "lm", "lm-llama", "hf-gpu-bound")
@@ -145,14 +146,6 @@ def summarise(records: list[dict]) -> dict:
     return out
 
 
-def _with_fusion(step: Callable[[], None], fusion: str) -> Callable[[], None]:
-    def run() -> None:
-        with policy.fusion(fusion):
-            step()
-
-    return run
-
-
 def run_all(runs: list[str], device: str, steps: int, warmup: int) -> tuple[list[dict], list[dict]]:
     """Each run's two variants built side by side and traced in alternation (:func:`trace_run`); (rows,
     the combined trace's events)."""
@@ -167,7 +160,7 @@ def run_all(runs: list[str], device: str, steps: int, warmup: int) -> tuple[list
                 fusion = "always" if variant == "fused" else "measured"
                 with policy.fusion(fusion):
                     step, tokens[variant] = build_step(run, variant, device)
-                steps_of[variant] = _with_fusion(step, fusion)
+                steps_of[variant] = within(step, functools.partial(policy.fusion, fusion))
             trace, order = trace_run(steps_of, device, steps, warmup)
             del steps_of, step
         if device == "cuda":
