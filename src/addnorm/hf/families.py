@@ -115,19 +115,36 @@ def llama_sublayers(
     attention=self_attn,
     feed_forward=mlp,
     *,
+    names: tuple[str, str] = ("self_attn", "mlp"),
     norms: tuple[str, str] = ("input_layernorm", "post_attention_layernorm"),
     role: str = "input_norm",
+    attention_init: dict | None = None,
     mlp_init: tuple[Weight, ...] = LLAMA_MLP,
     mlp_dropout: str | None = None,
+    silenced: tuple[tuple[str, ...], tuple[str, ...]] = ((), ()),
 ) -> tuple[Sublayer, Sublayer]:
-    """The sublayers of a Llama-shaped layer: attention ``self_attn`` (separate query, key, value and
-    output projections) called by ``attention``, then ``mlp`` called by ``feed_forward`` (``mlp_init``
-    its scaled weights, ``mlp_dropout`` its own residual dropout's config attribute); ``norms`` are
-    theirs in the slot ``role`` (``input_norm``: Pre-LN, ``branch_norm``: res_post; the same name twice:
-    one norm both read)."""
+    """The sublayers of a Llama-shaped layer: attention ``names[0]`` (``attention_init`` its roles, default
+    separate query, key, value and output projections) called by ``attention``, then ``names[1]`` called
+    by ``feed_forward`` (``mlp_init`` its scaled weights, ``mlp_dropout`` its own residual dropout's config
+    attribute); ``norms`` are theirs in the slot ``role`` (``input_norm``: Pre-LN, ``branch_norm``:
+    res_post; the same name twice: one norm both read); ``silenced``: the dropouts inside each that the
+    connection's replaces."""
     return (
-        Sublayer("self_attn", attention, **{role: norms[0]}, **LLAMA_ATTN_INIT),
-        Sublayer("mlp", feed_forward, **{role: norms[1]}, init_scaled=mlp_init, dropout=mlp_dropout),
+        Sublayer(
+            names[0],
+            attention,
+            **{role: norms[0]},
+            silenced=silenced[0],
+            **(attention_init or LLAMA_ATTN_INIT),
+        ),
+        Sublayer(
+            names[1],
+            feed_forward,
+            **{role: norms[1]},
+            silenced=silenced[1],
+            init_scaled=mlp_init,
+            dropout=mlp_dropout,
+        ),
     )
 
 
@@ -173,21 +190,13 @@ GPT2 = Architecture(
     layers="h",
     final_norm="ln_f",
     dropout="resid_pdrop",
-    sublayers=(
-        Sublayer(
-            "attn",
-            _gpt2_attn,
-            input_norm="ln_1",
-            silenced=("attn.resid_dropout",),
-            **packed_qkv("attn", "c_attn", "c_proj", dim=1),
-        ),
-        Sublayer(
-            "mlp",
-            mlp,
-            input_norm="ln_2",
-            silenced=("mlp.dropout",),
-            init_scaled=weights("mlp.c_fc", "mlp.c_proj"),
-        ),
+    sublayers=llama_sublayers(
+        _gpt2_attn,
+        names=("attn", "mlp"),
+        norms=("ln_1", "ln_2"),
+        attention_init=packed_qkv("attn", "c_attn", "c_proj", dim=1),
+        mlp_init=weights("mlp.c_fc", "mlp.c_proj"),
+        silenced=(("attn.resid_dropout",), ("mlp.dropout",)),
     ),
     unsupported=(("add_cross_attention", "GPT-2 cross-attention (add_cross_attention=True)"),),
     config=ConfigSpec(ffn="n_inner", dropouts=("resid_pdrop", "embd_pdrop", "attn_pdrop"), study=True),
@@ -232,21 +241,10 @@ PHI3 = Architecture(
     "phi3",
     **_PRE_LLAMA,
     dropout="resid_pdrop",
-    sublayers=(
-        Sublayer(
-            "self_attn",
-            self_attn,
-            input_norm="input_layernorm",
-            silenced=("resid_attn_dropout",),
-            **packed_qkv("self_attn", "qkv_proj", "o_proj", sizes=_phi3_qkv),
-        ),
-        Sublayer(
-            "mlp",
-            mlp,
-            input_norm="post_attention_layernorm",
-            silenced=("resid_mlp_dropout",),
-            init_scaled=weights("mlp.gate_up_proj", "mlp.down_proj"),
-        ),
+    sublayers=llama_sublayers(
+        attention_init=packed_qkv("self_attn", "qkv_proj", "o_proj", sizes=_phi3_qkv),
+        mlp_init=weights("mlp.gate_up_proj", "mlp.down_proj"),
+        silenced=(("resid_attn_dropout",), ("resid_mlp_dropout",)),
     ),
     config=ConfigSpec(**_GQA, dropouts=("resid_pdrop", "embd_pdrop", "attention_dropout")),
 )
