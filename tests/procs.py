@@ -2,13 +2,24 @@
 jobs and reports a failing one as a line (:func:`run_jobs`), so that a test reports it per job rather
 than as a failed or hung spawn (``tests/test_distributed.py``, ``test_ops_sharded*.py``,
 ``test_titan_parallel.py``). The process helpers themselves (spawned ranks, a free port, ``/proc``) are
-``tools/procs.py``, which the benchmarks and the fault trials share."""
+``tools/procs.py``, which the benchmarks and the fault trials share. :data:`SPAWNED_RANKS`: the marks of a
+test module whose tests spawn ranks."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-__all__ = ["run_jobs"]
+import pytest
+import torch
+
+__all__ = ["SPAWNED_RANKS", "run_jobs"]
+
+# a module of spawned-rank tests: slow (the slow tier's cause: spawned ranks), and skipped without
+# torch.distributed
+SPAWNED_RANKS = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed"),
+]
 
 
 def run_jobs(jobs: dict[str, Callable[[], object]], rank: int, out: str, *, barrier: bool = True) -> None:

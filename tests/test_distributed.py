@@ -16,15 +16,12 @@ import warnings
 
 import pytest
 import torch
+from procs import SPAWNED_RANKS
 from torch import nn
 
 from tools.procs import run_spawned
 
-# slow: spawned ranks
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed"),
-]
+pytestmark = SPAWNED_RANKS  # slow: spawned ranks
 
 WORLD, STEPS, VOCAB, BATCH, SEQ, TOL = 2, 3, 50, 4, 9, 1e-5
 PLACEMENTS = ["pre", "post", "sandwich", "deepnorm", "resi_dual", "ngpt", "b2t", "mix", "hybridnorm"]

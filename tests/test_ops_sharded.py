@@ -31,18 +31,14 @@ from _sharded_cases import (
     _kwargs,
     single_process,
 )
-from procs import run_jobs
+from procs import SPAWNED_RANKS, run_jobs
 
 from addnorm.ops import add_norm, add_norm_reference, dropout_keep_mask
 from addnorm.ops import library as lib
 from addnorm.ops.args import XHAT_FROM_S
 from tools.procs import run_spawned
 
-# slow: spawned ranks
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed"),
-]
+pytestmark = SPAWNED_RANKS  # slow: spawned ranks
 
 # placements of x and residual per mesh: (mesh shape, x placements as (kind, dim))
 LAYOUTS = {

@@ -13,16 +13,12 @@ import warnings
 import pytest
 import torch
 from _sharded_cases import BACKENDS, SHAPE, TOL, WORLD, _data, _got, _kwargs, single_process
-from procs import run_jobs
+from procs import SPAWNED_RANKS, run_jobs
 
 from addnorm.ops import add_norm
 from tools.procs import run_spawned
 
-# slow: spawned ranks
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed"),
-]
+pytestmark = SPAWNED_RANKS  # slow: spawned ranks
 
 # --- a rank with no columns, and a rank that fails inside the collectives ---------------------------------
 

@@ -36,15 +36,12 @@ from _tp_models import (
     perturbed,
     tp_mesh,
 )
+from procs import SPAWNED_RANKS
 from torch import nn
 
 from tools.procs import run_spawned
 
-# slow: spawned ranks
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed"),
-]
+pytestmark = SPAWNED_RANKS  # slow: spawned ranks
 
 STEPS, BATCH, SEQ, TOL = 3, 4, 9, 1e-5
 
