@@ -32,7 +32,7 @@ try:  # Triton 3.4+ (an older one launches through kernel[grid](...): SUPPORTED 
 except ImportError:
     knobs = None
 
-__all__ = ["SUPPORTED", "DirectLaunch", "defaults_of", "int_kind"]
+__all__ = ["CALL_C_LAUNCHER", "SUPPORTED", "DirectLaunch", "c_launcher", "defaults_of", "int_kind"]
 
 
 def _run_launches_directly() -> bool:
@@ -66,6 +66,48 @@ except ImportError:  # an older Triton: a hook or None
 SKIP_IDLE_HOOKS = True
 
 
+def _launcher_calls_c_directly() -> bool:
+    """Whether this Triton's ``CudaLauncher.__call__`` only allocates scratch memory (none where the
+    kernel asks for none) and then calls its C launcher ``self.launch`` with its own fields, as
+    :func:`c_launcher` passes them."""
+    try:
+        from triton.backends.nvidia.driver import CudaLauncher
+
+        src = inspect.getsource(CudaLauncher.__call__)
+    except (ImportError, OSError, TypeError):
+        return False
+    return (
+        "self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,"
+        in src
+        and "kernel_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, global_scratch," in src
+        and "profile_scratch, self.arg_annotations, self.kernel_signature, kernel_args)" in src
+        and "if size > 0:" in src
+    )
+
+
+# call a compiled CUDA kernel's C launcher itself where its ``CudaLauncher.__call__`` would only pass
+# its fields on (no scratch memory, no GSan): that frame, its two closures and its allocator checks
+# cost ~1 us a launch on the 2-core CPU. False: every launch through ``CudaLauncher.__call__`` (the
+# previous launch; a hypothesis until the GPU suite's host step times both)
+CALL_C_LAUNCHER = _launcher_calls_c_directly()
+
+
+def c_launcher(ck) -> tuple | None:
+    """``ck``'s C launch and its constant arguments where :data:`CALL_C_LAUNCHER` applies to it: (the
+    C launcher, cooperative grid, PDL, argument annotations, kernel signature); else None."""
+    run = ck.run
+    if (
+        not CALL_C_LAUNCHER
+        or type(run).__name__ != "CudaLauncher"
+        or type(run).__module__ != "triton.backends.nvidia.driver"
+        or getattr(run, "gsan_enabled", True)
+        or getattr(run, "global_scratch_size", 1) != 0
+        or getattr(run, "profile_scratch_size", 1) != 0
+    ):
+        return None
+    return run.launch, run.launch_cooperative_grid, run.launch_pdl, run.arg_annotations, run.kernel_signature
+
+
 def _active_hook(hook):
     """A launch hook as the launch needs it: None for none and for an empty chain, which the launch
     would call to do nothing."""
@@ -91,11 +133,12 @@ class DirectLaunch:
     ``args`` (every parameter without a default, in order) and the launch ``options``; ``defaults``
     (:func:`defaults_of` the kernel's values) follow ``args`` in the direct launch, as ``run`` binds them."""
 
-    __slots__ = ("compiled", "defaults")
+    __slots__ = ("compiled", "defaults", "launchers")
 
     def __init__(self, defaults: tuple) -> None:
         self.compiled: dict = {}
         self.defaults = defaults  # the kernel's trailing parameters' defaults, which run() passes too
+        self.launchers: dict = {}  # (device, key) -> the kernel's C launch (:func:`c_launcher`), or None
 
     def launch(self, kernel, key, grid: tuple, args: tuple, options: dict) -> None:
         active = driver.active
@@ -111,16 +154,26 @@ class DirectLaunch:
                 and len(self.compiled) < 64
             ):
                 self.compiled[device, key] = ck
+                self.launchers[device, key] = c_launcher(ck)
             return
         stream = active.get_current_stream(device)
         full = (*args, *self.defaults)
         runtime = knobs.runtime
         enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
-        if SKIP_IDLE_HOOKS:
-            enter, exit_ = _active_hook(enter), _active_hook(exit_)
+        if SKIP_IDLE_HOOKS:  # _active_hook's, inline
+            if type(enter) is HookChain and not enter.calls:
+                enter = None
+            if type(exit_) is HookChain and not exit_.calls:
+                exit_ = None
         # the metadata is only ever handed to the hooks: made only where one runs
         meta = None if enter is None and exit_ is None else ck.launch_metadata(grid, stream, *full)
-        ck.run(
-            grid[0], grid[1] if len(grid) > 1 else 1, 1, stream, ck.function, ck.packed_metadata, meta, enter,
-            exit_, *full,
-        )  # fmt: skip
+        gy = grid[1] if len(grid) > 1 else 1
+        c = self.launchers.get((device, key)) if CALL_C_LAUNCHER else None
+        if c is not None:  # CudaLauncher.__call__'s work without its frame (nothing to allocate)
+            launch, coop, pdl, ann, sig = c
+            launch(
+                grid[0], gy, 1, stream, ck.function, coop, pdl, ck.packed_metadata, meta, enter, exit_, None,
+                None, ann, sig, full,
+            )  # fmt: skip
+        else:
+            ck.run(grid[0], gy, 1, stream, ck.function, ck.packed_metadata, meta, enter, exit_, *full)
