@@ -24,7 +24,7 @@ pytest.importorskip("mkdocs", reason="the docs extra is not installed (pip insta
 pytest.importorskip("mkdocstrings", reason="the docs extra is not installed (pip install -e '.[docs]')")
 from mkdocs.exceptions import PluginError  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.slow  # a compiler of a kind: the site's build, and a browser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

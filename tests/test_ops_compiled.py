@@ -1,6 +1,6 @@
-"""The fused op and addnorm's models under ``torch.compile(fullgraph=True)`` on the CPU, against eager
+"""The fused op, addnorm's models and a training run under ``torch.compile`` on the CPU, against eager
 (slow tier: each test compiles its graphs with Inductor). The eager checks of the same calls stay in
-``test_ops_add_norm.py`` and ``test_ops_fused_addnorm.py``."""
+``test_ops_add_norm.py``, ``test_ops_fused_addnorm.py`` and ``test_train.py``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import pytest
 import torch
 from test_ops_add_norm import _TwoSublayers
 from test_ops_fused_addnorm import _triton_model_equals_torch
+from test_train import TINY, losses
 
 import addnorm as an
+from addnorm.train import RunConfig, train
 
 pytestmark = pytest.mark.slow  # compilers (torch.compile)
 
@@ -61,3 +63,21 @@ def test_a_compiled_model_on_the_triton_backend_equals_the_torch_backend(placeme
     """The Triton-backend LanguageModel of ``test_ops_fused_addnorm.py`` gives the torch backend's
     logits and gradients eagerly and under torch.compile(fullgraph=True)."""
     _triton_model_equals_torch(placement, True, request)
+
+
+def test_compile_trains_like_eager():
+    """compile: true runs the unprobed training steps through torch.compile (inductor, on the CPU here):
+    the same losses as eager to float rounding; probed steps run the model eagerly."""
+    import torch._dynamo
+
+    cfg = dict(TINY, n_layers=1, steps=3, eval_every=0)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = train(RunConfig(**cfg, compile=True))
+    counters = torch._dynamo.utils.counters
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]  # one whole graph
+    eager = train(RunConfig(**cfg))
+    assert compiled.provenance["compile"] is True
+    torch.testing.assert_close(losses(compiled), losses(eager), atol=1e-5, rtol=1e-5)
+    assert compiled.final["val_loss"] == pytest.approx(eager.final["val_loss"], abs=1e-5)
+    torch._dynamo.reset()

@@ -200,25 +200,6 @@ def test_throughput_counts_tokens_after_the_first_step_and_leaves_out_pauses():
     assert many.tokens_per_s > 4 * TINY["batch_size"] * TINY["seq_len"] / many.wall_s
 
 
-@pytest.mark.slow
-def test_compile_trains_like_eager():
-    """compile: true runs the unprobed training steps through torch.compile (inductor, on the CPU here):
-    the same losses as eager to float rounding; probed steps run the model eagerly."""
-    import torch._dynamo
-
-    cfg = dict(TINY, n_layers=1, steps=3, eval_every=0)
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
-    compiled = train(RunConfig(**cfg, compile=True))
-    counters = torch._dynamo.utils.counters
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]  # one whole graph
-    eager = train(RunConfig(**cfg))
-    assert compiled.provenance["compile"] is True
-    torch.testing.assert_close(losses(compiled), losses(eager), atol=1e-5, rtol=1e-5)
-    assert compiled.final["val_loss"] == pytest.approx(eager.final["val_loss"], abs=1e-5)
-    torch._dynamo.reset()
-
-
 def test_settings_added_later_keep_the_run_ids_of_stored_studies():
     """precision, compile, corpus_bytes, the Hugging Face keys (model, kv_heads, rope_theta, fused,
     hf_init) and distributed at their defaults (what every run did before they existed) are left out of

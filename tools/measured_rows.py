@@ -8,7 +8,7 @@ optionally inverted), so this tool reads the number where the benchmark put it a
     python -m tools.measured_rows check                 # every row's ratio equals its file's value
     python -m tools.measured_rows add h200 \\
         --json h200/2026-11-28-81f67f7/hf_step_h200.json \\
-        --key /results/0/paired/fused/plain/median --inverse \\
+        --key /results/0/paired/fused~1plain/median --inverse \\
         --scope step --mode eager --dropout false --model hf \\
         --what "HF Llama 134M (RMSNorm, no dropout), eager: fused 1.051x plain (paired median)"
 

@@ -1,5 +1,5 @@
 """The commit of the code that runs: one source of truth for a study's provenance and the benchmarks'
-results (``benchmarks/results_path.commit_info``).
+results (``benchmarks/common/results_path.commit_info``).
 
 A copy of the tree carried to a device may have no ``.git``, so the commit can be given. Found in this
 order (:func:`commit_of`):

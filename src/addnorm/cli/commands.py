@@ -19,7 +19,7 @@ from .errors import LIBRARY_ERRORS, fail, handle_errors
 from .lazy import LazyGroup
 
 # Nothing above imports torch: `addnorm --help`, `--version` and `study --list/--show/--keys` answer
-# without it (see cli_lazy); each command imports what it uses.
+# without it (see cli/lazy.py); each command imports what it uses.
 
 app = typer.Typer(
     name="addnorm",

@@ -3,7 +3,7 @@ run or written.
 
 Each run's resolved settings that differ from the base, whether it is already stored, its estimated wall
 time (from the runs stored for the device at the packing it would train at, else the cost model:
-:mod:`.budget`) and its memory; with ``--budget`` which runs would start in the window and how many such
+:mod:`.cost_model`) and its memory; with ``--budget`` which runs would start in the window and how many such
 windows the rest needs. It refuses what this machine cannot run (:mod:`.limits`) and a database it cannot
 resume (:mod:`.resume`), as the study would.
 

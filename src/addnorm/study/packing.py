@@ -6,7 +6,7 @@ H200 trained ``gpu-literature``'s d_model 512 runs at 170-200k tokens/s, one at 
 its FLOP rate). Several runs at once, each a process of its own with its own CUDA context (the
 :class:`~.executors.ProcessExecutor`), fill it. Whether they gain, and how much, is measured, not
 assumed: every run stores ``packed``, the mean number of runs in flight on the device while it ran
-(:class:`Sharing`, counted in the driver), and the :class:`~.budget.Estimator` reads the wall time of
+(:class:`Sharing`, counted in the driver), and the :class:`~.cost_model.Estimator` reads the wall time of
 runs packed the same way on the same device (no gain is assumed for a packing not yet measured).
 
 :func:`choose` picks k, the most runs at once that every bound allows:
@@ -14,13 +14,13 @@ runs packed the same way on the same device (no gain is assumed for a packing no
 - **memory**: k runs' peaks within :data:`MEMORY_SHARE` of the GPU's free memory; a run's peak is the
   measured peak of a run of its size on this GPU (``peak_memory``, bytes reserved, plus a CUDA context)
   where one is stored, else :func:`~.limits.estimate_memory` scaled by the largest measured/estimated
-  ratio of this GPU's runs (x :data:`~.budget.SCALED_MARGIN`: the small runs that trained first teach
+  ratio of this GPU's runs (x :data:`~.cost_model.SCALED_MARGIN`: the small runs that trained first teach
   the others), else the estimate;
 - **cores**: one per run (each trains with one torch thread), one left for the driver;
 - **runs left**, and with ``--budget`` the **budget**: k of the runs left must fit in it at k at once
   (what a run needs at a packing not measured yet assumes no gain, see below);
 - **the measured gain**: among those, the packing whose estimated throughput (k runs over one run's
-  estimated time at k, :meth:`~.budget.Estimator.seconds`) is within :data:`GAIN_TOLERANCE` of the
+  estimated time at k, :meth:`~.cost_model.Estimator.seconds`) is within :data:`GAIN_TOLERANCE` of the
   best, the largest such. An unmeasured packing is estimated with no gain over the largest measured one
   below it, so it ties with it and is tried (and measured) as long as nothing says it loses; once a
   larger packing has measured a lower throughput, the smaller one wins (the packings between them are
@@ -156,7 +156,7 @@ def plan_windows(
     """The windows of ``room`` seconds that the runs ``todo`` need at ``estimator``'s estimates (nothing
     learnt in between): per window (runs at once, runs started), each packing ``workers`` runs at once or
     choosing (:func:`choose`, with ``bounds``) for the runs it has left, each starting what fits
-    (:func:`~.budget.window`, a new worker's ``start_s`` included) and the next taking the rest. None
+    (:func:`~.cost_model.window`, a new worker's ``start_s`` included) and the next taking the rest. None
     if a run fits in no window."""
     left, plan = list(todo), []
     while left:
