@@ -136,9 +136,10 @@ def run_case(case: dict) -> dict:
 
 
 def _run_case(case: dict) -> dict:
-    from bench_sharded import CommBytes
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_tensor
+
+    from benchmarks.op.sharded import CommBytes
 
     mesh_shape, spec = LAYOUTS[case["layout"]]
     mesh = init_device_mesh("cpu", mesh_shape)
