@@ -48,9 +48,9 @@ def _wait_until(predicate, timeout: float = 10.0) -> None:
 
 @pytest.fixture(autouse=True)
 def _earlier_workers():
-    """The gloo worker threads there before the test (a real group's, idle): all quiet."""
+    """The gloo-named threads there before the test: a real group's idle workers, or the previous
+    test's thread ending after its join (still in /proc for a moment)."""
     before = dict(gloo_workers())
-    assert all(state == "S" for state, _ in before.values()), before
     _BEFORE.clear()
     _BEFORE.update(before)
     yield
