@@ -81,10 +81,6 @@ class FakePhilox:
         self.offset = offset
 
 
-def _not_capturing() -> bool:
-    return False
-
-
 @contextlib.contextmanager
 def faked_launches() -> Iterator[Launches]:
     """Inside the block: Triton's active driver is a fake one (device 0, stream 0, an sm_90 target),
@@ -97,9 +93,7 @@ def faked_launches() -> Iterator[Launches]:
     from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    from addnorm.ops import functional, policy, seeds
-    from addnorm.ops.triton import kernels as tk
-    from addnorm.ops.triton import launchers as tl
+    from addnorm.ops.native.fake_driver import cpu_as_cuda
 
     launches = Launches()
 
@@ -119,32 +113,14 @@ def faked_launches() -> Iterator[Launches]:
 
     driver.set_active(FakeDriver())
     real_compile, JITFunction._do_compile = JITFunction._do_compile, compile_nothing
-    # the op's backend rule refuses Triton on CPU tensors outside the interpreter: let it through
-    real_interpreting, real_interpreted = policy.interpreting, tk.kernels_are_interpreted
-    policy.interpreting = tk.kernels_are_interpreted = lambda: True
-    real_generator_for, real_capture_check_for = seeds.generator_for, seeds.capture_check_for
-    philox = FakePhilox()
-    seeds.generator_for = lambda device: philox
-    seeds.capture_check_for = lambda device: _not_capturing
-    env_backend = os.environ.get("ADDNORM_BACKEND")
-    os.environ["ADDNORM_BACKEND"] = "triton"  # what "auto" picks for CUDA tensors
-    policy.read_backend_env()
-    functional.clear_plans()
-    tl.clear_caches()  # launch specs hold their direct launches' kernels
     _active.append(launches)
     try:
-        yield launches
+        # the backend, the host seeds (from a FakePhilox) and the plans as the native call's tests set
+        # them, the native path left off
+        with cpu_as_cuda(FakePhilox(), native_cpu=False):
+            yield launches
     finally:
         _active.pop()
         JITFunction._do_compile = real_compile
-        policy.interpreting, tk.kernels_are_interpreted = real_interpreting, real_interpreted
-        seeds.generator_for, seeds.capture_check_for = real_generator_for, real_capture_check_for
-        if env_backend is None:
-            os.environ.pop("ADDNORM_BACKEND", None)
-        else:
-            os.environ["ADDNORM_BACKEND"] = env_backend
-        policy.read_backend_env()
-        functional.clear_plans()
-        tl.clear_caches()
         with contextlib.suppress(RuntimeError):  # without a GPU there is no driver to go back to
             driver.reset_active()

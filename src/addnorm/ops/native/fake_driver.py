@@ -169,23 +169,25 @@ class _Philox:
 
 
 @contextlib.contextmanager
-def cpu_as_cuda() -> Iterator[None]:
+def cpu_as_cuda(philox=None, native_cpu: bool = True) -> Iterator[None]:
     """Inside the block ``addnorm.ops`` takes the Triton backend for CPU tensors as ``auto`` does for
-    CUDA ones (the interpreter check let through), its host seeds drawn from a stand-in Philox state,
-    and the native path may take CPU tensors; plans and launch caches made inside are forgotten after."""
+    CUDA ones (the interpreter check let through), its host seeds drawn from ``philox`` (what
+    :mod:`addnorm.ops.seeds` reads of a CUDA generator; default a stand-in Philox state), and with
+    ``native_cpu`` the native path may take CPU tensors; plans and launch caches made inside are
+    forgotten after. ``benchmarks/host/fake_launch.py`` runs its faked launches inside it too."""
     from addnorm.ops import functional, native, policy, seeds
     from addnorm.ops.triton import kernels as tk
     from addnorm.ops.triton import launchers as tl
 
     saved = (policy.interpreting, tk.kernels_are_interpreted, seeds.generator_for, seeds.capture_check_for)
     env = os.environ.get("ADDNORM_BACKEND")
-    philox = _Philox()
+    philox = _Philox() if philox is None else philox
     policy.interpreting = tk.kernels_are_interpreted = lambda: True
     seeds.generator_for = lambda device: philox
     seeds.capture_check_for = lambda device: lambda: False
     os.environ["ADDNORM_BACKEND"] = "triton"
     policy.read_backend_env()
-    native._ALLOW_CPU = True
+    native._ALLOW_CPU = native_cpu
     functional.clear_plans()
     tl.clear_caches()
     try:
