@@ -388,20 +388,23 @@ def test_report_screenshot_cuts_the_report_to_its_title_and_one_section(bench_mo
 
 
 def test_host_overhead_lists_each_previous_variant_beside_the_default(bench_module):
-    """A GPU run's rows carry the previous variants' times (idle launch hooks passed, randint seeds for
-    the dropout case): the table lists each under its own heading, against the default's time."""
+    """A GPU run's rows carry the previous variants' times (idle launch hooks passed, the launcher
+    called, randint seeds for the dropout case): the table lists each under its own heading, against
+    the default's time."""
     hb = bench_module("benchmarks.host.host_overhead")
     machine = {"device": "NVIDIA H200", "cpu": "x", "logical_cores": 16, "torch_threads": 1, "torch": "2",
                "python": "3", "date": "2026-11-28"}  # fmt: skip
     row = {"clock": "wall", "eager_us": 10.0, "ratio": 1.2, "target": 1.5, "met": True}
     ops = [
-        {**row, "case": "layernorm fwd+bwd", "fused_us": 12.0, "fused_idle_hooks_passed_us": 13.0},
+        {**row, "case": "layernorm fwd+bwd", "fused_us": 12.0, "fused_idle_hooks_passed_us": 13.0,
+         "fused_launcher_call_us": 12.5},
         {**row, "case": "layernorm dropout 0.1 fwd+bwd", "fused_us": 14.0, "fused_idle_hooks_passed_us": 15.0,
-         "fused_randint_seeds_us": 19.5},
+         "fused_launcher_call_us": 14.5, "fused_randint_seeds_us": 19.5},
     ]  # fmt: skip
     md = hb.to_markdown({"runs": {"gpu": {"machine": machine, "rows": 8, "hidden": 64, "ops": ops}}})
-    hooks, seeds = (md.index(hb.PREVIOUS_VARIANTS[k]) for k in hb.PREVIOUS_VARIANTS)
-    assert "- layernorm fwd+bwd: 13.0 us against 12.0 us" in md[hooks:seeds]
+    hooks, launcher, seeds = (md.index(hb.PREVIOUS_VARIANTS[k]) for k in hb.PREVIOUS_VARIANTS)
+    assert "- layernorm fwd+bwd: 13.0 us against 12.0 us" in md[hooks:launcher]
+    assert "- layernorm fwd+bwd: 12.5 us against 12.0 us" in md[launcher:seeds]
     assert "- layernorm dropout 0.1 fwd+bwd: 19.5 us against 14.0 us" in md[seeds:]
     assert "- layernorm fwd+bwd" not in md[seeds:]
 

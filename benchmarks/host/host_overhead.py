@@ -280,18 +280,18 @@ def op_cases(hidden: int, backend: str = "auto") -> dict[str, tuple[Callable, Ca
     }
 
 
-def _idle_hooks_passed(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with the direct launch handing Triton's empty launch-hook chains and their metadata to
-    every launch, as ``JITFunction.run`` does (``triton_direct.SKIP_IDLE_HOOKS`` False: the previous
-    variant, timed beside the default)."""
-    from addnorm.ops.triton import direct_launch as triton_direct
+def _direct_launch_off(fn: Callable[[], object], switch: str) -> Callable[[], object]:
+    """``fn`` with the direct launch's ``switch`` False (``SKIP_IDLE_HOOKS``, ``CALL_C_LAUNCHER``): a
+    previous variant (:data:`PREVIOUS_VARIANTS`), timed beside the default."""
+    from addnorm.ops.triton import direct_launch
 
     def timed() -> object:
-        triton_direct.SKIP_IDLE_HOOKS = False
+        was = getattr(direct_launch, switch)
+        setattr(direct_launch, switch, False)
         try:
             return fn()
         finally:
-            triton_direct.SKIP_IDLE_HOOKS = True
+            setattr(direct_launch, switch, was)
 
     return timed
 
@@ -300,6 +300,8 @@ def _idle_hooks_passed(fn: Callable[[], object]) -> Callable[[], object]:
 PREVIOUS_VARIANTS = {
     "fused_idle_hooks_passed_us": "The direct launch's previous variant (Triton's empty launch-hook "
     "chains and their metadata handed to every launch, `triton_direct.SKIP_IDLE_HOOKS = False`)",
+    "fused_launcher_call_us": "The direct launch's previous call of a compiled kernel (through Triton's "
+    "`CudaLauncher.__call__`, `direct_launch.CALL_C_LAUNCHER = False`)",
     "fused_randint_seeds_us": "The dropout seeds' previous source (a one-element `randint` launched per "
     "call, `seeds.set_seed_source('randint')`; the default draws them on the host)",
 }
@@ -358,10 +360,15 @@ def bench_ops(
                 sync()
 
             fns[f"{impl} fwd"], fns[f"{impl} fwd+bwd"] = fwd, fwd_bwd
-        if device == "cuda" and "fused fwd+bwd" in fns:  # the direct launch's previous variant beside it
-            fns["fused fwd+bwd, idle hooks passed"] = _idle_hooks_passed(fns["fused fwd+bwd"])
-            if "dropout" in name:  # the dropout seeds' previous source (a randint launch a call) beside
-                fns["fused fwd+bwd, randint seeds"] = _randint_seeds(fns["fused fwd+bwd"])
+        if device == "cuda" and "fused fwd+bwd" in fns:  # the previous variants, each timed beside it
+            from addnorm.ops.triton import direct_launch
+
+            base, to = fns["fused fwd+bwd"], "fused fwd+bwd, "  # each under its row key
+            fns[to + "fused_idle_hooks_passed_us"] = _direct_launch_off(base, "SKIP_IDLE_HOOKS")
+            if direct_launch.CALL_C_LAUNCHER:
+                fns[to + "fused_launcher_call_us"] = _direct_launch_off(base, "CALL_C_LAUNCHER")
+            if "dropout" in name:  # the dropout seeds' previous source (a randint launch a call)
+                fns[to + "fused_randint_seeds_us"] = _randint_seeds(base)
         both = per_call_us(fns, calls, samples, clock="both")
         us = {k: v[1 if clock == "cpu" else 0] for k, v in both.items()}
         dropout = "dropout" in name
@@ -369,13 +376,10 @@ def bench_ops(
             f, e = f"fused {phase}", f"eager {phase}"
             ratio = us[f] / us[e]
             target = targets[phase][dropout]
-            previous = us.get(f"{f}, idle hooks passed")
-            randint = us.get(f"{f}, randint seeds")
             out.append(
                 {
                     "case": f"{name} {phase}",
-                    **({"fused_idle_hooks_passed_us": previous} if previous is not None else {}),
-                    **({"fused_randint_seeds_us": randint} if randint is not None else {}),
+                    **{k: us[f"{f}, {k}"] for k in PREVIOUS_VARIANTS if f"{f}, {k}" in us},
                     "clock": clock,
                     "fused_us": us[f],
                     "eager_us": us[e],
