@@ -401,8 +401,9 @@ def fwd_launcher(sp: FwdSpec, keep: tuple[bool, bool, bool, bool] | None = None)
 def _sums_launcher(sp: BwdSpec) -> Callable | None:
     """The row-sums pre-pass's launcher for ``sp`` (None where the spec has none): ``pre(dy, saved, x,
     residual, weight, bias, gate, seed, mean, rstd, stride_dy, stride_x, stride_r, rows, kernel,
-    row_ids)`` returns the rows' sums (fp32: one a row for RMSNorm, two for LayerNorm), which the
-    backward's slices read (their ``SUMS``)."""
+    row_ids, aligned)`` (``aligned``: the backward's test that its inputs are rows of n columns at
+    16-byte addresses, made once for both launches) returns the rows' sums (fp32: one a row for
+    RMSNorm, two for LayerNorm), which the backward's slices read (their ``SUMS``)."""
     if sp.sums is None:
         return None
     n, (block_m, n_chunks, tail, options) = sp.n, sp.sums
@@ -411,7 +412,7 @@ def _sums_launcher(sp: BwdSpec) -> Callable | None:
     full = _given_defaults(options, _SUMS_KW)
 
     def pre(dy, saved, x, residual, weight, bias, gate, seed, mean, rstd, stride_dy, stride_x, stride_r, rows,
-            kernel, row_ids):  # fmt: skip
+            kernel, row_ids, aligned):  # fmt: skip
         sums = dy.new_empty(per_row * rows, dtype=_F32)
         k = bwd_sums_kernel if kernel is None else kernel
         grid = (-(-rows // block_m),)
@@ -419,15 +420,7 @@ def _sums_launcher(sp: BwdSpec) -> Callable | None:
             dy, saved, x, residual, weight, bias, gate, seed, mean, rstd, sums, stride_dy, stride_x, stride_r,
             rows, n, n_chunks, *tail,
         )  # fmt: skip
-        if (  # as the backward's own launch: a JIT kernel, rows of n columns, 16-byte aligned
-            type(k) is JITFunction
-            and DIRECT
-            and row_ids is None
-            and stride_dy == n
-            and stride_x in (0, n)
-            and stride_r in (0, n)
-            and not _ptr_bits(dy, saved, x, residual, weight, bias, gate, mean, rstd)  # not SEED (as above)
-        ):
+        if type(k) is JITFunction and aligned:  # as the backward's own launch
             key = (
                 dy.dtype, _dtype(saved), _dtype(x), _dtype(residual), _dtype(weight), _dtype(bias),
                 _dtype(gate), int_kind(rows), type(seed) is int,
@@ -494,40 +487,38 @@ def _bwd_launcher(sp: BwdSpec) -> Callable:
         if recompute and (x is None or residual is None):
             raise ValueError("add_norm_bwd: recomputing s needs x and residual")
         if rows:
-            if ds is None:
-                stride_ds = 0
-            elif ds.is_contiguous():
-                stride_ds = n
-            else:
-                ds, stride_ds = as_rows(ds, n)
-            if not need_x:
-                x, stride_x = None, 0
-            elif x.is_contiguous():
-                stride_x = n
-            else:
-                x, stride_x = as_rows(x, n)
-            if not recompute:
-                residual, stride_r = None, 0
-            elif residual.is_contiguous():
-                stride_r = n
-            else:
-                residual, stride_r = as_rows(residual, n)
+            # each input as rows of n columns (a copy only where its layout needs one), or absent: inline
+            # conditionals, not a helper call a tensor, on this hot path
+            ds, stride_ds = (None, 0) if ds is None else (ds, n) if ds.is_contiguous() else as_rows(ds, n)
+            x, stride_x = (None, 0) if not need_x else (x, n) if x.is_contiguous() else as_rows(x, n)
+            residual, stride_r = (
+                (None, 0)
+                if not recompute
+                else (residual, n)
+                if residual.is_contiguous()
+                else as_rows(residual, n)
+            )
+            # as the forward's test, made once for the pre-pass and this launch: rows of n columns,
+            # 16-byte aligned (not SEED: do_not_specialize)
+            aligned = (
+                DIRECT
+                and row_ids is None
+                and stride_dy == n
+                and stride_x in (0, n)
+                and stride_r in (0, n)
+                and not _ptr_bits(dy, saved, x, residual, weight, bias, gate, mean, rstd)
+            )
             sums = None if pre is None else pre(
                 dy, saved, x, residual, weight, bias, gate, seed, mean, rstd, stride_dy, stride_x, stride_r,
-                rows, sums_kernel, row_ids,
+                rows, sums_kernel, row_ids, aligned,
             )  # fmt: skip
             k = bwd_kernel if kernel is None else kernel
             grid = (n_slices, programs)  # column slices x runs of rows
             seed_value = type(seed) is int  # a host seed (addnorm.ops.seeds), not a tensor
-            if (  # as the forward's: a JIT kernel, rows of n columns, 16-byte aligned
+            if (  # a JIT kernel and ds (the pre-pass reads none) aligned too
                 type(k) is JITFunction
-                and DIRECT
-                and row_ids is None
-                and stride_dy == n
-                and stride_ds in (0, n)
-                and stride_x in (0, n)
-                and stride_r in (0, n)
-                and not _ptr_bits(dy, ds, saved, x, residual, weight, bias, gate, mean, rstd)  # not SEED
+                and aligned
+                and (ds is None or (stride_ds == n and not ds.data_ptr() & 15))
             ):
                 key = (  # dtypes inline: a helper call each would cost more than the test
                     dy_dtype, None if ds is None else ds.dtype, None if saved is None else saved.dtype,
