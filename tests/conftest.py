@@ -10,11 +10,16 @@ import tiers
 import torch
 import torch._functorch.config
 import torch._inductor.config
+import triton_interpreter
 
 # No on-disk FX-graph / AOTAutograd cache in the tests: their keys miss a custom op's registered
 # autograd (pytorch/pytorch#144344), so an entry compiled against an older add_norm_bwd could replay.
 torch._inductor.config.fx_graph_cache = False
 torch._functorch.config.enable_autograd_cache = False
+
+# The Triton interpreter without its re-patching of triton.language on every helper call (same kernels,
+# a third of their time: tests/triton_interpreter.py)
+triton_interpreter.install()
 
 # Two pytest-xdist workers on two cores: one thread each (workers x threads <= cores).
 if os.environ.get("PYTEST_XDIST_WORKER"):

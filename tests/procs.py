@@ -29,7 +29,9 @@ def run_jobs(jobs: dict[str, Callable[[], object]], rank: int, out: str, *, barr
     leaves); rank 0 saves ``{name: result}`` to ``out`` with ``torch.save``."""
     import torch
     import torch.distributed as dist
+    import triton_interpreter
 
+    triton_interpreter.install()  # as in the pytest processes (conftest.py)
     results = {}
     for name, job in jobs.items():
         try:
