@@ -82,7 +82,8 @@ def test_lm_step_compiled_rows_take_only_the_compiled_columns_asked_for(bench_mo
     """--compiled-columns: the compiled rows time only those columns (each a whole-model compile; the
     fused model's other compile path with "fused"), eager rows every column; every eager row comes
     first; a compiled row without "default" is judged on what it has (fused / fused=False), not
-    dropped from the targets."""
+    dropped from the targets. Compiled with aot_eager (the columns are what is checked, not Inductor's
+    code: test_ops_compiled.py compiles the model with Inductor)."""
     import types
 
     lm = bench_module("benchmarks.step.lm_step")
@@ -98,9 +99,12 @@ def test_lm_step_compiled_rows_take_only_the_compiled_columns_asked_for(bench_mo
     assert rows[2][3] == ["fused=False", "fused", other]
     argv = ["--tiny", "--models", "gelu", "--placements", "pre", "--modes", "eager", "compile", "--steps",
             "1", "--warmup", "0", "--columns", "default", "fused=False", "fused", "--compiled-columns",
-            "fused=False", "fused", "--compile-paths", "default", "--out", str(tmp_path)]  # fmt: skip
+            "fused=False", "fused", "--compile-paths", "default", "--compile-backend", "aot_eager",
+            "--out", str(tmp_path)]  # fmt: skip
     lm.main(argv)
     report = json.loads((tmp_path / "lm_step_cpu.json").read_text())
+    assert report["compile_backend"] == "aot_eager"
+    assert "backend aot_eager, not Inductor's times" in (tmp_path / "lm_step_cpu.md").read_text()
     assert [set(r["cells"]) for r in report["rows"]] == [
         {"default", "fused=False", "fused"},
         {"fused=False", "fused"},
@@ -139,13 +143,14 @@ def test_lm_step_warm_compiles_each_compiled_cell_in_its_own_process(bench_modul
     args = argparse.Namespace(
         tiny=True, small=False, cpu=True, fp32=False, models=["gelu", "llama"], placements=["pre"],
         modes=["eager", "compile"], columns=["default", "fused=False"], compile_paths="default", warm=3,
-        warm_timeout=60.0,
+        warm_timeout=60.0, compile_backend="inductor",
     )  # fmt: skip
     status = lm.warm_compiles(args, "cpu")
     assert len(started) == 4 and set(status["cells"].values()) == {"ok"}
     cells = {(a[a.index("--models") + 1], a[a.index("--warm-column") + 1]) for a in started}
     assert cells == {(m, c) for m in ("gelu", "llama") for c in ("default", "fused=False")}
     assert all(a[a.index("--modes") + 1] == "compile" for a in started)
+    assert all(a[a.index("--compile-backend") + 1] == "inductor" for a in started)  # the timed rows' own
     monkeypatch.undo()
     worker = [a if a != "compile" else "eager" for a in started[0][3:]]  # [python, -m, module, ...]
     lm.main([*worker, "--out", str(tmp_path)])  # runs the one cell's step, writes nothing

@@ -220,7 +220,10 @@ def prepare(cfg, placement, mode, column, device, args) -> tuple[Callable[[], No
         model = build_lm(cfg, placement, fused=False if column == "fused=False" else None, device=device)
     fwd = model
     if mode != "eager":
-        fwd = torch.compile(model, mode="reduce-overhead" if mode == "reduce-overhead" else None)
+        backend = args.compile_backend  # "aot_eager": Dynamo and AOTAutograd, no Inductor codegen
+        fwd = torch.compile(
+            model, backend=backend, mode="reduce-overhead" if mode == "reduce-overhead" else None
+        )
     tokens = torch.randint(0, cfg["vocab"], (cfg["batch"], cfg["seq"] + 1), device=device)
     gpu = device == "cuda"
     step = make_step(fwd, tokens, cfg["vocab"], fused_adamw=gpu, autocast=gpu and not args.fp32)
@@ -384,6 +387,7 @@ def warm_compiles(args, device: str) -> dict:
     base += ["--tiny"] if args.tiny else ["--small"] if args.small else []
     base += ["--cpu"] if args.cpu else []
     base += ["--fp32"] if args.fp32 else []
+    base += ["--compile-backend", args.compile_backend]
     t0 = time.monotonic()
     status: dict = {}
     pending = list(jobs)
@@ -445,6 +449,7 @@ def run(args, on_row: Callable[[dict], None] | None = None) -> dict:
         "configs": {m: model_config(base_config(args, device), m) for m in args.models},
         "dtype": "fp32" if device == "cpu" or args.fp32 else "bf16 autocast",
         "compile_path_default": policy.compile_path(),
+        "compile_backend": args.compile_backend,
         "steps": args.steps,
         "warmup": args.warmup,
         "profile_steps": args.profile_steps if args.profile else None,
@@ -493,6 +498,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     ap.add_argument("--compile-paths", choices=["default", "both"], default="both")
     ap.add_argument(
+        "--compile-backend",
+        choices=["inductor", "aot_eager"],
+        default="inductor",
+        help="torch.compile's backend for the compiled rows; aot_eager (Dynamo and AOTAutograd without "
+        "Inductor's code generation) checks a compiled row's graphs, its times are not Inductor's",
+    )
+    ap.add_argument(
         "--profile", action="store_true", help="removable time and the share the fused step gains"
     )
     ap.add_argument("--profile-steps", type=int, default=2)
@@ -505,6 +517,8 @@ def main(argv: list[str] | None = None) -> None:
     add_out_argument(ap)
     ap.add_argument("--note", default="", help="a line recorded with the results (e.g. machine load)")
     args = ap.parse_args(argv)
+    if args.compile_backend != "inductor" and "reduce-overhead" in (args.modes or ()):
+        ap.error("--compile-backend: reduce-overhead (CUDA graphs) is Inductor's mode; expected inductor")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() and not args.cpu else "cpu"

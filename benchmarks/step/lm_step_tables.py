@@ -125,6 +125,11 @@ def to_markdown(report: dict) -> str:
             f"Compiled cells precompiled in parallel ({w['seconds']:.0f} s); failed: {failed or 'none'}.",
             "",
         ]
+    if report.get("compile_backend", "inductor") != "inductor":  # earlier reports: Inductor
+        lines += [
+            f"Compiled rows: torch.compile backend {report['compile_backend']}, not Inductor's times.",
+            "",
+        ]
     if report.get("note"):
         lines += [report["note"], ""]
     # the candidate's ratio only in reports that time it (earlier tables render as they were)
