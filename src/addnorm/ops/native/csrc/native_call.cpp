@@ -6,10 +6,16 @@
 // registered yet (a first call, another specialisation, an unaligned or strided tensor) launches
 // through the Python launchers the NativePlan holds (today's launchers, which compile and are then
 // registered), inside the same node. See addnorm/ops/native/__init__.py.
-#include <torch/extension.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/zeros_like.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/python_variable.h>
-#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
 
 #include <dlfcn.h>
 
@@ -25,6 +31,12 @@ using torch::autograd::variable_list;
 using at::Tensor;
 
 namespace {
+
+// a torch.dtype's scalar type (torch/python.h's py_object_to_dtype, without that header's nn API)
+at::ScalarType dtype_of(const py::object& object) {
+  TORCH_CHECK_TYPE(THPDtype_Check(object.ptr()), "Expected dtype");
+  return reinterpret_cast<THPDtype*>(object.ptr())->scalar_type;
+}
 
 using LaunchFn = int (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, void*,
                          void**, void**);
@@ -366,10 +378,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("native_launches", &NativePlan::native_launches)
       .def_readonly("python_launches", &NativePlan::python_launches)
       .def("set_dtypes", [](NativePlan& P, py::object y, py::object s, py::object x, py::object res) {
-        P.y_dtype = torch::python::detail::py_object_to_dtype(y);
-        P.s_dtype = torch::python::detail::py_object_to_dtype(s);
-        P.x_dtype = torch::python::detail::py_object_to_dtype(x);
-        P.res_dtype = torch::python::detail::py_object_to_dtype(res);
+        P.y_dtype = dtype_of(y);
+        P.s_dtype = dtype_of(s);
+        P.x_dtype = dtype_of(x);
+        P.res_dtype = dtype_of(res);
       })
       .def("set_backward", [](NativePlan& P, int which, bool native, int64_t n_slices, int64_t block_m,
                               int64_t one_program_rows, int64_t grid_target, bool need_dx, bool need_x,
@@ -407,6 +419,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     p->id = id;
     return id;
   });
-  m.def("dtype_code", [](py::object d) { return static_cast<int64_t>(torch::python::detail::py_object_to_dtype(d)); });
+  m.def("dtype_code", [](py::object d) { return static_cast<int64_t>(dtype_of(d)); });
   m.def("install_fake_cuda_guard", &install_fake_cuda_guard);
 }
