@@ -233,7 +233,10 @@ def test_triton_op_registration_finds_the_kernels_and_traces_on_the_cpu():
     """Where CUDA is present the ops are torch.library.triton_ops (forced here with ADDNORM_TRITON_OP=1):
     their schemas come from FwdArgs/BwdArgs, triton_op finds the kernels in their bodies (the backward's
     two: the row-sums pre-pass of the variant "row_sums" too), opcheck passes, and
-    torch.compile(fullgraph=True) traces through them (on the CPU into the torch path)."""
+    torch.compile(fullgraph=True) traces through them (on the CPU into the torch path). Compiled with
+    aot_eager: Dynamo and AOTAutograd do the tracing this checks; Inductor's CPU code for the op is
+    test_ops_compiled's and test_compiled_paths_drop_the_same_elements_as_eager's (it cost 50 s of
+    gcc here on a cold cache)."""
     code = """
 import torch
 from torch._library.triton import get_triton_kernels_for_op
@@ -246,7 +249,8 @@ args = (x, r, w, None, None, torch.tensor(3), None, 0, 'layernorm', 1e-5, 1.0, 0
 args += (torch.float32, torch.float32, True, 'torch')
 torch.library.opcheck(lib.add_norm_fwd, args)
 set_compile_path('kernel')
-f = torch.compile(lambda x, r, w: add_norm(x, r, w, prenorm=True, dropout_p=0.1, seed=3), fullgraph=True)
+f = torch.compile(lambda x, r, w: add_norm(x, r, w, prenorm=True, dropout_p=0.1, seed=3), fullgraph=True,
+                  backend='aot_eager')
 y, s = f(x, r, w)
 y2, s2 = add_norm(x, r, w, prenorm=True, dropout_p=0.1, seed=3)
 torch.testing.assert_close(y, y2); torch.testing.assert_close(s, s2)
