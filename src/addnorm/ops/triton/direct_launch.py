@@ -108,12 +108,6 @@ def c_launcher(ck) -> tuple | None:
     return run.launch, run.launch_cooperative_grid, run.launch_pdl, run.arg_annotations, run.kernel_signature
 
 
-def _active_hook(hook):
-    """A launch hook as the launch needs it: None for none and for an empty chain, which the launch
-    would call to do nothing."""
-    return None if hook is None or (type(hook) is HookChain and not hook.calls) else hook
-
-
 def defaults_of(kernel) -> dict:
     """A JIT kernel's trailing parameters that have a default: name -> default, in order."""
     params = inspect.signature(kernel.fn).parameters.values()
@@ -160,7 +154,7 @@ class DirectLaunch:
         full = (*args, *self.defaults)
         runtime = knobs.runtime
         enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
-        if SKIP_IDLE_HOOKS:  # _active_hook's, inline
+        if SKIP_IDLE_HOOKS:  # an empty chain would be called to do nothing: no hook (inline: a hot path)
             if type(enter) is HookChain and not enter.calls:
                 enter = None
             if type(exit_) is HookChain and not exit_.calls:
