@@ -27,7 +27,6 @@ def run_jobs(jobs: dict[str, Callable[[], object]], rank: int, out: str, *, barr
     raises as the line ``"Type: first line of its message"`` (the test reports it per job, rather than as
     a failed or hung spawn), with a barrier after each unless ``barrier`` is False (jobs in which a rank
     leaves); rank 0 saves ``{name: result}`` to ``out`` with ``torch.save``."""
-    import torch
     import torch.distributed as dist
     import triton_interpreter
 
