@@ -1,4 +1,4 @@
-"""Child processes for the benchmarks, the tools and the tests: ranks spawned on a free loopback port
+"""Child processes for the benchmarks, the tools and the tests: ranks started on a free loopback port
 that leave without the interpreter's teardown (:func:`run_spawned`; the multi-process benchmarks, such as
 ``benchmarks/op/sharded.py``, and tests; the tests' per-job reporting on top of it: ``tests/procs.py``);
 children that take Ctrl-C (:func:`interruptible`); and, as Linux's ``/proc`` lists them, a process's
@@ -90,13 +90,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _run_then_exit(rank: int, worker, *args) -> None:
-    """``worker(rank, *args)``, then leave without the interpreter's teardown: now and then a gloo
-    worker thread still releasing the last collective's tensors aborted a process whose work was done
-    ("terminate called without an active exception", SIGABRT; seen in 1 of 5 full runs of
-    test_distributed and in a CI run of the communication benchmark's test; the mechanism:
-    ``docs/gloo-exit-abort.md``). Leaving at once needs no wait for those threads, as
+# What the forkserver imports once, so that a rank forked from it starts without importing them (torch,
+# and torch._dynamo, which building any optimizer imports: ~4 s of CPU a rank here); addnorm itself and
+# everything else a rank imports on its own, as a spawned one would.
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed")
+
+
+def _run_then_exit(rank: int, environ: dict[str, str], worker, *args) -> None:
+    """``worker(rank, *args)`` in the starting process's environment as it was at the start (the
+    forkserver's is the one it had when the server started), then leave without the interpreter's
+    teardown: now and then a gloo worker thread still releasing the last collective's tensors aborted a
+    process whose work was done ("terminate called without an active exception", SIGABRT; seen in 1 of
+    5 full runs of test_distributed and in a CI run of the communication benchmark's test; the
+    mechanism: ``docs/gloo-exit-abort.md``). Leaving at once needs no wait for those threads, as
     ``addnorm.train.launch``'s ranks also do. A worker that raises still fails the run."""
+    os.environ.clear()
+    os.environ.update(environ)
     worker(rank, *args)
     sys.stdout.flush()
     sys.stderr.flush()
@@ -104,13 +113,23 @@ def _run_then_exit(rank: int, worker, *args) -> None:
 
 
 def run_spawned(worker, *args, nprocs: int = 2, deadline: float = 150.0) -> None:
-    """``worker(rank, port, *args)`` on ``nprocs`` spawned processes that meet on a free loopback
-    ``port``. A process that fails raises (torch's ``ProcessRaisedException`` / ``ProcessExitedException``);
-    a run longer than ``deadline`` seconds kills them all and raises ``TimeoutError``."""
+    """``worker(rank, port, *args)`` on ``nprocs`` new processes that meet on a free loopback ``port``.
+    They are forked from multiprocessing's forkserver, which imported :data:`PRELOAD` once for every
+    run of this process (a spawned rank imported them anew: ~2 s of the 4 s a 2-process run took to start
+    here); each runs in this process's environment of the moment and imports the rest itself. A process
+    that fails raises (torch's ``ProcessRaisedException`` / ``ProcessExitedException``); a run longer
+    than ``deadline`` seconds kills them all and raises ``TimeoutError``."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    multiprocessing.set_forkserver_preload(list(PRELOAD))  # read when the server starts (the first run)
     ctx = mp.start_processes(
-        _run_then_exit, args=(worker, free_port(), *args), nprocs=nprocs, join=False, start_method="spawn"
+        _run_then_exit,
+        args=(dict(os.environ), worker, free_port(), *args),
+        nprocs=nprocs,
+        join=False,
+        start_method="forkserver",
     )
     start = time.monotonic()
     while not ctx.join(timeout=5):
