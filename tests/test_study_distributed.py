@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -138,8 +139,14 @@ def one_process(tmp_path_factory) -> Path:
 
 @pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="reads /proc")
 def test_ddp_on_two_processes_stores_the_one_process_run_and_only_the_driver_opens_the_store(
-    one_process, tmp_path
+    one_process, tmp_path, monkeypatch
 ):
+    """Two DDP ranks store what one process stores, only the driver opens the database, and the run
+    leaves nothing in the temporary directory (its work folder, and torchrun's own folder inside it)."""
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))  # torchrun's
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # the launcher's
     seen: dict[int, list[str]] = {}
 
     def look() -> None:  # what each rank has open while it trains
@@ -161,6 +168,7 @@ def test_ddp_on_two_processes_stores_the_one_process_run_and_only_the_driver_ope
     with Store(tmp_path / "study.sqlite") as store:
         (run,) = store.runs()
         assert store.run_record(run["id"])["provenance"]["distributed"] == "ddp x 2"
+    assert list(temp.iterdir()) == []
 
 
 def test_fsdp2_from_the_cli_stores_the_one_process_run(one_process, tmp_path):
@@ -290,7 +298,8 @@ def test_ranks_whose_parent_died_before_their_first_line_leave(tmp_path, victim)
     settings = {**TINY, "steps": 5000, "distributed": {"strategy": "ddp", "nproc": 2}}
     launcher = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, repr(settings)],
-        env={**os.environ, "ADDNORM_RANK_BARRIER": str(barrier)},
+        # TMPDIR: the killed launcher's work folder is left in this test's folder, not in /tmp
+        env={**os.environ, "ADDNORM_RANK_BARRIER": str(barrier), "TMPDIR": str(tmp_path)},
         stdout=subprocess.DEVNULL,
         start_new_session=True,
     )
@@ -449,6 +458,7 @@ def test_on_gpus_a_run_takes_one_gpu_per_process(monkeypatch):
     command = launcher_command("/tmp/work", 2)
     assert command[1:4] == ["-m", "torch.distributed.run", "--standalone"]
     assert "--nproc-per-node=2" in command and "--max-restarts=0" in command
+    assert "--log-dir=/tmp/work/torchrun" in command  # torchrun's folder inside the run's
     assert command[-3:] == ["-m", "addnorm.train.launch", "/tmp/work"]
     with pytest.raises(ValueError, match="^distributed: launch needs a run with distributed set"):
         launch(RunConfig(**TINY))

@@ -2,7 +2,8 @@
 torchrun), and the entry point each of its processes runs.
 
 ``launch(cfg)`` starts ``python -m torch.distributed.run --standalone --nproc-per-node N
---max-restarts 0 -m addnorm.train.launch WORKDIR`` (a rendezvous on a free loopback port). Every rank
+--max-restarts 0 --log-dir WORKDIR/torchrun -m addnorm.train.launch WORKDIR`` (a rendezvous on a free
+loopback port; WORKDIR a temporary folder removed when the run ends, torchrun's own in it). Every rank
 trains its shard (:mod:`addnorm.train.ranks`): one process per GPU with NCCL on a GPU machine, gloo
 with ``threads`` torch threads per process on the CPU. Only rank 0 writes anything back: its steps
 (``steps.jsonl``, passed on to ``on_step`` as they come) and its :class:`RunResult` (``result.pkl``);
@@ -60,6 +61,9 @@ def launcher_command(workdir: str | Path, nproc: int) -> list[str]:
         "--standalone",  # c10d rendezvous on localhost, a free port
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",  # a dead rank fails the run; the study reruns it next time
+        # torchrun's own folder (its ranks' error files) inside the run's, removed with it: by default
+        # every torchrun leaves a torchelastic_* folder in the system's temporary directory
+        f"--log-dir={Path(workdir) / 'torchrun'}",
         "-m",
         "addnorm.train.launch",
         str(workdir),
