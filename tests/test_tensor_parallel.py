@@ -507,10 +507,11 @@ def test_context_parallel_trains_like_one_process_where_torch_runs_it(results):
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference), atol=TOL, rtol=0)
 
 
-def test_the_readme_example_runs_under_torchrun():
+def test_the_readme_example_runs_under_torchrun(tmp_path):
     """``torchrun --nproc-per-node 2 examples/tp_sp_cpu.py`` (the README's example): it trains TP+SP
-    and checks itself against one process; it must finish and report a difference within 1e-5."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1")
+    and checks itself against one process; it must finish and report a difference within 1e-5
+    (``TMPDIR``: the folder torchrun leaves in the temporary directory goes into the test's own)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", TMPDIR=str(tmp_path))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     proc = subprocess.run(
         [*cmd, str(ROOT / "examples" / "tp_sp_cpu.py")], env=env, capture_output=True, text=True, timeout=120

@@ -70,10 +70,10 @@ def run_torchrun(
 ) -> subprocess.CompletedProcess:
     """``block`` as a user runs it: saved as ``folder/example.py`` and started with ``torchrun
     --standalone --nproc-per-node 2 example.py`` in ``folder`` (two ranks; the block's own teardown and
-    the interpreter's exit included). Output captured; a run past ``timeout`` seconds raises
+    the interpreter's exit included), with ``TMPDIR`` set to ``folder`` (torchrun leaves a folder in the
+    temporary directory). Output captured; a run past ``timeout`` seconds raises
     ``subprocess.TimeoutExpired``."""
     (folder / "example.py").write_text(block.code)
     command = [python, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "example.py"]
-    return subprocess.run(
-        command, cwd=folder, env=ENV if env is None else env, capture_output=True, text=True, timeout=timeout
-    )
+    env = {**(ENV if env is None else env), "TMPDIR": str(folder)}
+    return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=timeout)
