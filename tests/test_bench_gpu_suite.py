@@ -13,7 +13,9 @@ import pytest
 pytestmark = pytest.mark.slow  # benchmarks run end to end
 
 
-def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module, monkeypatch, capsys):
+def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(
+    bench_module, monkeypatch, capsys, request
+):
     """make gpu-bench's plan: the GPU tests, the step trace, the op table, host time, the LM steps and the
     HF step (with its GPU-bound setup), with budgets that sum, with the suite's start-up, to at most one
     8-minute device call; every flag it passes exists in its script; a dry run starts no process; --only
@@ -21,7 +23,7 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
     import subprocess
 
     suite = bench_module("benchmarks.device.gpu_suite")
-    marked = set(_gpu_marked_files(suite.ROOT))  # pytest's own -m gpu selection, before processes stop
+    marked = set(_gpu_marked_files(suite.ROOT, request.session))  # pytest's own -m gpu, before processes stop
 
     def no_process(*args, **kwargs):
         raise AssertionError("the dry run started a process")
@@ -72,17 +74,31 @@ def test_gpu_suite_dry_run_plans_every_step_within_one_device_call(bench_module,
         suite.main(["--dry-run", "--budget", "300"])
 
 
-def _gpu_marked_files(root: Path) -> list[str]:
+def _gpu_marked_files(root: Path, session) -> list[str]:
     """The test files pytest itself selects with ``-m gpu`` (an oracle independent of the suite's text
-    rule), from a collection of the whole ``tests`` folder; cached per session."""
+    rule). From this session's own collection where it is of the whole ``tests`` folder with nothing
+    deselected (``make test-all``: each xdist worker collects every test), as ``-m gpu`` selects: an item
+    with a ``gpu`` marker on it, its class or its module. Otherwise (this file run alone, ``-k``, ``-m``)
+    from a collection of the whole folder in a process beside; cached per session."""
     if not _GPU_FILES:
-        import subprocess
-        import sys
+        opt = session.config.option
+        whole = [Path(a).resolve() for a in session.config.args] == [root / "tests"]
+        narrowing = ("markexpr", "keyword", "deselect", "lf", "failedfirst")
+        narrowed = [getattr(opt, name, None) for name in narrowing]
+        files = {Path(item.path).relative_to(root).as_posix() for item in session.items}
+        if whole and not any(narrowed) and len(files) > 40:  # (40: no plugin narrowed it either)
+            marked = (item for item in session.items if item.get_closest_marker("gpu") is not None)
+            _GPU_FILES.extend(sorted({Path(item.path).relative_to(root).as_posix() for item in marked}))
+        else:
+            import subprocess
+            import sys
 
-        argv = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider"]
-        run = subprocess.run([*argv, "tests"], cwd=root, capture_output=True, text=True, timeout=300)
-        assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-        _GPU_FILES.extend(sorted({line.split("::")[0] for line in run.stdout.splitlines() if "::" in line}))
+            argv = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu"]
+            argv += ["-p", "no:cacheprovider"]
+            run = subprocess.run([*argv, "tests"], cwd=root, capture_output=True, text=True, timeout=300)
+            assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+            lines = run.stdout.splitlines()
+            _GPU_FILES.extend(sorted({line.split("::")[0] for line in lines if "::" in line}))
     return _GPU_FILES
 
 
