@@ -49,6 +49,21 @@ def test_stdlib_corpus_is_python_source():
     assert read_corpus("stdlib", limit=200_000) == data  # same bytes, same order, every time
 
 
+def test_stdlib_corpus_is_the_sorted_sources_outside_site_packages_and_tests():
+    """The pruned walk reads what the definition names: every ``.py`` below the stdlib folder in sorted
+    order, none below a site-packages, dist-packages, test, tests or idlelib folder (globbed here)."""
+    import sysconfig
+    from pathlib import Path
+
+    from addnorm.tasks import stdlib_corpus
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    left_out = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
+    paths = [p for p in sorted(root.rglob("*.py")) if not left_out & set(p.relative_to(root).parts[:-1])]
+    expected = b"".join(p.read_bytes() for p in paths[:400])
+    assert stdlib_corpus.__wrapped__(len(expected)) == expected
+
+
 def test_lm_batches_are_cut_on_the_device_from_cpu_drawn_starts():
     """The batch is the corpus windows at starts drawn from the CPU generator (the same seed gives the
     same batch on every device), cut by indexing on the device: equal to slicing each window by hand."""

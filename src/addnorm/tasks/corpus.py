@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import sysconfig
 from pathlib import Path
 
@@ -17,16 +18,27 @@ DEFAULT_CORPUS_BYTES = 4_000_000
 HELD_OUT = 0.1  # the share of a corpus, at its end, that language modelling holds out for evaluation
 
 
+_LEFT_OUT = frozenset(("site-packages", "dist-packages", "test", "tests", "idlelib"))
+
+
+def _sources(root: Path) -> list[Path]:
+    """The ``.py`` paths below ``root`` outside the folders of :data:`_LEFT_OUT`, which are not entered
+    (an interpreter's own site-packages can hold far more files than its standard library), nor are
+    links to folders (as ``Path.rglob``)."""
+    found = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _LEFT_OUT]
+        found.extend(Path(folder, f) for f in files if f.endswith(".py"))
+    return found
+
+
 @functools.lru_cache(maxsize=4)  # read once per process: every run of a study uses it
 def stdlib_corpus(limit: int = DEFAULT_CORPUS_BYTES) -> bytes:
     """The ``.py`` files of the standard library (``sysconfig`` 'stdlib' path) in sorted order, as bytes,
     capped at ``limit``; site-packages and tests are left out so every machine reads the same kind of text."""
     root = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if any(part in ("site-packages", "dist-packages", "test", "tests", "idlelib") for part in rel):
-            continue
+    for path in sorted(_sources(root)):
         try:
             data = path.read_bytes()
         except OSError:
