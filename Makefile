@@ -31,9 +31,10 @@ run: $(STAMP)
 # everything (<= 10 min; .ci/run). A module is slow by cause (spawned ranks, compilers, smoke studies,
 # process pools, benchmarks run end to end), marked with its pytestmark.
 # TEST_WORKERS pytest-xdist workers of one thread each (tests/conftest.py), a test file per worker so a
-# module's shared spawn of ranks runs once; TEST_WORKERS=0 runs in this process alone.
+# module's shared spawn of ranks runs once, the files longest first (tests/order.py; xdist keeps that
+# order with --no-loadscope-reorder) so the two workers end together; TEST_WORKERS=0: this process alone.
 TEST_WORKERS ?= 2
-PYTEST = TRITON_INTERPRET=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+PYTEST = TRITON_INTERPRET=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 test: $(STAMP)
 	$(PYTEST) -m "not slow" $(PYTEST_ARGS)
 

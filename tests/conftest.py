@@ -5,6 +5,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import order
 import pytest
 import tiers
 import torch
@@ -52,6 +53,13 @@ def pytest_runtest_logreport(report):
 
 
 _failures_to: list[str | None] = [None]
+
+
+def pytest_collection_modifyitems(config, items):
+    """In an xdist worker (each collects every test, and all must agree): files longest first, so the
+    two workers end together (tests/order.py)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        order.longest_first(items)
 
 
 def pytest_configure(config):

@@ -3,7 +3,8 @@ clone, per test file, from pytest's JUnit XML of each tier::
 
     make test     PYTEST_ARGS="-q -p no:cacheprovider --junitxml=fast.xml"
     make test-all PYTEST_ARGS="-q -p no:cacheprovider --junitxml=all.xml"
-    python -m tools.test_durations --fast fast.xml 290 --all all.xml 560 --install 180 --out FOLDER
+    python -m tools.test_durations --fast fast.xml 290 --all all.xml 560 --install 180 --out FOLDER \
+        --order tests/file_seconds.json
 
 The numbers after each file are the tier's wall seconds as ``time`` measured them (pytest's own
 count leaves out the start-up); a file's time is the sum of its tests' times (setup, call and teardown,
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import platform
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -31,6 +33,15 @@ def per_file(junit: Path) -> tuple[dict[str, float], dict[str, int], dict[str, i
         tests[name] += 1
         skipped[name] += case.find("skipped") is not None
     return dict(seconds), dict(tests), dict(skipped)
+
+
+def write_order(junit: Path, path: Path) -> dict[str, float]:
+    """Each test file's seconds in ``junit`` (a ``make test-all`` report), longest first, as JSON at
+    ``path``: the order in which the tests hand files to their workers (``tests/order.py``)."""
+    seconds = per_file(junit)[0]
+    data = {name: round(s, 1) for name, s in sorted(seconds.items(), key=lambda kv: (-kv[1], kv[0]))}
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return data
 
 
 def _minutes(s: float) -> str:
@@ -76,7 +87,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--machine", default=f"{platform.processor() or platform.machine()}, Python "
                         f"{platform.python_version()}")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="the results folder")
+    parser.add_argument(
+        "--order",
+        type=Path,
+        metavar="JSON",
+        help="also write the all tier's seconds per file there "
+        "(tests/file_seconds.json: the order the workers take the files in)",
+    )
     args = parser.parse_args(argv)
+    if args.order is not None:
+        write_order(Path(args.all[0]), args.order)
     text = markdown(
         Path(args.fast[0]),
         float(args.fast[1]),
