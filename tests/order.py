@@ -27,10 +27,8 @@ def recorded() -> dict[str, float]:
 
 def longest_first(items: list) -> None:
     """Reorder pytest's collected ``items`` in place: whole files, longest recorded first (files with no
-    record first of all, as if longest), each file's tests kept in their order."""
+    record first of all, as if longest), each file's tests kept in their order. pytest collects a file's
+    tests together and the sort is stable, so files of equal seconds keep their collection order."""
     seconds = recorded()
     unknown = max(seconds.values(), default=0.0) + 1.0
-    position = {}
-    for i, item in enumerate(items):
-        position.setdefault(item.path, i)
-    items.sort(key=lambda it: (-seconds.get(it.path.name, unknown), position[it.path]))
+    items.sort(key=lambda it: -seconds.get(it.path.name, unknown))

@@ -26,8 +26,8 @@ def test_files_go_to_the_workers_longest_first_each_file_whole(tmp_path, monkeyp
     assert list(json.loads(seconds.read_text())) == ["test_b.py", "test_a.py", "test_c.py"]
     monkeypatch.setattr(order, "SECONDS", seconds)
     item = lambda f, n: SimpleNamespace(path=tmp_path / f, name=n)  # noqa: E731
-    items = [item("test_a.py", 1), item("test_new.py", 1), item("test_a.py", 2), item("test_c.py", 1)]
-    items += [item("test_b.py", 1), item("test_c.py", 2)]
+    items = [item("test_a.py", 1), item("test_a.py", 2), item("test_new.py", 1), item("test_c.py", 1)]
+    items += [item("test_c.py", 2), item("test_b.py", 1)]  # as pytest collects: a file's tests together
     order.longest_first(items)
     assert [(i.path.name, i.name) for i in items] == [
         ("test_new.py", 1), ("test_b.py", 1),

@@ -56,10 +56,10 @@ def test_stdlib_corpus_is_the_sorted_sources_outside_site_packages_and_tests():
     from pathlib import Path
 
     from addnorm.tasks import stdlib_corpus
+    from addnorm.tasks.corpus import _LEFT_OUT
 
     root = Path(sysconfig.get_paths()["stdlib"])
-    left_out = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
-    paths = [p for p in sorted(root.rglob("*.py")) if not left_out & set(p.relative_to(root).parts[:-1])]
+    paths = [p for p in sorted(root.rglob("*.py")) if not _LEFT_OUT & set(p.relative_to(root).parts[:-1])]
     expected = b"".join(p.read_bytes() for p in paths[:400])
     assert stdlib_corpus.__wrapped__(len(expected)) == expected
 
