@@ -283,6 +283,43 @@ def test_instant_commands_do_not_import_torch_and_answer_as_the_full_commands(ar
             assert re.search(rf"^│ {name} ", ran.stdout, re.M), name
 
 
+# The three commands that only read a stored study, in one fresh interpreter; then whether torch came in.
+_READERS = (
+    "import sys\nfrom addnorm.cli import main\nout, to = sys.argv[1:]\ncodes = []\n"
+    "for args in (['export', out, '--to', to + '/csv'], ['compare', out, '--to', to + '/compare.md'],"
+    " ['report', out]):\n    sys.argv = ['addnorm', *args]\n    try:\n        main()\n"
+    "    except SystemExit as done:\n        codes.append(done.code)\n"
+    "print('exit codes:', codes, 'torch imported:', 'torch' in sys.modules, file=sys.stderr)\n"
+)
+
+
+def test_report_export_and_compare_read_a_study_without_importing_torch(tmp_path):
+    """``report``, ``export`` and ``compare`` of a stored study (trained here) in a fresh process: exit
+    0, torch never imported (they read SQLite and draw; only ``study`` trains), and the CSV files and the
+    comparison are byte for byte those of the same commands in this process, where torch is loaded."""
+    from addnorm.study import parse_spec, run_study
+
+    tiny = dict(d_model=16, n_heads=2, d_ff=32, n_layers=1, steps=2, batch_size=2, seq_len=8, eval_every=0)
+    spec = parse_spec(
+        {"name": "r", "base": tiny, "experiments": {"a": {"sweep": {"placement": ["pre", "post"]}}}}
+    )
+    out = tmp_path / "study"
+    run_study(spec, out, workers=1, progress=False, report=False)
+    fresh, here = tmp_path / "fresh", tmp_path / "here"
+    ran = subprocess.run(
+        [sys.executable, "-c", _READERS, str(out), str(fresh)], capture_output=True, text=True, timeout=300
+    )
+    assert ran.stderr.strip().splitlines()[-1] == "exit codes: [0, 0, 0] torch imported: False", ran.stderr
+    assert (out / "report.html").stat().st_size > 0
+    assert invoke("export", str(out), "--to", str(here / "csv")).exit_code == 0
+    assert invoke("compare", str(out), "--to", str(here / "compare.md")).exit_code == 0
+    names = sorted(p.name for p in (fresh / "csv").iterdir())
+    assert names and names == sorted(p.name for p in (here / "csv").iterdir())
+    for name in names:
+        assert (fresh / "csv" / name).read_bytes() == (here / "csv" / name).read_bytes(), name
+    assert (fresh / "compare.md").read_text() == (here / "compare.md").read_text()
+
+
 def test_help_lists_the_study_commands_with_their_own_help_before_they_load():
     """``addnorm --help`` shows the study commands' placeholders; their help is the loaded commands'."""
     from typer.main import get_command

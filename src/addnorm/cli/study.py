@@ -12,6 +12,7 @@ import re
 import signal
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -19,27 +20,19 @@ from rich.markup import escape
 from rich.table import Table
 
 from ..commit import COMMIT_ENV
-from ..study.cost_model import Budget, fmt_time
-from ..study.dry_run import print_plan
-from ..study.executors import Executor
 from ..study.export import write_csv
 from ..study.findings import INCONCLUSIVE, NOT_SUPPORTED, RULE, SUPPORTED, Finding, compute_findings
+from ..study.keys import OVERRIDE_HELP, SMOKE_HELP
 from ..study.keys import markdown as keys_markdown
 from ..study.keys import text as keys_text
 from ..study.lock import folder_lock
 from ..study.report import build_report
-from ..study.runner import prepare, run_study
-from ..study.spec import (
-    OVERRIDE_HELP,
-    SMOKE_HELP,
-    distributed_override,
-    load_spec,
-    preset_names,
-    preset_text,
-)
 from ..study.store import Store, write_atomic
-from ..study.trackers import TRACKERS, make_trackers
+from ..study.trackers import TRACKERS
 from .errors import handle_errors
+
+if TYPE_CHECKING:
+    from ..study.executors import Executor
 
 DEFAULT_OUT = Path("addnorm-out")
 VERDICT_STYLE = {SUPPORTED: "green", NOT_SUPPORTED: "red", INCONCLUSIVE: "yellow"}
@@ -209,6 +202,13 @@ def study(
     """Run a study (resuming one already started in the same folder: finished runs are kept, failed
     runs tried again), write its report and print its findings. Exit code 1 if a run failed; with
     --budget, 0 when runs are left for the next invocation (it says how many are stored)."""
+    # what trains imports torch, so only here: report, export, compare and --help start without it
+    from ..study.cost_model import Budget, fmt_time
+    from ..study.dry_run import print_plan
+    from ..study.runner import prepare, run_study
+    from ..study.spec import distributed_override, load_spec, preset_names, preset_text
+    from ..study.trackers import make_trackers
+
     window_ = Budget(budget) if budget is not None else None  # the invocation's clock: from its start
     _interrupt_on_sigterm()
     if commit is not None:

@@ -5,7 +5,9 @@ A spec's structure (:data:`STRUCTURE`: ``name``, ``description``, ``base``, ``ex
 experiment's ``set``, ``sweep``, ``variant``, ``rank``) is written here; the run keys (:data:`RUN_KEYS`,
 what ``base``, ``set`` and a sweep take) are generated from :class:`~addnorm.train.RunConfig` into
 ``run_keys_generated.py`` (:func:`addnorm.study.spec.write_run_keys` rewrites it; a test checks it matches the
-code), so listing them needs no torch.
+code), so listing them needs no torch. The grammar of ``--set`` (:data:`OVERRIDE_HELP`) and each key's
+smoke size (:data:`SMOKE`, what ``--smoke`` shrinks) are here too, so that the command line defines its
+options without importing torch.
 """
 
 from __future__ import annotations
@@ -16,6 +18,37 @@ from .run_keys_generated import RUN_KEYS
 
 SPEC_KEYS = ("name", "description", "base", "experiments")
 EXPERIMENT_KEYS = ("set", "sweep", "description", "rank")
+
+OVERRIDE_HELP = (
+    "override a setting, repeatable; values are YAML. A plain KEY=VALUE sets the key everywhere: the "
+    "base, every experiment that sets it, and every sweep over it (which collapses to that value). "
+    "Dotted paths reach one place and must exist: base.KEY, experiments.NAME.set.KEY, "
+    "experiments.NAME.sweep.AXIS=[...]"
+)
+
+# --smoke: each setting's value at smoke size (widths tiny, a few steps, no compilation); depths,
+# placements, norms, seeds, learning rates and precision keep theirs, so every run's code path is kept.
+SMOKE: dict[str, object] = {
+    "d_model": lambda v: 16,
+    "n_heads": lambda v: 2,
+    "d_ff": lambda v: 32,
+    "batch_size": lambda v: 2,
+    "seq_len": lambda v: 16,
+    "eval_batches": lambda v: 1,
+    "corpus_bytes": lambda v: min(v, 200_000) if isinstance(v, int) else v,
+    "steps": lambda v: min(v, 4) if isinstance(v, int) else v,
+    "warmup": lambda v: 1 if v else v,
+    "eval_every": lambda v: min(v, 2) if v else v,
+    "probe_every": lambda v: 2 if v else v,
+    "compile": lambda v: False,
+    "kv_heads": lambda v: 1 if v else v,
+}
+SMOKE_HELP = (
+    "run the spec shrunk to a smoke size: d_model 16, 2 heads (1 key/value head), d_ff 32, batch 2, "
+    "seq 16, at most 4 steps, compile off; depths, placements, seeds and precision kept (the same code "
+    "path in a minute, into <name>-smoke)"
+)
+
 # (key, where it goes, what it means)
 STRUCTURE: tuple[tuple[str, str, str], ...] = (
     ("name", "top level", "the study's name (required): its folder under --out and the report's title"),

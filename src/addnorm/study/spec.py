@@ -28,7 +28,7 @@ from pathlib import Path
 import yaml
 
 from ..train.config import RunConfig
-from .keys import EXPERIMENT_KEYS, SPEC_KEYS, generated, markdown
+from .keys import EXPERIMENT_KEYS, SMOKE, SPEC_KEYS, generated, markdown
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -311,14 +311,6 @@ def _set_dotted(data: dict, dotted: str, value: object) -> None:
     exp[field_][key] = value
 
 
-OVERRIDE_HELP = (
-    "override a setting, repeatable; values are YAML. A plain KEY=VALUE sets the key everywhere: the "
-    "base, every experiment that sets it, and every sweep over it (which collapses to that value). "
-    "Dotted paths reach one place and must exist: base.KEY, experiments.NAME.set.KEY, "
-    "experiments.NAME.sweep.AXIS=[...]"
-)
-
-
 def distributed_override(nproc: int | None, strategy: str | None) -> str:
     """``--nproc N [--strategy S]`` as the ``--set`` override ``distributed={strategy: S, nproc: N}``
     (validated with the runs: ``distributed.nproc``/``distributed.strategy`` errors name the key)."""
@@ -328,7 +320,7 @@ def distributed_override(nproc: int | None, strategy: str | None) -> str:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply ``--set`` overrides to a loaded spec (see :data:`OVERRIDE_HELP`)."""
+    """Apply ``--set`` overrides to a loaded spec (see :data:`.keys.OVERRIDE_HELP`)."""
     for item in overrides:
         if "=" not in item:
             raise SpecError(f"--set: expected key=value, got {item!r}")
@@ -352,32 +344,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
-# --smoke: each setting's value at smoke size (widths tiny, a few steps, no compilation); depths,
-# placements, norms, seeds, learning rates and precision keep theirs, so every run's code path is kept.
-SMOKE: dict[str, object] = {
-    "d_model": lambda v: 16,
-    "n_heads": lambda v: 2,
-    "d_ff": lambda v: 32,
-    "batch_size": lambda v: 2,
-    "seq_len": lambda v: 16,
-    "eval_batches": lambda v: 1,
-    "corpus_bytes": lambda v: min(v, 200_000) if isinstance(v, int) else v,
-    "steps": lambda v: min(v, 4) if isinstance(v, int) else v,
-    "warmup": lambda v: 1 if v else v,
-    "eval_every": lambda v: min(v, 2) if v else v,
-    "probe_every": lambda v: 2 if v else v,
-    "compile": lambda v: False,
-    "kv_heads": lambda v: 1 if v else v,
-}
-SMOKE_HELP = (
-    "run the spec shrunk to a smoke size: d_model 16, 2 heads (1 key/value head), d_ff 32, batch 2, "
-    "seq 16, at most 4 steps, compile off; depths, placements, seeds and precision kept (the same code "
-    "path in a minute, into <name>-smoke)"
-)
-
-
 def smoke_spec(data: dict) -> dict:
-    """``data`` (a loaded spec) with every run setting at smoke size (:data:`SMOKE`) wherever it is
+    """``data`` (a loaded spec) with every run setting at smoke size (:data:`.keys.SMOKE`) wherever it is
     given (base, ``set``, sweeps, variants) and in the base where it is not; named ``<name>-smoke``."""
     shrink = lambda key, value: SMOKE[key](value) if key in SMOKE else value  # noqa: E731
     data = dict(data)

@@ -25,12 +25,14 @@ import sqlite3
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from ..extras import require
 from ..registry import Registry
 from .profiles import combine
-from .spec import PlannedRun
+
+if TYPE_CHECKING:
+    from .spec import PlannedRun
 
 TRACKERS: Registry = Registry("tracker")
 LAYER_METRICS = {
