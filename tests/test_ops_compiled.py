@@ -13,7 +13,7 @@ from test_train import TINY, losses
 import addnorm as an
 from addnorm.train import RunConfig, train
 
-pytestmark = pytest.mark.slow  # compilers (torch.compile)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("scalar_inductor")]  # compilers (torch.compile)
 
 
 def test_torch_compile_fullgraph_cpu():

@@ -15,7 +15,7 @@ from addnorm.model import stream
 from addnorm.model.stream import Connection, Stream, sublayer_dtype
 from addnorm.ops import policy
 
-pytestmark = pytest.mark.slow  # compilers (torch.compile)
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("scalar_inductor")]  # compilers (torch.compile)
 
 VOCAB = 50
 MODELS = {
