@@ -157,10 +157,10 @@ def triton_backend(backend_env):
 def scalar_inductor():
     """Inductor's C++ kernels without explicit SIMD (``cpp.simdlen`` 0 picks no vector ISA) for the tests
     that check what addnorm hands ``torch.compile`` (graph capture, no breaks, eager's numbers): they
-    hold for either codegen, and the scalar one is the same on every CI machine's ISA and takes about
-    a third less CPU (each graph codegens once instead of vectorised, scalar and tail variants: 191 ->
-    139 s for test_ops_compiled.py and test_sublayer_dtype.py here, cold). Inductor's vectorised codegen
-    of the dropout mask's integer hash stays covered by test_ops_paths.py, which compiles with it."""
+    hold for either codegen, the scalar one is the same on every CI machine's ISA, and it takes about a
+    quarter less CPU (no vectorised kernels to generate and build beside the scalar ones: 191 -> 139 s
+    for test_ops_compiled.py and test_sublayer_dtype.py here, cold). Inductor's vectorised codegen of
+    the dropout mask's integer hash stays covered by test_ops_paths.py, which compiles with it."""
     with torch._inductor.config.patch({"cpp.simdlen": 0}):
         yield
 
