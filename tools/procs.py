@@ -3,7 +3,7 @@ that leave without the interpreter's teardown (:func:`run_spawned`; the multi-pr
 ``benchmarks/op/sharded.py``, and tests; the tests' per-job reporting on top of it: ``tests/procs.py``);
 children that take Ctrl-C (:func:`interruptible`); and, as Linux's ``/proc`` lists them, a process's
 parent, children and liveness, a session's live members and a driver's pool workers (the fault trials,
-``tests/test_study_faults.py``, ``tests/test_ray.py``)."""
+``tests/test_study_faults.py``, ``tests/test_ray.py``, ``tools/census.py``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
-def _stats() -> Iterator[tuple[int, list[str]]]:
+def stats() -> Iterator[tuple[int, list[str]]]:
     """(pid, the fields of ``/proc/<pid>/stat`` after the command name) of every process."""
     for entry in os.listdir("/proc"):
         if entry.isdigit() and (fields := _stat(int(entry))) is not None:
@@ -47,13 +47,13 @@ def alive(pid: int) -> bool:
 
 def children(pid: int) -> list[int]:
     """The processes whose parent is ``pid``."""
-    return [p for p, fields in _stats() if int(fields[1]) == pid]
+    return [p for p, fields in stats() if int(fields[1]) == pid]
 
 
 def session(sid: int) -> list[int]:
     """The live (not zombie) processes of session ``sid``: a process started with
     ``start_new_session=True`` leads one with its pid, and its children stay in it."""
-    return [p for p, fields in _stats() if int(fields[3]) == sid and fields[0] != "Z"]
+    return [p for p, fields in stats() if int(fields[3]) == sid and fields[0] != "Z"]
 
 
 def pool_workers(pid: int) -> list[int]:

@@ -57,7 +57,7 @@ def markdown(fast: Path, fast_wall: float, every: Path, all_wall: float, install
         f"Machine: {machine}. `make test` (every test not marked `slow`) and `make test-all` (every test),",
         "each on a fresh clone beside `shared/`, two xdist workers of one thread (`--dist loadfile`).",
         "",
-        "| tier | tests (skipped) | wall | test CPU time (both workers) |",
+        "| tier | tests (skipped) | wall | tests' seconds, both workers summed |",
         "| --- | --- | --- | --- |",
         f"| install (`make install`) | | {_minutes(install)} | |",
         f"| fast: `make test` | {sum(f_n.values())} ({sum(f_k.values())}) | **{_minutes(fast_wall)}** | "
