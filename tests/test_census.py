@@ -38,7 +38,7 @@ def test_each_process_of_the_tree_with_its_own_cpu_time_and_the_command_s_exit_c
         outsider.kill()
         outsider.wait()
     assert code == 3
-    rows = json.loads((tmp_path / "census.json").read_text())
+    rows = json.loads((tmp_path / "processes.json").read_text())
     assert outsider.pid not in {r["pid"] for r in rows}
     (parent,) = [r for r in rows if "subprocess.run" in r["cmdline"]]
     (child,) = [r for r in rows if "process_time() - t" in r["cmdline"] and r is not parent]
@@ -48,6 +48,13 @@ def test_each_process_of_the_tree_with_its_own_cpu_time_and_the_command_s_exit_c
     assert parent["cpu"] < own  # the parent waited: its CPU is its own start-up, not the child's
     md = (tmp_path / "census.md").read_text()
     assert f"{len(rows)} processes" in md and "| other python | 2 |" in md
+    # a command of several lines (python -c) is one row of the table
+    assert len([line for line in md.splitlines() if line.startswith("| ") and "`" in line]) == len(rows)
+    record = json.loads((tmp_path / "census.json").read_text())
+    assert record["processes"] == len(rows) and record["cpu"] == pytest.approx(
+        sum(r["cpu"] for r in rows), abs=0.01
+    )
+    assert record["kinds"] == [{"kind": "other python", "processes": 2, "cpu": pytest.approx(record["cpu"])}]
 
 
 @pytest.mark.parametrize(

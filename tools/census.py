@@ -4,8 +4,9 @@
 
 runs the command and, every ``--every`` seconds until it ends, reads ``/proc`` for it and every process
 descended from it: each one's command line and its own CPU time (user + system, its children not
-included; a pid reused later is another process). Writes ``FOLDER/census.json`` (one row per process)
-and ``FOLDER/census.md`` (CPU seconds per kind of process, :data:`KINDS`, and the costliest processes).
+included; a pid reused later is another process). Writes ``FOLDER/processes.json`` (one row per
+process), ``FOLDER/census.json`` (CPU seconds per kind of process, :data:`KINDS`, and the costliest
+processes: :func:`summary`) and ``FOLDER/census.md`` (that, drawn as tables).
 Exits with the command's exit code.
 
 What it cannot see: a process that lives less than one interval (its CPU is that short too), the CPU a
@@ -96,38 +97,59 @@ def watch(cmd: list[str], every: float = 0.1) -> tuple[int, float, list[Process]
         time.sleep(every)
 
 
-def table(processes: list[Process], wall: float, own: float, top: int = 15) -> str:
-    """The census as Markdown: CPU per kind, then the ``top`` costliest processes; ``own``: the CPU
-    seconds the census itself took to read ``/proc`` (not in the table, but on the same cores)."""
+def summary(processes: list[Process], wall: float, own: float, top: int = 15) -> dict:
+    """The census's record: its wall and CPU seconds, CPU per kind (costliest first) and the ``top``
+    costliest processes; ``own``: the CPU seconds the census itself took to read ``/proc`` (not in the
+    totals, but on the same cores)."""
     by_kind: dict[str, list[Process]] = collections.defaultdict(list)
     for p in processes:
         by_kind[kind(p.cmdline)].append(p)
-    total = sum(p.cpu for p in processes)
+    kinds = [
+        {"kind": name, "processes": len(procs), "cpu": round(sum(p.cpu for p in procs), 2)}
+        for name, procs in by_kind.items()
+    ]
+    costliest = sorted(processes, key=lambda p: -p.cpu)[:top]
+    return {
+        "wall": round(wall, 1),
+        "cpu": round(sum(p.cpu for p in processes), 2),
+        "processes": len(processes),
+        "census_cpu": round(own, 1),
+        "kinds": sorted(kinds, key=lambda k: -k["cpu"]),
+        "costliest": [
+            {"cpu": p.cpu, "started": p.first_seen, "command": " ".join(p.cmdline.split())[:200]}
+            for p in costliest
+        ],
+    }
+
+
+def table(record: dict) -> str:
+    """:func:`summary`'s record as Markdown."""
+    cpu, wall = record["cpu"], record["wall"]
     lines = [
-        f"{len(processes)} processes, {total:.0f} s of CPU in {wall:.0f} s of wall time "
-        f"({total / wall:.2f} cores busy on average); reading /proc took the census {own:.0f} s of CPU.",
+        f"{record['processes']} processes, {cpu:.0f} s of CPU in {wall:.0f} s of wall time "
+        f"({cpu / wall:.2f} cores busy on average); reading /proc took the census "
+        f"{record['census_cpu']:.0f} s of CPU.",
         "",
         "| kind of process | processes | CPU s | share |",
         "| --- | ---: | ---: | ---: |",
     ]
-    for name, procs in sorted(by_kind.items(), key=lambda kv: -sum(p.cpu for p in kv[1])):
-        cpu = sum(p.cpu for p in procs)
-        lines.append(f"| {name} | {len(procs)} | {cpu:.1f} | {cpu / total:.0%} |")
+    for k in record["kinds"]:
+        lines.append(f"| {k['kind']} | {k['processes']} | {k['cpu']:.1f} | {k['cpu'] / cpu:.0%} |")
     lines += [
         "",
-        f"The {top} costliest processes:",
+        f"The {len(record['costliest'])} costliest processes:",
         "",
         "| CPU s | started at s | command |",
         "| ---: | ---: | --- |",
     ]
-    for p in sorted(processes, key=lambda p: -p.cpu)[:top]:
-        lines.append(f"| {p.cpu:.1f} | {p.first_seen:.0f} | `{p.cmdline[:140].replace('|', '/')}` |")
+    for p in record["costliest"]:
+        lines.append(f"| {p['cpu']:.1f} | {p['started']:.0f} | `{p['command'][:140].replace('|', '/')}` |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.census", description=__doc__.split("::")[0])
-    parser.add_argument("--out", required=True, type=Path, help="folder for census.json and census.md")
+    parser.add_argument("--out", required=True, type=Path, help="folder for the census")
     parser.add_argument("--every", type=float, default=0.1, help="seconds between reads of /proc")
     parser.add_argument("cmd", nargs=argparse.REMAINDER, help="-- the command to run")
     args = parser.parse_args(argv)
@@ -140,9 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("tools.census reads /proc: Linux only")
     code, wall, processes = watch(cmd, args.every)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "census.json").write_text(json.dumps([asdict(p) for p in processes], indent=0) + "\n")
+    (args.out / "processes.json").write_text(json.dumps([asdict(p) for p in processes], indent=0) + "\n")
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    (args.out / "census.md").write_text(table(processes, wall, usage.ru_utime + usage.ru_stime))
+    record = summary(processes, wall, usage.ru_utime + usage.ru_stime)
+    (args.out / "census.json").write_text(json.dumps(record, indent=1) + "\n")
+    (args.out / "census.md").write_text(table(record))
     print(f"census: {args.out / 'census.md'}", file=sys.stderr)
     return code
 
