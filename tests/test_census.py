@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from tools import census
+from tools.procs import alive
 
 CHILD = """
 import sys, time
@@ -83,3 +84,19 @@ def test_bad_arguments_are_one_line(argv, message, capsys):
     with pytest.raises(SystemExit):
         census.main(argv)
     assert message in capsys.readouterr().err
+
+
+def test_a_census_that_fails_takes_its_command_with_it(tmp_path, monkeypatch):
+    pid_file = tmp_path / "pid"
+    real = census.stats
+
+    def failing():  # a failure of the census's own, once the command runs
+        if pid_file.exists() and pid_file.read_text():
+            raise RuntimeError("the census failed")
+        return real()
+
+    monkeypatch.setattr(census, "stats", failing)
+    code = f"import os, time; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    with pytest.raises(RuntimeError, match="the census failed"):
+        census.watch([sys.executable, "-c", code], every=0.05)
+    assert not alive(int(pid_file.read_text()))  # terminated and reaped, not left running

@@ -79,22 +79,32 @@ def watch(cmd: list[str], every: float = 0.1) -> tuple[int, float, list[Process]
     root = subprocess.Popen(cmd)
     seen: dict[tuple[int, str], Process] = {}  # by (pid, start time): a reused pid is another process
     live: set[int] = {root.pid}
-    while True:
-        done = root.poll() is not None
-        now, alive = time.monotonic() - start, set()
-        for pid, fields in stats():
-            key = (pid, fields[19])
-            proc = seen.get(key)
-            if proc is None and (pid == root.pid or int(fields[1]) in live):
-                proc = seen[key] = Process(pid, int(fields[1]), _cmdline(pid), round(now, 2), 0.0)
-            if proc is not None:
-                proc.cpu = (int(fields[11]) + int(fields[12])) / TICKS
-                proc.cmdline = proc.cmdline or _cmdline(pid)  # empty while a fork had not exec'd yet
-                alive.add(pid)
-        live = alive | {root.pid}
-        if done:
-            return root.returncode, time.monotonic() - start, list(seen.values())
-        time.sleep(every)
+    try:
+        while True:
+            done = root.poll() is not None
+            now, alive = time.monotonic() - start, set()
+            for pid, fields in stats():
+                key = (pid, fields[19])
+                proc = seen.get(key)
+                if proc is None and (pid == root.pid or int(fields[1]) in live):
+                    proc = seen[key] = Process(pid, int(fields[1]), "", round(now, 2), 0.0)
+                if proc is not None:
+                    proc.cpu = (int(fields[11]) + int(fields[12])) / TICKS
+                    # read again each time: a fork shows its parent's line until it execs; a zombie, none
+                    proc.cmdline = _cmdline(pid) or proc.cmdline
+                    alive.add(pid)
+            live = alive | {root.pid}
+            if done:
+                return root.returncode, time.monotonic() - start, list(seen.values())
+            time.sleep(every)
+    finally:  # interrupted (Ctrl-C) or failed: the command does not outlive the census
+        if root.poll() is None:
+            root.terminate()
+            try:
+                root.wait(10)
+            except subprocess.TimeoutExpired:
+                root.kill()
+                root.wait()
 
 
 def summary(processes: list[Process], wall: float, own: float, top: int = 15) -> dict:
