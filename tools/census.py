@@ -28,7 +28,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from tools.procs import stats
+from tools.procs import cmdline, stats
 
 TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -66,13 +66,6 @@ class Process:
     cpu: float  # its own CPU seconds (user + system) at the last read
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
-    except OSError:
-        return ""
-
-
 def watch(cmd: list[str], every: float = 0.1) -> tuple[int, float, list[Process]]:
     """Run ``cmd``; (its exit code, its wall seconds, every process of its tree read meanwhile)."""
     start = time.monotonic()
@@ -91,7 +84,7 @@ def watch(cmd: list[str], every: float = 0.1) -> tuple[int, float, list[Process]
                 if proc is not None:
                     proc.cpu = (int(fields[11]) + int(fields[12])) / TICKS
                     # read again each time: a fork shows its parent's line until it execs; a zombie, none
-                    proc.cmdline = _cmdline(pid) or proc.cmdline
+                    proc.cmdline = cmdline(pid) or proc.cmdline
                     alive.add(pid)
             live = alive | {root.pid}
             if done:

@@ -56,14 +56,18 @@ def session(sid: int) -> list[int]:
     return [p for p, fields in stats() if int(fields[3]) == sid and fields[0] != "Z"]
 
 
+def cmdline(pid: int) -> str:
+    """The command line of ``pid``, its arguments joined by spaces ("" once it is gone, or for a zombie
+    or a kernel thread)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
+
+
 def pool_workers(pid: int) -> list[int]:
     """The children of ``pid`` that run multiprocessing's ``spawn_main`` (a process pool's workers)."""
-    workers = []
-    for child in children(pid):
-        with contextlib.suppress(OSError):
-            if b"spawn_main" in Path(f"/proc/{child}/cmdline").read_bytes():
-                workers.append(child)
-    return workers
+    return [child for child in children(pid) if "spawn_main" in cmdline(child)]
 
 
 @contextlib.contextmanager
