@@ -4,7 +4,11 @@ clone, per test file, from pytest's JUnit XML of each tier::
     make test     PYTEST_ARGS="-q -p no:cacheprovider --junitxml=fast.xml"
     make test-all PYTEST_ARGS="-q -p no:cacheprovider --junitxml=all.xml"
     python -m tools.test_durations --fast fast.xml 290 --all all.xml 560 --install 180 --out FOLDER \
-        --order tests/file_seconds.json
+        --order tests/file_seconds.json --import-torch 1.3
+
+``--import-torch`` is the CPU seconds (user + system) of ``.venv/bin/python -c "import torch"`` on the
+machine beside the tiers: the same code's times move with it (about 1.3 s on one day's 2-core machine, 3.2
+s on another's), so two records compare by it and not by their wall times alone.
 
 The numbers after each file are the tier's wall seconds as ``time`` measured them (pytest's own
 count leaves out the start-up); a file's time is the sum of its tests' times (setup, call and teardown,
@@ -48,14 +52,32 @@ def _minutes(s: float) -> str:
     return f"{int(s // 60)} min {int(round(s % 60)):02d} s"
 
 
-def markdown(fast: Path, fast_wall: float, every: Path, all_wall: float, install: float, machine: str) -> str:
+def markdown(
+    fast: Path,
+    fast_wall: float,
+    every: Path,
+    all_wall: float,
+    install: float,
+    machine: str,
+    import_torch: float | None = None,
+) -> str:
     f_s, f_n, f_k = per_file(fast)
     a_s, a_n, a_k = per_file(every)
+    speed = (
+        []
+        if import_torch is None
+        else [
+            "",
+            f'Machine speed: `python -c "import torch"` took {import_torch:.2f} s of CPU beside these runs'
+            " (the same code's times move with it: compare records by it).",
+        ]
+    )
     lines = [
         "# The test tiers on a fresh clone, per file",
         "",
         f"Machine: {machine}. `make test` (every test not marked `slow`) and `make test-all` (every test),",
         "each on a fresh clone beside `shared/`, two xdist workers of one thread (`--dist loadfile`).",
+        *speed,
         "",
         "| tier | tests (skipped) | wall | tests' seconds, both workers summed |",
         "| --- | --- | --- | --- |",
@@ -88,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
                         f"{platform.python_version()}")  # fmt: skip
     parser.add_argument("--out", type=Path, required=True, help="the results folder")
     parser.add_argument(
+        "--import-torch",
+        type=float,
+        metavar="CPU_S",
+        help='CPU seconds of `python -c "import torch"` on the machine beside the tiers (its speed)',
+    )
+    parser.add_argument(
         "--order",
         type=Path,
         metavar="JSON",
@@ -95,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         "(tests/file_seconds.json: the order the workers take the files in)",
     )
     args = parser.parse_args(argv)
+    if args.import_torch is not None and not args.import_torch > 0:
+        parser.error(f"--import-torch: expected a positive number of CPU seconds, got {args.import_torch}")
     if args.order is not None:
         write_order(Path(args.all[0]), args.order)
     text = markdown(
@@ -104,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         float(args.all[1]),
         args.install,
         args.machine,
+        args.import_torch,
     )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "test_durations.md").write_text(text)
