@@ -7,8 +7,8 @@ clone, per test file, from pytest's JUnit XML of each tier::
         --order tests/file_seconds.json --import-torch 1.3
 
 ``--import-torch`` is the CPU seconds (user + system) of ``.venv/bin/python -c "import torch"`` on the
-machine beside the tiers: the same code's times move with it (about 1.3 s on one day's 2-core machine, 3.2
-s on another's), so two records compare by it and not by their wall times alone.
+machine beside the tiers: the same code's times move with it (1.2 s on one day's 2-core machine, 3.2 s
+on another's), so two records compare by it and not by their wall times alone.
 
 The numbers after each file are the tier's wall seconds as ``time`` measured them (pytest's own
 count leaves out the start-up); a file's time is the sum of its tests' times (setup, call and teardown,
