@@ -126,3 +126,27 @@ def test_the_readme_screenshots_are_rebuilt_from_the_reports(bench_module, tmp_p
     assert shot.section_page(page, "all") == page
     with pytest.raises(SystemExit):
         shot.main([])  # neither a report nor --docs
+
+
+def test_a_long_legend_sits_right_of_the_panels_within_the_figure(drawn):
+    """60 series on two panels: the legend is right of the panels, in as many columns as the figure's
+    height needs (more than the 2 it starts with past 20 series), inside the PNG (no tight-bbox pass
+    crops or grows it), and the figure is widened by it so the panels keep their width."""
+    records = [
+        curve(metric, [0, 1, 2], [3.0 + i / 60, 2.5, 2.0], label=f"run{i:02d}")
+        for i in range(60)
+        for metric in ("train_loss", "val_loss")
+    ]
+    figures.curves("e", records)
+    (fig,) = drawn
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (legend,) = fig.legends
+    box = legend.get_window_extent(renderer)
+    rows = -(-60 // legend._ncols)
+    assert legend._ncols > 2 and len(legend.get_texts()) == 60
+    assert box.height / rows * -(-60 // (legend._ncols - 1)) > fig.bbox.height  # one column fewer: too tall
+    assert 0 <= box.x0 and box.x1 <= fig.bbox.x1 and 0 <= box.y0 and box.y1 <= fig.bbox.y1
+    panels = [ax.get_tightbbox(renderer) for ax in fig.axes if ax.get_visible()]
+    assert len(panels) == 2 and all(p.x1 <= box.x0 for p in panels)  # right of both, over neither
+    assert fig.get_size_inches()[0] == pytest.approx(2 * 5.2 + box.width / fig.dpi, abs=0.3)

@@ -38,7 +38,7 @@ LAYER_TITLES = {
 def png(fig) -> str:
     """``fig`` as a PNG, base64-encoded (and closed)."""
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
 
@@ -58,17 +58,27 @@ def palette(n: int) -> list[tuple[str, str]]:
 
 
 def legend(fig, axes, n: int, title: str | None = None) -> None:
-    """Inside the first panel for a few series; to the right of the figure, in columns, for more."""
+    """Inside the first panel for a few series; for more, right of the panels, in as many columns as
+    its height needs (at least 2 past 20 series), the figure widened by it so the panels keep their
+    size (constrained layout places it; the PNG is the figure, with no tight-bbox pass)."""
     handles, labels = axes[0].get_legend_handles_labels()
     if not handles:
         return
     if n <= MAX_INLINE and len(axes) == 1:
         axes[0].legend(title=title)
         return
+    renderer, height = fig.canvas.get_renderer(), fig.get_size_inches()[1] * fig.dpi
     ncol = 1 if n <= 20 else 2
-    fig.legend(
-        handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), ncol=ncol, title=title, frameon=False
-    )
+    while True:
+        placed = fig.legend(
+            handles, labels, loc="outside center right", ncol=ncol, title=title, frameon=False
+        )
+        box = placed.get_window_extent(renderer)
+        if box.height <= height or ncol >= len(handles):
+            break
+        placed.remove()
+        ncol += 1
+    fig.set_size_inches(fig.get_size_inches() + (box.width / fig.dpi, 0.0))
 
 
 def layer_axis(ax) -> None:
